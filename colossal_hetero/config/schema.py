@@ -1,0 +1,385 @@
+"""The configuration tree: nested dataclasses that YAML maps onto, key for key.
+
+Every field's docstring (the string literal under it) is the reference documentation:
+``docs/config.md`` is generated from these classes and a test keeps the two in sync.
+Field-local checks live in ``__post_init__``; checks that need the world size or the model
+live in ``colossal_hetero.config.validate``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Arch = Literal["gpt2", "llama", "bert", "vit"]
+Precision = Literal["fp32", "fp16", "bf16"]
+DeviceKind = Literal["auto", "cpu", "cuda"]
+
+
+def _require(condition: bool, path: str, message: str) -> None:
+    if not condition:
+        raise ValueError(f"{path}: {message}")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ModelConfig:
+    """Which Hugging Face model to build, initialised locally (nothing is downloaded)."""
+
+    arch: Arch = "gpt2"
+    """Model family: gpt2, llama (causal LM), bert (masked LM) or vit (image classifier)."""
+
+    hf: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the family's transformers config class (GPT2Config, LlamaConfig,
+    BertConfig, ViTConfig). Unknown names are errors."""
+
+    init_seed: int = 0
+    """Seed of the random initialisation; equal on every rank so shards agree."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class DataConfig:
+    """The training data. Both sources ship with Python or scikit-learn: no download."""
+
+    dataset: Literal["pydoc_topics", "digits"] = "pydoc_topics"
+    """pydoc_topics: byte-level text from CPython's pydoc_data.topics (for gpt2, llama, bert).
+    digits: scikit-learn's 8x8 digit images, 10 classes (for vit)."""
+
+    seq_len: int = 64
+    """Tokens per sample for text data (bytes, so the vocabulary is 256)."""
+
+    global_batch_size: int = 8
+    """Samples per optimizer step, summed over data-parallel ranks and micro-batches."""
+
+    val_fraction: float = 0.1
+    """Fraction of the data held out for validation (the tail of the corpus / a fixed split)."""
+
+    seed: int = 0
+    """Seed of batch sampling; every rank of a data-parallel group draws the same stream."""
+
+    def __post_init__(self) -> None:
+        _require(self.seq_len >= 2, "seq_len", f"must be >= 2, got {self.seq_len}")
+        _require(
+            self.global_batch_size >= 1,
+            "global_batch_size",
+            f"must be >= 1, got {self.global_batch_size}",
+        )
+        _require(
+            0.0 < self.val_fraction < 0.5,
+            "val_fraction",
+            f"must be in (0, 0.5), got {self.val_fraction}",
+        )
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ParallelConfig:
+    """The parallel layout. tp * pp * dp must equal the number of ranks."""
+
+    tp: int = 1
+    """Tensor-parallel size."""
+
+    pp: int = 1
+    """Pipeline-parallel size (stages)."""
+
+    dp: int = 0
+    """Data-parallel size; 0 means world_size // (tp * pp)."""
+
+    zero_stage: Literal[0, 1, 2] = 0
+    """ZeRO stage for data parallelism (1 or 2 need precision fp16 or bf16)."""
+
+    precision: Precision = "fp32"
+    """Parameter and compute precision."""
+
+    num_microbatches: int = 1
+    """Micro-batches per step and data-parallel rank (used when pp > 1)."""
+
+    max_norm: float = 0.0
+    """Gradient clipping norm; 0 disables clipping."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "num_microbatches"):
+            value = getattr(self, name)
+            _require(value >= 1, f"{name}", f"must be >= 1, got {value}")
+        _require(self.dp >= 0, "dp", f"must be >= 0 (0 = derive), got {self.dp}")
+        _require(
+            self.zero_stage == 0 or self.precision != "fp32",
+            "zero_stage",
+            f"ZeRO stage {self.zero_stage} needs parallel.precision fp16 or bf16, got fp32",
+        )
+        _require(
+            not (self.pp > 1 and self.zero_stage > 1),
+            "zero_stage",
+            "pipeline parallelism (pp > 1) supports ZeRO stage 0 or 1 only",
+        )
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class DeviceSpec:
+    """One device (one rank) as the planner sees it."""
+
+    speed: float = 1.0
+    """Relative compute speed (1.0 = reference device; 0.5 = half as fast)."""
+
+    memory_gib: float = 16.0
+    """Memory available for this rank's model state and activations, GiB."""
+
+    bandwidth_gbps: float = 100.0
+    """Bandwidth of this device's link, Gbit/s."""
+
+    def __post_init__(self) -> None:
+        _require(self.speed > 0, "speed", f"must be > 0, got {self.speed}")
+        _require(self.memory_gib > 0, "memory_gib", f"must be > 0, got {self.memory_gib}")
+        _require(
+            self.bandwidth_gbps > 0, "bandwidth_gbps", f"must be > 0, got {self.bandwidth_gbps}"
+        )
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ClusterConfig:
+    """The devices the run uses: their kind and, per rank, speed, memory and bandwidth."""
+
+    device: DeviceKind = "auto"
+    """cpu, cuda, or auto (cuda when enough GPUs are visible, else cpu)."""
+
+    devices: list[DeviceSpec] = field(default_factory=list)
+    """One entry per rank, in rank order; empty means identical devices."""
+
+    def speeds(self, world_size: int) -> list[float]:
+        """Relative speed of every rank (1.0 each when no devices are listed)."""
+        if not self.devices:
+            return [1.0] * world_size
+        return [d.speed for d in self.devices]
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class SlowdownSpec:
+    """A compute slowdown of one rank over a range of steps."""
+
+    rank: int
+    """Global rank that is slowed down."""
+
+    factor: float
+    """Its compute takes `factor` times as long (>= 1)."""
+
+    start_step: int = 0
+    """First step (inclusive) of the slowdown."""
+
+    end_step: int | None = None
+    """Last step (exclusive); null means until the end of training."""
+
+    def __post_init__(self) -> None:
+        _require(self.rank >= 0, "rank", f"must be >= 0, got {self.rank}")
+        _require(self.factor >= 1.0, "factor", f"must be >= 1, got {self.factor}")
+        _require(self.start_step >= 0, "start_step", f"must be >= 0, got {self.start_step}")
+        _require(
+            self.end_step is None or self.end_step > self.start_step,
+            "end_step",
+            f"must be > start_step ({self.start_step}), got {self.end_step}",
+        )
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class LinkSpec:
+    """The bandwidth and latency of the link between two ranks (both directions)."""
+
+    ranks: list[int]
+    """The two global ranks the link joins."""
+
+    bandwidth_gbps: float
+    """Link bandwidth, Gbit/s."""
+
+    latency_us: float = 0.0
+    """One-way latency, microseconds."""
+
+    def __post_init__(self) -> None:
+        _require(len(self.ranks) == 2, "ranks", f"must name two ranks, got {self.ranks}")
+        _require(
+            self.bandwidth_gbps > 0, "bandwidth_gbps", f"must be > 0, got {self.bandwidth_gbps}"
+        )
+        _require(self.latency_us >= 0, "latency_us", f"must be >= 0, got {self.latency_us}")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class PreemptionSpec:
+    """Bandwidth taken by another tenant over a range of steps."""
+
+    factor: float
+    """Fraction of bandwidth left to this job (0 < factor <= 1)."""
+
+    start_step: int = 0
+    """First step (inclusive)."""
+
+    end_step: int | None = None
+    """Last step (exclusive); null means until the end of training."""
+
+    ranks: list[int] = field(default_factory=list)
+    """Links touching any of these ranks are preempted; empty means every link."""
+
+    def __post_init__(self) -> None:
+        _require(0 < self.factor <= 1, "factor", f"must be in (0, 1], got {self.factor}")
+        _require(
+            self.end_step is None or self.end_step > self.start_step,
+            "end_step",
+            f"must be > start_step ({self.start_step}), got {self.end_step}",
+        )
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class NetworkEmulationConfig:
+    """A modelled network: collectives take at least their modelled time on these links."""
+
+    bandwidth_gbps: float | None = None
+    """Bandwidth of every link not listed in `links`; null means no network model."""
+
+    latency_us: float = 0.0
+    """Latency of every link not listed in `links`, microseconds."""
+
+    links: list[LinkSpec] = field(default_factory=list)
+    """Per-link overrides."""
+
+    preemptions: list[PreemptionSpec] = field(default_factory=list)
+    """Time-varying bandwidth preemption trace."""
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any link is modelled."""
+        return self.bandwidth_gbps is not None or bool(self.links)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class EmulationConfig:
+    """Heterogeneity emulation on one machine. Off (and free) unless something is listed."""
+
+    compute: list[SlowdownSpec] = field(default_factory=list)
+    """Per-rank compute slowdowns, constant or on a step schedule."""
+
+    network: NetworkEmulationConfig = field(default_factory=NetworkEmulationConfig)
+    """Per-link bandwidth, latency and preemption trace."""
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any compute or network emulation is configured."""
+        return bool(self.compute) or self.network.enabled
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class OptimizerConfig:
+    """The optimizer and learning-rate schedule."""
+
+    name: Literal["adamw", "sgd"] = "adamw"
+    """Optimizer."""
+
+    lr: float = 1e-3
+    """Peak learning rate."""
+
+    weight_decay: float = 0.0
+    """Decoupled weight decay (adamw) or L2 (sgd)."""
+
+    warmup_steps: int = 0
+    """Linear warm-up steps; the rate then decays by cosine to 10% at the last step."""
+
+    def __post_init__(self) -> None:
+        _require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        _require(
+            self.warmup_steps >= 0,
+            "warmup_steps",
+            f"must be >= 0, got {self.warmup_steps}",
+        )
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class TrainConfig:
+    """How long to train and how often to validate."""
+
+    steps: int = 100
+    """Optimizer steps."""
+
+    eval_every: int = 25
+    """Validate every this many steps (and after the last one); 0 disables validation."""
+
+    eval_batches: int = 4
+    """Validation batches per evaluation."""
+
+    seed: int = 0
+    """Seed of dropout and other run-time randomness."""
+
+    def __post_init__(self) -> None:
+        _require(self.steps >= 1, "steps", f"must be >= 1, got {self.steps}")
+        _require(self.eval_every >= 0, "eval_every", f"must be >= 0, got {self.eval_every}")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class LoggingConfig:
+    """Where metrics go and how progress is shown."""
+
+    dir: str = "runs/default"
+    """Output folder: metrics.jsonl, plot.png, the resolved config."""
+
+    progress: bool = True
+    """Show a rich progress bar on rank 0."""
+
+    plot: bool = True
+    """Write plot.png (loss and per-rank step time) at the end."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class CheckpointConfig:
+    """Checkpointing through Colossal-AI's checkpoint IO."""
+
+    dir: str | None = None
+    """Checkpoint folder; null disables checkpointing."""
+
+    every: int = 0
+    """Save every this many steps (and at the end); 0 saves only at the end."""
+
+    resume: bool = False
+    """Resume from the newest checkpoint in `dir` if there is one."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class HeteroConfig:
+    """What the plugin needs: the parallel layout, the cluster and its emulation."""
+
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Parallel layout."""
+
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Devices."""
+
+    emulation: EmulationConfig = field(default_factory=EmulationConfig)
+    """Heterogeneity emulation (testing and benchmarks)."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class RunConfig:
+    """A whole training run, as one YAML file describes it."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The model."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    """The data."""
+
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Parallel layout."""
+
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Devices."""
+
+    emulation: EmulationConfig = field(default_factory=EmulationConfig)
+    """Heterogeneity emulation."""
+
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimizer."""
+
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Steps and validation."""
+
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metrics and progress."""
+
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpointing."""
+
+    def plugin_config(self) -> HeteroConfig:
+        """The part of the run the plugin consumes."""
+        return HeteroConfig(parallel=self.parallel, cluster=self.cluster, emulation=self.emulation)

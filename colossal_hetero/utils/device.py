@@ -1,0 +1,52 @@
+"""The one module that names CUDA. Everything else asks here for devices and backends."""
+
+from __future__ import annotations
+
+import torch
+
+from colossal_hetero.config.schema import DeviceKind
+
+
+def cuda_device_count() -> int:
+    """Visible CUDA devices (0 on a CPU-only host or a CUDA build without a GPU)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve_device(kind: DeviceKind, local_rank: int, local_world_size: int) -> torch.device:
+    """The device this rank computes on.
+
+    ``auto`` picks CUDA when there is one GPU per local rank, else CPU. ``cuda`` without enough
+    GPUs is a user error.
+    """
+    num_gpus = cuda_device_count()
+    if kind == "cpu" or (kind == "auto" and num_gpus < local_world_size):
+        return torch.device("cpu")
+    if num_gpus < local_world_size:
+        raise ValueError(
+            f"cluster.device: 'cuda' needs {local_world_size} GPUs on this node, found {num_gpus}"
+        )
+    return torch.device("cuda", local_rank)
+
+
+def backend_for(device: torch.device) -> str:
+    """torch.distributed backend for a device: NCCL on CUDA, gloo elsewhere."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def bind_device(device: torch.device) -> None:
+    """Make ``device`` the current device of this process (a no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued kernels on ``device``, so wall-clock timings are true (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def max_memory_allocated(device: torch.device) -> int:
+    """Peak bytes allocated by torch on ``device``; 0 where torch does not track it (CPU)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return 0
