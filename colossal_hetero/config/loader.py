@@ -50,7 +50,7 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
     for key, value in data.items():
         key_path = _join(path, str(key))
         if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1)
+            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.4)
             hint = f" (did you mean '{close[0]}'?)" if close else f" (known: {', '.join(names)})"
             raise ConfigError(f"{key_path}: unknown key{hint}")
         kwargs[key] = _convert(hints[key], value, key_path)

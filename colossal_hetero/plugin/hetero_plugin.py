@@ -1,0 +1,162 @@
+"""HeteroParallelPlugin: the booster plugin users pass to ``Booster``.
+
+A composition root: it validates the config, prepares the device, builds its parts and wires
+them together; no algorithm lives here. Parts and their seams:
+
+- ``engine``: Colossal-AI's HybridParallelPlugin executing the layout (sharding, optimizer
+  wrappers, pipeline schedule, checkpoint IO). Later parts replace its ``custom_policy``
+  (resizable layers) and its ``scheduler`` (adaptive pipeline schedules).
+- ``timer``: the collective interceptor that times communication for the per-rank metrics and,
+  when configured, emulates slow devices and links.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from colossalai.booster.plugin.pp_plugin_base import PipelinePluginBase
+from colossalai.checkpoint_io import CheckpointIO
+from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+from torch.utils.data import DataLoader
+
+from colossal_hetero.config.loader import ConfigError
+from colossal_hetero.config.schema import HeteroConfig
+from colossal_hetero.config.validate import validate_layout
+from colossal_hetero.emulation import CollectiveInterceptor, build_interceptor
+from colossal_hetero.plugin.engine import build_engine
+from colossal_hetero.plugin.launch import prepare_device
+from colossal_hetero.utils.device import backend_for, resolve_device
+
+
+class HeteroParallelPlugin(PipelinePluginBase):
+    """Booster plugin for heterogeneous clusters.
+
+    Args:
+        config: parallel layout, cluster description and emulation settings.
+        policy: optional shardformer ``Policy`` replacing the stock one for the model.
+
+    Raises:
+        ConfigError: the layout does not fit the world size, or the device does not fit the
+            process group's backend. Raised identically on every rank, before any collective.
+    """
+
+    def __init__(self, config: HeteroConfig, *, policy: Any = None) -> None:
+        super().__init__()
+        if not dist.is_initialized():
+            raise RuntimeError("initialise torch.distributed (colossalai.launch*) first")
+        self.config = config
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.dp_size = validate_layout(config, self.world_size)
+        self.device = _device_for(config)
+        prepare_device(self.device)
+        self.engine = build_engine(config, self.device, policy)
+        self.timer: CollectiveInterceptor = build_interceptor(
+            config.emulation, self.rank, self.world_size, self.device
+        )
+        self.timer.install()
+
+    def close(self) -> None:
+        """Remove the collective interceptor. The plugin must not be used afterwards."""
+        self.timer.uninstall()
+
+    # -- layout -----------------------------------------------------------------------------
+    @property
+    def tp_size(self) -> int:
+        """Tensor-parallel size."""
+        return self.config.parallel.tp
+
+    @property
+    def pp_size(self) -> int:
+        """Pipeline-parallel size."""
+        return self.config.parallel.pp
+
+    @property
+    def stage_manager(self) -> Any:
+        """Colossal-AI's pipeline stage manager (None without pipeline parallelism)."""
+        return self.engine.stage_manager
+
+    def is_last_stage(self) -> bool:
+        """Whether this rank holds the last pipeline stage (the one that sees the loss)."""
+        return self.pp_size == 1 or self.engine.stage_manager.is_last_stage()
+
+    # -- Plugin capabilities: this plugin controls device, precision and checkpoint IO ------
+    def supported_devices(self) -> list[str]:
+        return ["cuda", "cpu"]
+
+    def supported_precisions(self) -> list[str]:
+        return self.engine.supported_precisions()
+
+    def control_device(self) -> bool:
+        return True
+
+    def control_precision(self) -> bool:
+        return True
+
+    def control_checkpoint_io(self) -> bool:
+        return True
+
+    def support_no_sync(self) -> bool:
+        return self.engine.support_no_sync()
+
+    def support_lora(self) -> bool:
+        return self.engine.support_lora()
+
+    # -- Plugin operations, delegated to the engine -----------------------------------------
+    def configure(
+        self,
+        model: nn.Module,
+        optimizer: Optimizer | None = None,
+        criterion: Callable | None = None,
+        dataloader: DataLoader | None = None,
+        lr_scheduler: LRScheduler | None = None,
+    ) -> tuple:
+        """Shard ``model`` and wrap ``optimizer`` for the layout (see HybridParallelPlugin)."""
+        return self.engine.configure(model, optimizer, criterion, dataloader, lr_scheduler)
+
+    def execute_pipeline(
+        self,
+        data_iter: Iterator,
+        model: nn.Module,
+        criterion: Callable[[Any, Any], torch.Tensor],
+        optimizer: Any = None,
+        return_loss: bool = True,
+        return_outputs: bool = False,
+    ) -> dict:
+        """Forward and backward of one step's micro-batches through the pipeline."""
+        return self.engine.execute_pipeline(
+            data_iter, model, criterion, optimizer, return_loss, return_outputs
+        )
+
+    def get_checkpoint_io(self) -> CheckpointIO:
+        return self.engine.get_checkpoint_io()
+
+    def no_sync(self, model: nn.Module, optimizer: Any) -> AbstractContextManager:
+        return self.engine.no_sync(model, optimizer)
+
+    def enable_lora(self, model: nn.Module, pretrained_dir: str | None = None, lora_config: Any = None,
+                    bnb_quantization_config: Any = None) -> nn.Module:
+        return self.engine.enable_lora(model, pretrained_dir, lora_config, bnb_quantization_config)
+
+    def prepare_dataloader(self, dataset: Any, batch_size: int, *args: Any, **kwargs: Any) -> DataLoader:
+        return self.engine.prepare_dataloader(dataset, batch_size, *args, **kwargs)
+
+
+def _device_for(config: HeteroConfig) -> torch.device:
+    """This rank's device, checked against the backend the process group was started with."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    device = resolve_device(config.cluster.device, local_rank, local_world_size)
+    backend = dist.get_backend()
+    if backend != backend_for(device):
+        raise ConfigError(
+            f"cluster.device: resolves to {device.type}, which needs the "
+            f"{backend_for(device)} backend, but the process group uses {backend}"
+        )
+    return device

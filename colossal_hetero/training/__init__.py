@@ -1,0 +1,1 @@
+"""The training loop that ``python -m colossal_hetero.train`` runs."""

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Set up .venv at the repo root (re-used when it is current) and run the demo or the tests.
+#   bash scripts/run.sh demo     # 4 CPU ranks, one emulated 2x slower; writes runs/demo/plot.png
+#   bash scripts/run.sh test     # the default test suite (no slow, no GPU tests)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python=${PYTHON:-python3}
+if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
+    echo "colossal-hetero needs Python 3.10 or newer; set PYTHON=/path/to/python3.x" >&2
+    exit 1
+fi
+if [ ! -x .venv/bin/python ]; then
+    "$python" -m venv .venv
+fi
+# Re-install only when the dependency declaration changed since the last install.
+stamp=.venv/.colossal-hetero-installed
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+    .venv/bin/python -m pip install --quiet --upgrade pip
+    .venv/bin/python -m pip install --quiet -e '.[test]'
+    echo "$want" > "$stamp"
+fi
+
+case "${1:-}" in
+    demo)
+        shift
+        exec .venv/bin/colossal-hetero demo "$@"
+        ;;
+    test)
+        shift
+        set +e
+        .venv/bin/python -m pytest "$@"
+        status=$?
+        set -e
+        # pytest exits 5 when the selection matched no test (e.g. `-k` with no match):
+        # say so, and do not report it as a failure.
+        if [ "$status" -eq 5 ]; then
+            echo "pytest: no tests matched the selection" >&2
+            status=0
+        fi
+        exit "$status"
+        ;;
+    *)
+        echo "usage: bash scripts/run.sh demo|test [args...]" >&2
+        exit 2
+        ;;
+esac
