@@ -52,7 +52,7 @@ def _print_summary(console: Console, out_dir: Path, slowdowns: list) -> None:
     table = Table(title="per-rank medians (seconds)")
     for column in ("rank", "emulated slowdown", "step time", "compute", "comm wait"):
         table.add_column(column, justify="right")
-    for rank, stats in sorted(summary["per_rank"].items()):
+    for rank, stats in sorted(summary["ranks"].items()):
         table.add_row(
             str(rank),
             f"{factors.get(int(rank), 1.0):g}x",
@@ -62,6 +62,7 @@ def _print_summary(console: Console, out_dir: Path, slowdowns: list) -> None:
         )
     console.print(table)
     console.print(
-        f"validation loss: {summary.get('first_val_loss')} -> {summary.get('last_val_loss')}"
+        f"median step time {summary['median_step_time']:.3f} s; "
+        f"last validation loss {summary['last_val_loss']:.4f}"
     )
     console.print(f"metrics: {out_dir}/metrics_rank*.jsonl   plot: {out_dir / 'plot.png'}")

@@ -8,8 +8,9 @@ Contract:
 - ``apply_cpu_support()`` is called explicitly (the plugin calls it when its device is CPU).
 - It is idempotent: a second call changes nothing.
 - It only touches CPU code paths: the ``CpuAccelerator`` class, the gloo branch of pipeline p2p,
-  a ZeRO sanity check that rejected the CPU accelerator, and CUDA-only ``torch.cuda.set_device``
-  calls in shardformer modeling code, which become no-ops for non-CUDA tensors. CUDA runs take
+  a ZeRO sanity check that rejected the CPU accelerator (and ZeRO's stream overlap, which CPU
+  tensors cannot join), CUDA-only ``torch.cuda.set_device`` calls in shardformer modeling code,
+  which become no-ops for non-CUDA tensors, and the gloo branch of the GPT-2 fused-QKV gather. CUDA runs take
   exactly the code paths they took before.
 
 Upstream: hpcaitech/ColossalAI issue #5211 (Randomizer on CPU), #2827 (CPU debugging); the
@@ -213,12 +214,53 @@ def _patch_modeling_set_device() -> None:
         setattr(module, _MARK, True)
 
 
+def _gather_fused_qkv(
+    stock: Callable[..., torch.Tensor],
+) -> Callable[..., torch.Tensor]:
+    """GPT-2 fused-QKV gather that works on gloo groups.
+
+    The stock function moves the shard to CUDA unconditionally (``qkv.cuda()``), so saving a
+    TP-sharded GPT-2 state dict fails on CPU. NCCL groups still take the stock path.
+
+    Each rank holds ``[Q_r, K_r, V_r]`` (every part ``split_sizes[i] / world`` wide along the
+    feature dim: the last one when ``is_transposed``); the result is ``[Q_0..Q_n, K_0.., V_0..]``.
+    """
+
+    def gather(
+        qkv: torch.Tensor, split_sizes: list[int], process_group: Any, is_transposed: bool = False
+    ) -> torch.Tensor:
+        if _is_nccl_like(process_group):
+            return stock(qkv, split_sizes, process_group, is_transposed)
+        import torch.distributed as dist
+
+        world = dist.get_world_size(process_group)
+        dim = -1 if is_transposed else 0
+        shards = [torch.empty_like(qkv) for _ in range(world)]
+        dist.all_gather(shards, qkv.contiguous(), group=process_group)
+        local_sizes = [size // world for size in split_sizes]
+        parts = [shard.split(local_sizes, dim=dim) for shard in shards]
+        return torch.cat([parts[r][i] for i in range(len(split_sizes)) for r in range(world)], dim)
+
+    return gather
+
+
+def _patch_fused_qkv_gather() -> None:
+    from colossalai.shardformer.layer import qkv_fused_linear
+
+    if getattr(qkv_fused_linear, _MARK, False):
+        return
+    stock = qkv_fused_linear.gather_fused_qkv_in_gpt2_style
+    qkv_fused_linear.gather_fused_qkv_in_gpt2_style = _gather_fused_qkv(stock)
+    setattr(qkv_fused_linear, _MARK, True)
+
+
 def apply_cpu_support() -> None:
     """Install every CPU fix. Idempotent; call only when training on CPU."""
     _patch_cpu_accelerator()
     _patch_pipeline_p2p()
     _patch_zero()
     _patch_modeling_set_device()
+    _patch_fused_qkv_gather()
 
 
 def is_applied() -> bool:

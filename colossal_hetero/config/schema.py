@@ -312,7 +312,7 @@ class LoggingConfig:
     """Where metrics go and how progress is shown."""
 
     dir: str = "runs/default"
-    """Output folder: metrics.jsonl, plot.png, the resolved config."""
+    """Output folder: metrics_rank{r}.jsonl per rank, plot.png, the resolved config.yaml."""
 
     progress: bool = True
     """Show a rich progress bar on rank 0."""

@@ -26,6 +26,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
+from colossal_hetero.compat.attention import keep_gpt2_causal
 from colossal_hetero.config.loader import ConfigError
 from colossal_hetero.config.schema import HeteroConfig
 from colossal_hetero.config.validate import validate_layout
@@ -118,6 +119,7 @@ class HeteroParallelPlugin(PipelinePluginBase):
         lr_scheduler: LRScheduler | None = None,
     ) -> tuple:
         """Shard ``model`` and wrap ``optimizer`` for the layout (see HybridParallelPlugin)."""
+        keep_gpt2_causal(model)
         return self.engine.configure(model, optimizer, criterion, dataloader, lr_scheduler)
 
     def execute_pipeline(

@@ -16,7 +16,7 @@ from colossalai.booster import Booster
 
 from colossal_hetero.config.loader import dump_config
 from colossal_hetero.config.schema import RunConfig
-from colossal_hetero.data import build_data, dp_slice
+from colossal_hetero.data import build_data, shard_batch
 from colossal_hetero.emulation import StepTiming
 from colossal_hetero.metrics import (
     MetricsWriter,
@@ -72,7 +72,7 @@ def _train(config: RunConfig, device: torch.device, plugin: HeteroParallelPlugin
     dp_rank = rank // (plugin.tp_size * plugin.pp_size)  # dp is the outermost mesh axis
     use_pipeline = plugin.pp_size > 1
     val_batches = [
-        to_device(dp_slice(b, dp_rank, plugin.dp_size), device)
+        to_device(shard_batch(b, dp_rank, plugin.dp_size), device)
         for b in data.val_batches(config.data.global_batch_size, config.train.eval_batches)
     ]
     batches = data.train_batches(config.data.global_batch_size, config.data.seed, start_step)
@@ -81,11 +81,12 @@ def _train(config: RunConfig, device: torch.device, plugin: HeteroParallelPlugin
     dist.barrier()
     with (
         MetricsWriter(rank_metrics_path(out_dir, rank)) as writer,
-        TrainingProgress(config.train.steps, enabled=config.logging.progress and rank == 0) as bar,
+        TrainingProgress(
+            config.train.steps, enabled=config.logging.progress and rank == 0, start_step=start_step
+        ) as bar,
     ):
-        bar.update(start_step, None, None, {})
         for step in range(start_step, config.train.steps):
-            batch = to_device(dp_slice(next(batches), dp_rank, plugin.dp_size), device)
+            batch = to_device(shard_batch(next(batches), dp_rank, plugin.dp_size), device)
             plugin.timer.begin_step(step)
             loss = train_step(booster, model, optimizer, criterion, batch, use_pipeline=use_pipeline)
             timing = plugin.timer.end_step()
@@ -99,7 +100,9 @@ def _train(config: RunConfig, device: torch.device, plugin: HeteroParallelPlugin
                 accuracy = result.accuracy
                 record = replace(record, val_loss=result.loss, val_accuracy=result.accuracy)
             writer.write(record)
-            _show_progress(bar, step, record, device)
+            _show_progress(bar, record, device)
+            if record.val_loss is not None:
+                bar.log(_val_line(record))
             if _is_checkpoint_step(config, step):
                 save_checkpoint(booster, config.checkpoint.dir, step + 1, model, optimizer, lr_scheduler)
     dist.barrier()
@@ -122,7 +125,7 @@ def _record(step: int, rank: int, loss: float | None, timing: StepTiming, lr: fl
     )
 
 
-def _show_progress(bar: Any, step: int, record: StepRecord, device: torch.device) -> None:
+def _show_progress(bar: TrainingProgress, record: StepRecord, device: torch.device) -> None:
     """Gather every rank's loss and step time to rank 0 for the progress bar.
 
     Collective: one all_gather of 3 numbers over the world group, outside the timed step.
@@ -137,10 +140,12 @@ def _show_progress(bar: Any, step: int, record: StepRecord, device: torch.device
     losses = [float(t[0]) for t in gathered if not torch.isnan(t[0])]
     loss = sum(losses) / len(losses) if losses else None
     step_times = [float(t[1]) for t in gathered]
-    extra: dict[str, Any] = {"step_times": step_times}
-    if record.val_loss is not None:
-        extra["val_loss"] = record.val_loss
-    bar.update(step + 1, loss, max(step_times), extra)
+    bar.update(record.step, loss, max(step_times), step_times)
+
+
+def _val_line(record: StepRecord) -> str:
+    accuracy = f", accuracy {record.val_accuracy:.3f}" if record.val_accuracy is not None else ""
+    return f"step {record.step + 1}: validation loss {record.val_loss:.4f}{accuracy}"
 
 
 def _is_eval_step(config: RunConfig, step: int) -> bool:
