@@ -101,4 +101,21 @@ def validate_run(config: RunConfig, world_size: int) -> int:
             f"data.seq_len: {config.data.seq_len} exceeds the model's "
             f"{shape.max_positions} positions"
         )
+    _validate_eval_size(config)
     return dp
+
+
+def _validate_eval_size(config: RunConfig) -> None:
+    from colossal_hetero.data import build_data
+
+    if config.train.eval_every == 0:
+        return
+    available = build_data(config.data, config.model.arch).max_val_batches(
+        config.data.global_batch_size
+    )
+    if config.train.eval_batches > available:
+        raise ConfigError(
+            f"train.eval_batches: {config.train.eval_batches} batches of "
+            f"{config.data.global_batch_size} exceed the held-out data ({available} batches); "
+            f"lower it or raise data.val_fraction"
+        )

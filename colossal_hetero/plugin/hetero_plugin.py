@@ -136,6 +136,20 @@ class HeteroParallelPlugin(PipelinePluginBase):
             data_iter, model, criterion, optimizer, return_loss, return_outputs
         )
 
+    def forward_pipeline(
+        self, data_iter: Iterator, model: nn.Module, criterion: Callable, return_outputs: bool = False
+    ) -> dict:
+        """Forward-only pass of one batch through the pipeline (for validation).
+
+        Runs the schedule directly: Colossal-AI's ``execute_pipeline`` would afterwards
+        all-reduce the gradients of shared parameters (tied embeddings), which a forward-only
+        pass does not have, and fail.
+        """
+        with torch.no_grad():
+            return self.engine.scheduler.forward_backward_step(
+                model, data_iter, criterion, None, return_loss=True, return_outputs=return_outputs
+            )
+
     def get_checkpoint_io(self) -> CheckpointIO:
         return self.engine.get_checkpoint_io()
 

@@ -77,6 +77,8 @@ def test_int_is_accepted_for_float():
          r"^parallel\.num_microbatches: 3 does not divide"),
         ({"model": {"arch": "vit"}}, 1, r"^data\.dataset: 'pydoc_topics' does not fit"),
         ({"data": {"seq_len": 2048}}, 1, r"^data\.seq_len: 2048 exceeds"),
+        ({"model": {"arch": "vit"}, "data": {"dataset": "digits", "global_batch_size": 64},
+          "train": {"eval_batches": 4}}, 1, r"^train\.eval_batches: 4 batches of 64 exceed"),
     ],
 )
 def test_impossible_layouts_are_rejected(sections, world_size, message):
