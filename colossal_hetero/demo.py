@@ -61,6 +61,13 @@ def _print_summary(console: Console, out_dir: Path, slowdowns: list) -> None:
             f"{stats['comm_wait']:.3f}",
         )
     console.print(table)
+    fast = [stats for rank, stats in summary["ranks"].items() if int(rank) not in factors]
+    if fast and factors:
+        waited = sum(s["comm_wait"] / s["step_time"] for s in fast) / len(fast)
+        console.print(
+            f"the ranks at full speed spend {waited:.0%} of each step waiting in collectives: "
+            f"the slow rank sets everyone's pace"
+        )
     console.print(
         f"median step time {summary['median_step_time']:.3f} s; "
         f"last validation loss {summary['last_val_loss']:.4f}"

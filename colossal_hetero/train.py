@@ -9,8 +9,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 
 from colossal_hetero.config import ConfigError, load_config, validate_run
+
+
+def _quiet_optional_kernel_warnings() -> None:
+    """Colossal-AI warns at import about optional CUDA kernels (apex, TensorNVMe) it cannot use;
+    on every rank that buries the progress bar. Only those warnings are silenced."""
+    for pattern in ("Please install apex", "Please install the latest tensornvme"):
+        warnings.filterwarnings("ignore", message=pattern, category=UserWarning)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[rank {rank}] colossal-hetero: config error: {error}", file=sys.stderr)
         return 2
 
+    _quiet_optional_kernel_warnings()
     from colossal_hetero.plugin import init_distributed
     from colossal_hetero.training.trainer import run_training
 
