@@ -1,9 +1,9 @@
 """The ``colossal-hetero`` command.
 
-    colossal-hetero check CONFIG [--world-size N]   validate a run config without launching
-    colossal-hetero train CONFIG [--nproc N]        launch `python -m colossal_hetero.train` on
-                                                    this machine through torchrun
-    colossal-hetero demo [--steps N] [--out DIR]    4 CPU ranks, one emulated 2x slower
+colossal-hetero check CONFIG [--world-size N]   validate a run config without launching
+colossal-hetero train CONFIG [--nproc N]        launch `python -m colossal_hetero.train` on
+                                                this machine through torchrun
+colossal-hetero demo [--steps N] [--out DIR]    4 CPU ranks, one emulated 2x slower
 """
 
 from __future__ import annotations
@@ -66,8 +66,11 @@ def _demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``colossal-hetero`` command."""
-    parser = argparse.ArgumentParser(prog="colossal-hetero", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="colossal-hetero",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     check = commands.add_parser("check", help="validate a run config")

@@ -35,10 +35,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     _quiet_optional_kernel_warnings()
+    import torch.distributed as dist
+
     from colossal_hetero.plugin import init_distributed
     from colossal_hetero.training.trainer import run_training
-
-    import torch.distributed as dist
 
     device = init_distributed(config.cluster, seed=config.train.seed)
     try:

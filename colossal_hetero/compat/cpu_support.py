@@ -10,8 +10,8 @@ Contract:
 - It only touches CPU code paths: the ``CpuAccelerator`` class, the gloo branch of pipeline p2p,
   a ZeRO sanity check that rejected the CPU accelerator (and ZeRO's stream overlap, which CPU
   tensors cannot join), CUDA-only ``torch.cuda.set_device`` calls in shardformer modeling code,
-  which become no-ops for non-CUDA tensors, and the gloo branch of the GPT-2 fused-QKV gather. CUDA runs take
-  exactly the code paths they took before.
+  which become no-ops for non-CUDA tensors, and the gloo branch of the GPT-2 fused-QKV gather.
+  CUDA runs take exactly the code paths they took before.
 
 Upstream: hpcaitech/ColossalAI issue #5211 (Randomizer on CPU), #2827 (CPU debugging); the
 proposed fix (PR #5265) was never merged.
@@ -121,8 +121,9 @@ def _is_nccl_like(group: Any) -> bool:
     """
     from torch.distributed import distributed_c10d as c10d
 
-    pg = group or c10d._get_default_group()
-    while isinstance(pg, getattr(c10d, "_ProcessGroupWrapper", ())):
+    pg: Any = group or c10d._get_default_group()
+    wrapper: Any = getattr(c10d, "_ProcessGroupWrapper", None)
+    while wrapper is not None and isinstance(pg, wrapper):
         pg = pg.wrapped_pg
     device_backends = {"nccl", getattr(c10d.Backend, "HCCL", "nccl")}
     return pg.name() in device_backends
@@ -210,7 +211,7 @@ def _patch_modeling_set_device() -> None:
         if getattr(module, _MARK, False):
             continue
         view = view or _torch_view_without_cpu_set_device()
-        module.torch = view
+        setattr(module, "torch", view)  # noqa: B010 (the module's global, read at call time)
         setattr(module, _MARK, True)
 
 

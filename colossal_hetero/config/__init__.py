@@ -19,7 +19,7 @@ from colossal_hetero.config.schema import (
     SlowdownSpec,
     TrainConfig,
 )
-from colossal_hetero.config.validate import resolve_dp, validate_run, validate_layout
+from colossal_hetero.config.validate import resolve_dp, validate_layout, validate_run
 
 __all__ = [
     "CheckpointConfig",

@@ -51,9 +51,7 @@ def build_hf_config(model: ModelConfig) -> Any:
     reference = config_cls()
     for key in model.hf:
         if not hasattr(reference, key):
-            raise ConfigError(
-                f"model.hf.{key}: not a field of transformers.{config_cls.__name__}"
-            )
+            raise ConfigError(f"model.hf.{key}: not a field of transformers.{config_cls.__name__}")
     return config_cls(**{**_DATA_DEFAULTS[model.arch], **model.hf})
 
 
@@ -85,5 +83,5 @@ def build_model(model: ModelConfig) -> nn.Module:
 
 
 def loss_from_outputs(outputs: Any, inputs: Any) -> torch.Tensor:
-    """Criterion for Colossal-AI's ``(outputs, inputs) -> loss``: the model computed it from labels."""
+    """Colossal-AI criterion ``(outputs, inputs) -> loss``: the model computed it from labels."""
     return outputs.loss

@@ -35,6 +35,8 @@ def engine_kwargs(config: HeteroConfig, device: torch.device, policy: Any = None
     return kwargs
 
 
-def build_engine(config: HeteroConfig, device: torch.device, policy: Any = None) -> HybridParallelPlugin:
+def build_engine(
+    config: HeteroConfig, device: torch.device, policy: Any = None
+) -> HybridParallelPlugin:
     """A HybridParallelPlugin for ``config``. Needs an initialised default process group."""
     return HybridParallelPlugin(**engine_kwargs(config, device, policy))

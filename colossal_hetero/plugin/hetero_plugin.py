@@ -137,7 +137,11 @@ class HeteroParallelPlugin(PipelinePluginBase):
         )
 
     def forward_pipeline(
-        self, data_iter: Iterator, model: nn.Module, criterion: Callable, return_outputs: bool = False
+        self,
+        data_iter: Iterator,
+        model: nn.Module,
+        criterion: Callable,
+        return_outputs: bool = False,
     ) -> dict:
         """Forward-only pass of one batch through the pipeline (for validation).
 
@@ -156,11 +160,18 @@ class HeteroParallelPlugin(PipelinePluginBase):
     def no_sync(self, model: nn.Module, optimizer: Any) -> AbstractContextManager:
         return self.engine.no_sync(model, optimizer)
 
-    def enable_lora(self, model: nn.Module, pretrained_dir: str | None = None, lora_config: Any = None,
-                    bnb_quantization_config: Any = None) -> nn.Module:
+    def enable_lora(
+        self,
+        model: nn.Module,
+        pretrained_dir: str | None = None,
+        lora_config: Any = None,
+        bnb_quantization_config: Any = None,
+    ) -> nn.Module:
         return self.engine.enable_lora(model, pretrained_dir, lora_config, bnb_quantization_config)
 
-    def prepare_dataloader(self, dataset: Any, batch_size: int, *args: Any, **kwargs: Any) -> DataLoader:
+    def prepare_dataloader(
+        self, dataset: Any, batch_size: int, *args: Any, **kwargs: Any
+    ) -> DataLoader:
         return self.engine.prepare_dataloader(dataset, batch_size, *args, **kwargs)
 
 

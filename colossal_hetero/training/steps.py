@@ -93,7 +93,9 @@ def _forward_loss(
     booster: Booster, model: Any, criterion: Callable, batch: Batch, use_pipeline: bool
 ) -> tuple[float | None, torch.Tensor | None]:
     if use_pipeline:
-        result = booster.plugin.forward_pipeline(iter([batch]), model, criterion, return_outputs=True)
+        result = booster.plugin.forward_pipeline(
+            iter([batch]), model, criterion, return_outputs=True
+        )
         loss, outputs = result["loss"], result.get("outputs")
         logits = getattr(outputs, "logits", None) if outputs is not None else None
         if isinstance(outputs, dict):

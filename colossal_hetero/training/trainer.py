@@ -54,7 +54,9 @@ def run_training(config: RunConfig, device: torch.device) -> RunResult:
         plugin.close()
 
 
-def _train(config: RunConfig, device: torch.device, plugin: HeteroParallelPlugin, rank: int) -> RunResult:
+def _train(
+    config: RunConfig, device: torch.device, plugin: HeteroParallelPlugin, rank: int
+) -> RunResult:
     out_dir = Path(config.logging.dir)
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -88,7 +90,9 @@ def _train(config: RunConfig, device: torch.device, plugin: HeteroParallelPlugin
         for step in range(start_step, config.train.steps):
             batch = to_device(shard_batch(next(batches), dp_rank, plugin.dp_size), device)
             plugin.timer.begin_step(step)
-            loss = train_step(booster, model, optimizer, criterion, batch, use_pipeline=use_pipeline)
+            loss = train_step(
+                booster, model, optimizer, criterion, batch, use_pipeline=use_pipeline
+            )
             timing = plugin.timer.end_step()
             lr_scheduler.step()
             record = _record(step, rank, loss, timing, lr_scheduler.get_last_lr()[0])
@@ -103,8 +107,10 @@ def _train(config: RunConfig, device: torch.device, plugin: HeteroParallelPlugin
             _show_progress(bar, record, device)
             if record.val_loss is not None:
                 bar.log(_val_line(record))
-            if _is_checkpoint_step(config, step):
-                save_checkpoint(booster, config.checkpoint.dir, step + 1, model, optimizer, lr_scheduler)
+            if config.checkpoint.dir is not None and _is_checkpoint_step(config, step):
+                save_checkpoint(
+                    booster, config.checkpoint.dir, step + 1, model, optimizer, lr_scheduler
+                )
     dist.barrier()
     if rank == 0 and config.logging.plot:
         plot_run(read_run(out_dir), out_dir / "plot.png", title=_title(config))
@@ -131,7 +137,11 @@ def _show_progress(bar: TrainingProgress, record: StepRecord, device: torch.devi
     Collective: one all_gather of 3 numbers over the world group, outside the timed step.
     """
     mine = torch.tensor(
-        [record.loss if record.loss is not None else float("nan"), record.step_time, record.comm_wait],
+        [
+            record.loss if record.loss is not None else float("nan"),
+            record.step_time,
+            record.comm_wait,
+        ],
         dtype=torch.float64,
         device=device,
     )
@@ -161,7 +171,9 @@ def _is_checkpoint_step(config: RunConfig, step: int) -> bool:
     return last or (checkpoint.every > 0 and (step + 1) % checkpoint.every == 0)
 
 
-def _maybe_resume(config: RunConfig, booster: Booster, model: Any, optimizer: Any, lr_scheduler: Any) -> int:
+def _maybe_resume(
+    config: RunConfig, booster: Booster, model: Any, optimizer: Any, lr_scheduler: Any
+) -> int:
     checkpoint = config.checkpoint
     if checkpoint.dir is None or not checkpoint.resume:
         return 0
@@ -175,4 +187,3 @@ def _title(config: RunConfig) -> str:
     p = config.parallel
     slow = ", ".join(f"rank {s.rank} x{s.factor:g}" for s in config.emulation.compute) or "none"
     return f"{config.model.arch}  tp={p.tp} pp={p.pp}  slowdowns: {slow}"
-

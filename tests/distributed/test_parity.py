@@ -14,7 +14,6 @@ and, so that the check can still fail, their cosine similarity to the reference 
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -29,13 +28,26 @@ from tests.dist_utils import run_distributed
 LR = 0.5
 GPT2 = ModelConfig(
     arch="gpt2",
-    hf={"n_layer": 4, "n_embd": 32, "n_head": 4, "n_positions": 32, "resid_pdrop": 0.0,
-        "embd_pdrop": 0.0, "attn_pdrop": 0.0},
+    hf={
+        "n_layer": 4,
+        "n_embd": 32,
+        "n_head": 4,
+        "n_positions": 32,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+    },
 )
 LLAMA = ModelConfig(
     arch="llama",
-    hf={"num_hidden_layers": 4, "hidden_size": 32, "intermediate_size": 64,
-        "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 32},
+    hf={
+        "num_hidden_layers": 4,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 32,
+    },
 )
 
 
@@ -69,7 +81,9 @@ def _parallel_step(model_cfg: ModelConfig, parallel: ParallelConfig, batch: dict
         dp_rank = rank // (parallel.tp * parallel.pp)
         local = shard_batch(batch, dp_rank, plugin.dp_size)
         if parallel.pp > 1:
-            result = booster.execute_pipeline(iter([local]), model, criterion, optimizer, return_loss=True)
+            result = booster.execute_pipeline(
+                iter([local]), model, criterion, optimizer, return_loss=True
+            )
             loss = result["loss"]
         else:
             loss = criterion(model(**local), local)
@@ -116,7 +130,9 @@ def _check_layout(rank, model_cfg, parallel, *, bf16: bool = False):
         assert grad.shape == expected.shape, f"{name}: shape {grad.shape} vs {expected.shape}"
         if bf16:
             torch.testing.assert_close(grad, expected, rtol=5e-2, atol=2e-2, msg=name)
-            cosine = torch.nn.functional.cosine_similarity(grad.flatten(), expected.flatten(), dim=0)
+            cosine = torch.nn.functional.cosine_similarity(
+                grad.flatten(), expected.flatten(), dim=0
+            )
             assert expected.abs().max() == 0 or cosine > 0.99, f"{name}: cosine {cosine}"
         else:
             torch.testing.assert_close(grad, expected, rtol=2e-4, atol=2e-5, msg=name)
@@ -147,5 +163,3 @@ def test_tp2_pp2_zero_dp2_match_reference():
 @pytest.mark.timeout(600)
 def test_tp2_x_pp2_matches_reference():
     run_distributed(_four_rank_layouts, world_size=4)
-
-

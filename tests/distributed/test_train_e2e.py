@@ -18,8 +18,15 @@ from colossal_hetero.metrics import read_run
 TINY_GPT2 = {
     "model": {
         "arch": "gpt2",
-        "hf": {"n_layer": 2, "n_embd": 32, "n_head": 4, "n_positions": 32, "resid_pdrop": 0.0,
-               "embd_pdrop": 0.0, "attn_pdrop": 0.0},
+        "hf": {
+            "n_layer": 2,
+            "n_embd": 32,
+            "n_head": 4,
+            "n_positions": 32,
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+        },
     },
     "data": {"dataset": "pydoc_topics", "seq_len": 32, "global_batch_size": 8},
     "parallel": {"tp": 2, "pp": 2, "num_microbatches": 2},
@@ -30,11 +37,22 @@ TINY_GPT2 = {
 }
 
 
-def _launch(config: dict, folder: Path, nproc: int, timeout: float = 300) -> subprocess.CompletedProcess:
+def _launch(
+    config: dict, folder: Path, nproc: int, timeout: float = 300
+) -> subprocess.CompletedProcess:
     path = folder / "config.yaml"
     path.write_text(yaml.safe_dump(config))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={nproc}", "-m", "colossal_hetero.train", "--config", str(path)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "colossal_hetero.train",
+        "--config",
+        str(path),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
 
@@ -67,8 +85,9 @@ def test_config_errors_reach_every_rank_without_hang(tmp_path, sections, message
 def test_train_tp2_pp2_loss_falls_and_resume_is_exact(tmp_path):
     full_dir, resumed_dir = tmp_path / "full", tmp_path / "resumed"
     checkpoints = tmp_path / "checkpoints"
-    full = _with(TINY_GPT2, logging={"dir": str(full_dir)},
-                 checkpoint={"dir": str(checkpoints), "every": 4})
+    full = _with(
+        TINY_GPT2, logging={"dir": str(full_dir)}, checkpoint={"dir": str(checkpoints), "every": 4}
+    )
     result = _launch(full, tmp_path, nproc=4)
     assert result.returncode == 0, result.stderr[-4000:]
     records = read_run(full_dir)
@@ -78,8 +97,11 @@ def test_train_tp2_pp2_loss_falls_and_resume_is_exact(tmp_path):
 
     # Keep only the step-4 checkpoint and continue from it in a fresh run.
     (checkpoints / "step_8" / "trainer.json").unlink()
-    resumed = _with(full, logging={"dir": str(resumed_dir)},
-                    checkpoint={"dir": str(checkpoints), "every": 0, "resume": True})
+    resumed = _with(
+        full,
+        logging={"dir": str(resumed_dir)},
+        checkpoint={"dir": str(checkpoints), "every": 0, "resume": True},
+    )
     result = _launch(resumed, tmp_path, nproc=4)
     assert result.returncode == 0, result.stderr[-4000:]
     again = {(r.step, r.rank): r for r in read_run(resumed_dir)}

@@ -23,7 +23,9 @@ def _run(**sections) -> RunConfig:
 
 
 def test_unknown_key_names_its_path_and_suggests():
-    with pytest.raises(ConfigError, match=r"^parallel\.tp_sise: unknown key \(did you mean 'tp'\?\)"):
+    with pytest.raises(
+        ConfigError, match=r"^parallel\.tp_sise: unknown key \(did you mean 'tp'\?\)"
+    ):
         _run(parallel={"tp_sise": 2})
 
 
@@ -40,11 +42,15 @@ def test_unknown_top_level_section():
         ({"parallel": {"precision": "fp8"}}, r"^parallel\.precision: must be one of"),
         ({"parallel": {"tp": 0}}, r"^parallel\.tp: must be >= 1, got 0"),
         ({"parallel": {"zero_stage": 1}}, r"^parallel\.zero_stage: ZeRO stage 1 needs"),
-        ({"cluster": {"devices": [{"speed": 1.0}, {"speed": 0}]}},
-         r"^cluster\.devices\[1\]\.speed: must be > 0, got 0"),
+        (
+            {"cluster": {"devices": [{"speed": 1.0}, {"speed": 0}]}},
+            r"^cluster\.devices\[1\]\.speed: must be > 0, got 0",
+        ),
         ({"emulation": {"compute": [{"rank": 0}]}}, r"^emulation\.compute\[0\]: .*factor"),
-        ({"emulation": {"compute": [{"rank": 0, "factor": 0.5}]}},
-         r"^emulation\.compute\[0\]\.factor: must be >= 1"),
+        (
+            {"emulation": {"compute": [{"rank": 0, "factor": 0.5}]}},
+            r"^emulation\.compute\[0\]\.factor: must be >= 1",
+        ),
         ({"data": []}, r"^data: expected a mapping"),
     ],
 )
@@ -62,23 +68,49 @@ def test_int_is_accepted_for_float():
     ("sections", "world_size", "message"),
     [
         ({"parallel": {"tp": 2, "pp": 2}}, 6, r"^parallel: tp \* pp = 2 \* 2 = 4 does not divide"),
-        ({"parallel": {"tp": 2, "dp": 3}}, 4, r"^parallel: tp \* pp \* dp = 2 \* 1 \* 3 = 6 != world"),
-        ({"parallel": {"tp": 3}, "model": {"hf": {"n_head": 4}}}, 3,
-         r"^parallel\.tp: 3 does not divide the 4 attention heads"),
-        ({"parallel": {"pp": 4}, "model": {"hf": {"n_layer": 2}}}, 4,
-         r"^parallel\.pp: 4 stages but the model has only 2 layers"),
+        (
+            {"parallel": {"tp": 2, "dp": 3}},
+            4,
+            r"^parallel: tp \* pp \* dp = 2 \* 1 \* 3 = 6 != world",
+        ),
+        (
+            {"parallel": {"tp": 3}, "model": {"hf": {"n_head": 4}}},
+            3,
+            r"^parallel\.tp: 3 does not divide the 4 attention heads",
+        ),
+        (
+            {"parallel": {"pp": 4}, "model": {"hf": {"n_layer": 2}}},
+            4,
+            r"^parallel\.pp: 4 stages but the model has only 2 layers",
+        ),
         ({"model": {"hf": {"n_layr": 2}}}, 1, r"^model\.hf\.n_layr: not a field of"),
         ({"cluster": {"devices": [{}, {}]}}, 4, r"^cluster\.devices: lists 2 devices"),
-        ({"emulation": {"compute": [{"rank": 5, "factor": 2}]}}, 4,
-         r"^emulation\.compute\[0\]\.rank: rank 5 does not exist"),
-        ({"data": {"global_batch_size": 6}, "parallel": {"dp": 4}}, 4,
-         r"^data\.global_batch_size: 6 is not divisible"),
-        ({"data": {"global_batch_size": 8}, "parallel": {"pp": 2, "num_microbatches": 3}}, 2,
-         r"^parallel\.num_microbatches: 3 does not divide"),
+        (
+            {"emulation": {"compute": [{"rank": 5, "factor": 2}]}},
+            4,
+            r"^emulation\.compute\[0\]\.rank: rank 5 does not exist",
+        ),
+        (
+            {"data": {"global_batch_size": 6}, "parallel": {"dp": 4}},
+            4,
+            r"^data\.global_batch_size: 6 is not divisible",
+        ),
+        (
+            {"data": {"global_batch_size": 8}, "parallel": {"pp": 2, "num_microbatches": 3}},
+            2,
+            r"^parallel\.num_microbatches: 3 does not divide",
+        ),
         ({"model": {"arch": "vit"}}, 1, r"^data\.dataset: 'pydoc_topics' does not fit"),
         ({"data": {"seq_len": 2048}}, 1, r"^data\.seq_len: 2048 exceeds"),
-        ({"model": {"arch": "vit"}, "data": {"dataset": "digits", "global_batch_size": 64},
-          "train": {"eval_batches": 4}}, 1, r"^train\.eval_batches: 4 batches of 64 exceed"),
+        (
+            {
+                "model": {"arch": "vit"},
+                "data": {"dataset": "digits", "global_batch_size": 64},
+                "train": {"eval_batches": 4},
+            },
+            1,
+            r"^train\.eval_batches: 4 batches of 64 exceed",
+        ),
     ],
 )
 def test_impossible_layouts_are_rejected(sections, world_size, message):

@@ -118,9 +118,7 @@ def test_p2p_check_keeps_nccl_semantics_for_gloo_group():
     from colossal_hetero.compat.cpu_support import _is_nccl_like
 
     with tempfile.TemporaryDirectory() as folder:
-        dist.init_process_group(
-            "gloo", init_method=f"file://{folder}/init", rank=0, world_size=1
-        )
+        dist.init_process_group("gloo", init_method=f"file://{folder}/init", rank=0, world_size=1)
         try:
             assert _is_nccl_like(None) is False
         finally:
