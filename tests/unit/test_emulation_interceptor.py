@@ -1,0 +1,85 @@
+"""CollectiveInterceptor without a process group: installation and step accounting."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from colossal_hetero.config.schema import EmulationConfig, SlowdownSpec
+from colossal_hetero.emulation import WRAPPED_NAMES, CollectiveInterceptor, build_interceptor
+
+CPU = torch.device("cpu")
+
+
+def _busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_install_wraps_both_modules_and_uninstall_restores_originals() -> None:
+    originals = {(m, n): getattr(m, n) for m in (dist, c10d) for n in WRAPPED_NAMES}
+    with CollectiveInterceptor(0, 1, device=CPU) as interceptor:
+        assert interceptor.installed
+        for (module, name), original in originals.items():
+            wrapper = getattr(module, name)
+            assert wrapper is not original and wrapper.__wrapped__ is original
+        assert dist.isend is c10d.isend  # P2POp checks op identity: isend/irecv stay as they are
+    assert not interceptor.installed
+    assert all(getattr(m, n) is fn for (m, n), fn in originals.items())
+    interceptor.uninstall()  # a second uninstall is a no-op
+
+
+def test_only_one_interceptor_at_a_time() -> None:
+    with CollectiveInterceptor(0, 1) as first:
+        with pytest.raises(RuntimeError, match="already installed"):
+            first.install()
+        with pytest.raises(RuntimeError, match="already installed"):
+            CollectiveInterceptor(0, 1).install()
+    CollectiveInterceptor(0, 1).install().uninstall()  # free again once uninstalled
+
+
+def test_step_bookkeeping_errors() -> None:
+    interceptor = CollectiveInterceptor(0, 1)
+    with pytest.raises(RuntimeError, match="install"):
+        interceptor.begin_step(0)
+    with interceptor:
+        with pytest.raises(RuntimeError, match="without begin_step"):
+            interceptor.end_step()
+        interceptor.begin_step(0)
+        with pytest.raises(RuntimeError, match="still open"):
+            interceptor.begin_step(1)
+        interceptor.end_step()
+
+
+def test_timing_only_adds_no_sleep() -> None:
+    emulation = EmulationConfig(compute=[SlowdownSpec(rank=1, factor=4.0)])  # another rank
+    with build_interceptor(emulation, 0, 2, CPU) as interceptor:
+        assert interceptor.slowdown is None and interceptor.network is None
+        with interceptor.step(3):
+            _busy(0.01)
+    timing = interceptor.last_timing
+    assert timing is not None and timing.step == 3
+    assert timing.stretch_time == timing.network_delay == timing.comm_wait == 0.0
+    assert timing.num_collectives == 0
+    assert 0.01 <= timing.compute_time == timing.step_time < 0.1
+
+
+def test_end_step_stretches_compute_without_collectives() -> None:
+    emulation = EmulationConfig(compute=[SlowdownSpec(rank=0, factor=3.0, start_step=1)])
+    with build_interceptor(emulation, 0, 1, CPU) as interceptor:
+        timings = []
+        for step in (0, 1):
+            interceptor.begin_step(step)
+            _busy(0.02)
+            timings.append(interceptor.end_step())
+    plain, slowed = timings
+    assert plain.stretch_time == 0.0
+    unstretched = slowed.compute_time - slowed.stretch_time
+    # The stretch is twice the work really done (factor 3), up to sleep granularity.
+    assert slowed.stretch_time == pytest.approx(2 * unstretched, rel=0.1)
+    assert slowed.compute_time == pytest.approx(3 * plain.compute_time, rel=0.2)
