@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +39,9 @@ def _entry(
         traceback.print_exc()
         raise
     finally:
+        # torch 2.5's gloo group can deadlock in destroy while a just-finished op's tensor is
+        # being freed (fixed upstream in pytorch PR #154976); a short pause avoids the race.
+        time.sleep(0.2)
         dist.destroy_process_group()
 
 
