@@ -95,6 +95,14 @@ class ParallelConfig:
     max_norm: float = 0.0
     """Gradient clipping norm; 0 disables clipping."""
 
+    batch_split: Literal["even", "speed"] = "even"
+    """How data-parallel groups share each global batch: even, or in proportion to the speed
+    of each group's slowest device (cluster.devices), with gradients weighted to match."""
+
+    batch_shares: list[int] = field(default_factory=list)
+    """Explicit samples per data-parallel group per step (overrides batch_split); must sum to
+    data.global_batch_size."""
+
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "num_microbatches"):
             value = getattr(self, name)
@@ -104,6 +112,11 @@ class ParallelConfig:
             self.zero_stage == 0 or self.precision != "fp32",
             "zero_stage",
             f"ZeRO stage {self.zero_stage} needs parallel.precision fp16 or bf16, got fp32",
+        )
+        _require(
+            all(share >= 1 for share in self.batch_shares),
+            "batch_shares",
+            f"every data-parallel group needs at least one sample, got {self.batch_shares}",
         )
         _require(
             not (self.pp > 1 and self.zero_stage > 1),

@@ -85,6 +85,23 @@ def validate_run(config: RunConfig, world_size: int) -> int:
             f"data.dataset: {config.data.dataset!r} does not fit model.arch "
             f"{config.model.arch!r} (vit trains on digits, text models on pydoc_topics)"
         )
+    if parallel.batch_shares or parallel.batch_split != "even":
+        from colossal_hetero.planner.batch_shares import batch_shares
+
+        batch_shares(config.plugin_config(), world_size, dp, config.data.global_batch_size)
+    else:
+        _validate_even_split(config, dp)
+    if config.model.arch != "vit" and config.data.seq_len > shape.max_positions:
+        raise ConfigError(
+            f"data.seq_len: {config.data.seq_len} exceeds the model's "
+            f"{shape.max_positions} positions"
+        )
+    _validate_eval_size(config)
+    return dp
+
+
+def _validate_even_split(config: RunConfig, dp: int) -> None:
+    parallel = config.parallel
     samples_per_rank, rest = divmod(config.data.global_batch_size, dp)
     if rest:
         raise ConfigError(
@@ -96,13 +113,6 @@ def validate_run(config: RunConfig, world_size: int) -> int:
             f"parallel.num_microbatches: {parallel.num_microbatches} does not divide the "
             f"{samples_per_rank} samples per data-parallel rank"
         )
-    if config.model.arch != "vit" and config.data.seq_len > shape.max_positions:
-        raise ConfigError(
-            f"data.seq_len: {config.data.seq_len} exceeds the model's "
-            f"{shape.max_positions} positions"
-        )
-    _validate_eval_size(config)
-    return dp
 
 
 def _validate_eval_size(config: RunConfig) -> None:

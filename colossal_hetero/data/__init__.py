@@ -5,7 +5,14 @@ function of (seed, step), so a resumed run replays it exactly; ``shard_batch`` a
 ``split_microbatches`` cut a global batch for data-parallel ranks and pipeline micro-batches.
 """
 
-from colossal_hetero.data.batch import Batch, batch_size_of, shard_batch, split_microbatches
+from colossal_hetero.data.batch import (
+    Batch,
+    batch_size_of,
+    shard_batch,
+    shard_batch_by_shares,
+    share_loss_scale,
+    split_microbatches,
+)
 from colossal_hetero.data.build import (
     CAUSAL_LM_ARCHS,
     IMAGE_ARCHS,
@@ -49,6 +56,8 @@ __all__ = [
     "load_pydoc_corpus",
     "mask_tokens",
     "shard_batch",
+    "shard_batch_by_shares",
+    "share_loss_scale",
     "split_corpus",
     "split_microbatches",
     "step_generator",

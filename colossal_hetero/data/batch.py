@@ -69,3 +69,35 @@ def split_microbatches(batch: Batch, num_microbatches: int) -> list[Batch]:
             "equal micro-batches"
         )
     return [shard_batch(batch, i, num_microbatches) for i in range(num_microbatches)]
+
+
+def shard_batch_by_shares(batch: Batch, shares: list[int], dp_rank: int) -> Batch:
+    """Data-parallel rank ``dp_rank``'s rows when ranks take uneven ``shares`` of the batch.
+
+    Rank ``r`` gets rows ``[sum(shares[:r]), sum(shares[:r + 1]))`` as views. Pair it with
+    ``share_loss_scale`` so that the data-parallel gradient mean stays the global-batch mean.
+
+    Raises:
+        ValueError: ``shares`` do not sum to the batch size, one is negative, or ``dp_rank``
+            is out of range.
+    """
+    if not 0 <= dp_rank < len(shares):
+        raise ValueError(f"dp_rank must be in [0, {len(shares)}), got {dp_rank}")
+    if any(share < 0 for share in shares):
+        raise ValueError(f"batch shares must be >= 0, got {shares}")
+    num_samples = batch_size_of(batch)
+    if sum(shares) != num_samples:
+        raise ValueError(f"batch shares {shares} do not sum to the batch size {num_samples}")
+    start = sum(shares[:dp_rank])
+    return {name: tensor[start : start + shares[dp_rank]] for name, tensor in batch.items()}
+
+
+def share_loss_scale(shares: list[int], dp_rank: int) -> float:
+    """Factor for rank ``dp_rank``'s mean loss so that data parallelism's gradient *mean* over
+    ``len(shares)`` ranks equals the gradient of the mean loss over the whole batch.
+
+    With per-rank mean losses ``L_r`` over ``n_r`` samples, the global mean is
+    ``sum_r n_r L_r / N``; the all-reduce divides by ``dp``, so rank ``r`` scales by
+    ``dp * n_r / N``. Equal shares give 1.
+    """
+    return len(shares) * shares[dp_rank] / sum(shares)

@@ -21,6 +21,32 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
     return {key: value.to(device) for key, value in batch.items()}
 
 
+def forward_backward(
+    booster: Booster,
+    model: Any,
+    optimizer: Any,
+    criterion: Callable,
+    batch: Batch,
+    *,
+    use_pipeline: bool,
+    loss_scale: float = 1.0,
+) -> float | None:
+    """Forward and backward on this rank's share of a global batch (gradients accumulate).
+
+    The loss is multiplied by ``loss_scale`` before backward (uneven data-parallel shares: see
+    ``data.share_loss_scale``). Returns this rank's unscaled mean loss where it computes one,
+    else ``None``.
+    """
+    scaled = criterion if loss_scale == 1.0 else _scaled(criterion, loss_scale)
+    if use_pipeline:
+        result = booster.execute_pipeline(iter([batch]), model, scaled, optimizer, return_loss=True)
+        loss = result["loss"]
+    else:
+        loss = scaled(model(**batch), batch)
+        booster.backward(loss, optimizer)
+    return None if loss is None else float(loss.detach().float()) / loss_scale
+
+
 def train_step(
     booster: Booster,
     model: Any,
@@ -29,22 +55,28 @@ def train_step(
     batch: Batch,
     *,
     use_pipeline: bool,
+    loss_scale: float = 1.0,
 ) -> float | None:
-    """Forward, backward and optimizer step on this rank's share of a global batch.
-
-    Returns the mean loss over the batch where this rank computes it, else ``None``.
-    """
-    if use_pipeline:
-        result = booster.execute_pipeline(
-            iter([batch]), model, criterion, optimizer, return_loss=True
-        )
-        loss = result["loss"]
-    else:
-        loss = criterion(model(**batch), batch)
-        booster.backward(loss, optimizer)
+    """``forward_backward``, then the optimizer step; returns the same loss."""
+    loss = forward_backward(
+        booster,
+        model,
+        optimizer,
+        criterion,
+        batch,
+        use_pipeline=use_pipeline,
+        loss_scale=loss_scale,
+    )
     optimizer.step()
     optimizer.zero_grad()
-    return None if loss is None else float(loss.detach().float())
+    return loss
+
+
+def _scaled(criterion: Callable, factor: float) -> Callable:
+    def scaled(outputs: Any, inputs: Any) -> torch.Tensor:
+        return criterion(outputs, inputs) * factor
+
+    return scaled
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +97,7 @@ def evaluate(
     use_pipeline: bool,
     device: torch.device,
 ) -> Evaluation:
-    """Mean validation loss (and accuracy for classifiers) over ``batches``, on every rank.
+    """Sample-weighted mean validation loss (and accuracy for classifiers), on every rank.
 
     Collectives: one all_reduce of 4 numbers over the world group.
     """
@@ -76,8 +108,9 @@ def evaluate(
             loss, logits = _forward_loss(booster, model, criterion, batch, use_pipeline)
             if loss is None:
                 continue
-            totals[0] += float(loss)
-            totals[1] += 1
+            num_samples = len(next(iter(batch.values())))
+            totals[0] += float(loss) * num_samples  # ranks may hold uneven shares
+            totals[1] += num_samples
             if logits is not None and logits.dim() == 2:
                 labels = batch["labels"]
                 totals[2] += float((logits.argmax(dim=-1) == labels).sum())

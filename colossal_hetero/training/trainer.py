@@ -16,7 +16,7 @@ from colossalai.booster import Booster
 
 from colossal_hetero.config.loader import dump_config
 from colossal_hetero.config.schema import RunConfig
-from colossal_hetero.data import build_data, shard_batch
+from colossal_hetero.data import build_data, shard_batch_by_shares, share_loss_scale
 from colossal_hetero.emulation import StepTiming
 from colossal_hetero.metrics import (
     MetricsWriter,
@@ -27,6 +27,7 @@ from colossal_hetero.metrics import (
     read_run,
 )
 from colossal_hetero.models import build_model, loss_from_outputs
+from colossal_hetero.planner.batch_shares import batch_shares
 from colossal_hetero.plugin import HeteroParallelPlugin
 from colossal_hetero.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from colossal_hetero.training.optim import build_lr_scheduler, build_optimizer
@@ -72,9 +73,13 @@ def _train(
 
     data = build_data(config.data, config.model.arch)
     dp_rank = rank // (plugin.tp_size * plugin.pp_size)  # dp is the outermost mesh axis
+    shares = batch_shares(
+        config.plugin_config(), plugin.world_size, plugin.dp_size, config.data.global_batch_size
+    )
+    loss_scale = share_loss_scale(shares, dp_rank)
     use_pipeline = plugin.pp_size > 1
     val_batches = [
-        to_device(shard_batch(b, dp_rank, plugin.dp_size), device)
+        to_device(shard_batch_by_shares(b, shares, dp_rank), device)
         for b in data.val_batches(config.data.global_batch_size, config.train.eval_batches)
     ]
     batches = data.train_batches(config.data.global_batch_size, config.data.seed, start_step)
@@ -88,10 +93,16 @@ def _train(
         ) as bar,
     ):
         for step in range(start_step, config.train.steps):
-            batch = to_device(shard_batch(next(batches), dp_rank, plugin.dp_size), device)
+            batch = to_device(shard_batch_by_shares(next(batches), shares, dp_rank), device)
             plugin.timer.begin_step(step)
             loss = train_step(
-                booster, model, optimizer, criterion, batch, use_pipeline=use_pipeline
+                booster,
+                model,
+                optimizer,
+                criterion,
+                batch,
+                use_pipeline=use_pipeline,
+                loss_scale=loss_scale,
             )
             timing = plugin.timer.end_step()
             lr_scheduler.step()
@@ -104,7 +115,7 @@ def _train(
                 accuracy = result.accuracy
                 record = replace(record, val_loss=result.loss, val_accuracy=result.accuracy)
             writer.write(record)
-            _show_progress(bar, record, device)
+            _show_progress(bar, record, shares[dp_rank], device)
             if record.val_loss is not None:
                 bar.log(_val_line(record))
             if config.checkpoint.dir is not None and _is_checkpoint_step(config, step):
@@ -131,25 +142,25 @@ def _record(step: int, rank: int, loss: float | None, timing: StepTiming, lr: fl
     )
 
 
-def _show_progress(bar: TrainingProgress, record: StepRecord, device: torch.device) -> None:
+def _show_progress(
+    bar: TrainingProgress, record: StepRecord, num_samples: int, device: torch.device
+) -> None:
     """Gather every rank's loss and step time to rank 0 for the progress bar.
 
+    The shown loss is the sample-weighted mean over the ranks that compute one.
     Collective: one all_gather of 3 numbers over the world group, outside the timed step.
     """
+    weight = float(num_samples) if record.loss is not None else 0.0
     mine = torch.tensor(
-        [
-            record.loss if record.loss is not None else float("nan"),
-            record.step_time,
-            record.comm_wait,
-        ],
+        [(record.loss or 0.0) * weight, weight, record.step_time],
         dtype=torch.float64,
         device=device,
     )
     gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
-    losses = [float(t[0]) for t in gathered if not torch.isnan(t[0])]
-    loss = sum(losses) / len(losses) if losses else None
-    step_times = [float(t[1]) for t in gathered]
+    total_weight = sum(float(t[1]) for t in gathered)
+    loss = sum(float(t[0]) for t in gathered) / total_weight if total_weight else None
+    step_times = [float(t[2]) for t in gathered]
     bar.update(record.step, loss, max(step_times), step_times)
 
 

@@ -20,9 +20,10 @@ import torch.distributed as dist
 from colossalai.booster import Booster
 
 from colossal_hetero.config import HeteroConfig, ModelConfig, ParallelConfig
-from colossal_hetero.data import shard_batch
+from colossal_hetero.data import shard_batch_by_shares, share_loss_scale
 from colossal_hetero.models import build_model, loss_from_outputs
 from colossal_hetero.plugin import HeteroParallelPlugin, prepare_device
+from colossal_hetero.training.steps import forward_backward
 from tests.dist_utils import run_distributed
 
 LR = 0.5
@@ -79,15 +80,19 @@ def _parallel_step(model_cfg: ModelConfig, parallel: ParallelConfig, batch: dict
         booster = Booster(plugin=plugin)
         model, optimizer, criterion, _, _ = booster.boost(model, optimizer, loss_from_outputs)
         dp_rank = rank // (parallel.tp * parallel.pp)
-        local = shard_batch(batch, dp_rank, plugin.dp_size)
-        if parallel.pp > 1:
-            result = booster.execute_pipeline(
-                iter([local]), model, criterion, optimizer, return_loss=True
-            )
-            loss = result["loss"]
-        else:
-            loss = criterion(model(**local), local)
-            booster.backward(loss, optimizer)
+        total = len(batch["input_ids"])
+        shares = parallel.batch_shares or [total // plugin.dp_size] * plugin.dp_size
+        local = shard_batch_by_shares(batch, shares, dp_rank)
+        scale = share_loss_scale(shares, dp_rank)
+        loss = forward_backward(
+            booster,
+            model,
+            optimizer,
+            criterion,
+            local,
+            use_pipeline=parallel.pp > 1,
+            loss_scale=scale,
+        )
         if parallel.zero_stage > 0:
             # bf16 working weights would round small updates away: read ZeRO's reduced grads.
             grads = {
@@ -99,9 +104,10 @@ def _parallel_step(model_cfg: ModelConfig, parallel: ParallelConfig, batch: dict
             after = {k: v.detach().float() for k, v in model.unwrap().state_dict().items()}
             grads = {k: (before[k] - after[k]) / LR for k in after if k in before}
         losses = _gather_losses(loss, plugin)
+        weights = [float(shares[r // (parallel.tp * parallel.pp)]) for r in range(len(losses))]
     finally:
         plugin.close()
-    return losses, grads
+    return losses, weights, grads
 
 
 def _gather_losses(loss, plugin) -> list[float]:
@@ -113,13 +119,13 @@ def _gather_losses(loss, plugin) -> list[float]:
 
 
 def _check_layout(rank, model_cfg, parallel, *, bf16: bool = False):
-    batch = _batch()
+    batch = _batch(sum(parallel.batch_shares) or 4)
     dtype = torch.bfloat16 if bf16 else torch.float32
     ref_loss, ref_grads = _reference(model_cfg, batch, dtype)
-    losses, grads = _parallel_step(model_cfg, parallel, batch, rank)
-    seen = [x for x in losses if x == x]
+    losses, weights, grads = _parallel_step(model_cfg, parallel, batch, rank)
+    seen = [(x, w) for x, w in zip(losses, weights, strict=True) if x == x]
     assert seen, "no rank computed a loss"
-    data_parallel_mean = sum(seen) / len(seen)
+    data_parallel_mean = sum(x * w for x, w in seen) / sum(w for _, w in seen)
     loss_tol = 2e-2 if bf16 else 1e-5
     assert abs(data_parallel_mean - ref_loss) <= loss_tol * max(1.0, abs(ref_loss)), (
         f"{parallel}: loss {data_parallel_mean} vs reference {ref_loss}"
@@ -145,12 +151,15 @@ def _two_rank_layouts(rank, world_size, device):
     _check_layout(rank, LLAMA, ParallelConfig(tp=2))
     _check_layout(rank, GPT2, ParallelConfig(dp=2, zero_stage=1, precision="bf16"), bf16=True)
     _check_layout(rank, LLAMA, ParallelConfig(dp=2, zero_stage=2, precision="bf16"), bf16=True)
+    # Uneven data-parallel shares: the weighted gradient must equal the full-batch gradient.
+    _check_layout(rank, GPT2, ParallelConfig(dp=2, batch_shares=[3, 1]))
 
 
 def _four_rank_layouts(rank, world_size, device):
     prepare_device(device)
     _check_layout(rank, GPT2, ParallelConfig(tp=2, pp=2, num_microbatches=2))
     _check_layout(rank, LLAMA, ParallelConfig(tp=2, pp=2, num_microbatches=2))
+    _check_layout(rank, GPT2, ParallelConfig(pp=2, dp=2, num_microbatches=2, batch_shares=[6, 2]))
 
 
 @pytest.mark.dist
