@@ -1,0 +1,49 @@
+"""Heterogeneity-aware planning (HAP-style): strategies, uneven widths and batch shares.
+
+Pure Python on numpy/scipy: no torch, no torch.distributed, so every rank can plan locally and
+get the same plan. Pipeline::
+
+    ClusterSpec + ModelSpec --search_plan--> Plan --dump_plan/format_plan--> YAML/JSON, table
+
+Modules: ``spec`` (inputs), ``hf`` (ModelSpec from transformers configs), ``cost`` (cost model),
+``affine`` (the rows the cost model emits), ``lp`` (share LP), ``rounding`` (integer widths),
+``search`` (A* and brute force), ``shares`` (LP step and rounding of a program), ``loop``
+(HAP's search/LP alternation), ``plan`` (the Plan record, files and table).
+"""
+
+from colossal_hetero.planner.hf import model_spec_from_hf
+from colossal_hetero.planner.loop import plan_for_run, search_plan
+from colossal_hetero.planner.plan import LayerPlan, Plan, dump_plan, format_plan, load_plan
+from colossal_hetero.planner.rounding import round_widths
+from colossal_hetero.planner.search import Space
+from colossal_hetero.planner.spec import (
+    REFERENCE_FLOPS,
+    ClusterSpec,
+    LayerKind,
+    LayerSpec,
+    Mesh,
+    ModelSpec,
+    ShardDim,
+    Strategy,
+)
+
+__all__ = [
+    "REFERENCE_FLOPS",
+    "ClusterSpec",
+    "LayerKind",
+    "LayerPlan",
+    "LayerSpec",
+    "Mesh",
+    "ModelSpec",
+    "Plan",
+    "ShardDim",
+    "Space",
+    "Strategy",
+    "dump_plan",
+    "format_plan",
+    "load_plan",
+    "model_spec_from_hf",
+    "plan_for_run",
+    "round_widths",
+    "search_plan",
+]
