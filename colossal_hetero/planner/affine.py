@@ -112,12 +112,3 @@ def total(parts: Sequence[RowVec]) -> RowVec:
     for p in parts:
         out = p + out if isinstance(p, Affine) else out + p
     return out
-
-
-def evaluate(rows: RowVec, x: np.ndarray | None = None) -> np.ndarray:
-    """Numeric rows: as they are, or affine rows at ``x``."""
-    if isinstance(rows, Affine):
-        if x is None:
-            raise ValueError("affine rows need a point to evaluate at")
-        return rows.value(x)
-    return np.asarray(rows, dtype=float)

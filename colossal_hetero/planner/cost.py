@@ -452,13 +452,3 @@ class CostModel:
             y = Tensor(layer.tokens, layer.out_features)
             mem = mem + self.tensor_bytes(y, io.result, loads)
         return mem
-
-    def compute_floor(self, layer: LayerSpec, loads: Loads) -> float:
-        """A lower bound on the layer's time under any strategy: its cheapest compute term."""
-        best = np.inf
-        for strategy in self.strategies(layer):
-            terms, _ = self.layer_terms(
-                layer, strategy, GradSync.ALLREDUCE, Collective.PADDED, loads
-            )
-            best = min(best, float(np.max(terms[0].rows)))
-        return best

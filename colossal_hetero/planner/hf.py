@@ -82,8 +82,8 @@ def _attention(
 ) -> list[LayerSpec]:
     """QKV projection, head-local attention core and output projection of one block.
 
-    ``qkv`` is (layer name, comma-free module list joined by "|"), so GQA's separate q/k/v
-    modules and GPT-2's fused c_attn share one layer. Widths count query features; each device
+    ``qkv`` is (layer name, its Hugging Face modules joined by "|"), so separate q/k/v modules
+    and GPT-2's fused c_attn both become one layer. Widths count query features; each device
     holds whole key/value heads with their group of query heads.
     """
     hidden_dim = ShardDim(hidden)

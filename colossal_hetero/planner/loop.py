@@ -87,7 +87,7 @@ def _check_minimum_memory(problem: Problem) -> None:
     need = np.zeros(n)
     for layer, choices in zip(cost.model.layers, problem.choices, strict=True):
         strategies = sorted({c.strategy for c in choices}, key=lambda s: s.value)
-        need += np.min([cost.memory(layer, s, empty) for s in strategies], axis=0)
+        need += np.min([np.asarray(cost.memory(layer, s, empty)) for s in strategies], axis=0)
     have = np.asarray(cost.cluster.memory_bytes)
     for d in np.flatnonzero(need > have):
         raise ValueError(
@@ -110,8 +110,8 @@ def _round_within_memory(problem: Problem, program: Program, shares) -> IntegerS
                 model,
                 mesh,
                 shares,
-                floor_ranks=frozenset(int(mesh.rank(d)) for d in over),
-                floor_groups=frozenset(int(mesh.group(d)) for d in over),
+                floor_ranks=frozenset(mesh.rank(int(d)) for d in over),
+                floor_groups=frozenset(mesh.group(int(d)) for d in over),
             )
         except ValueError:
             raise memory_error(problem, program, shares) from None

@@ -176,12 +176,14 @@ _DECISION_FIELDS = (
 
 
 def _ranges(indices: list[int]) -> str:
-    parts, start = [], indices[0]
-    for prev, cur in zip(indices, [*indices[1:], None], strict=True):
-        if cur != prev + 1:
-            parts.append(str(start) if start == prev else f"{start}-{prev}")
-            start = cur
-    return ",".join(parts)
+    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2,5,7-8"``."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
 
 
 def _merged_rows(plan: Plan) -> list[tuple[str, LayerPlan, int]]:

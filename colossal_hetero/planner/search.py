@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from colossal_hetero.planner.affine import Affine
 from colossal_hetero.planner.cost import (
     Collective,
     CostModel,
@@ -33,7 +34,7 @@ from colossal_hetero.planner.cost import (
     Tensor,
     Term,
 )
-from colossal_hetero.planner.spec import LayerKind, Strategy
+from colossal_hetero.planner.spec import LayerKind, LayerSpec, Strategy
 
 
 class Space(str, Enum):
@@ -115,7 +116,7 @@ class Problem:
             raise ValueError("a layer is tied but the model has no embedding to share weights with")
         self.tie_owner = owners[0] if tied else None
 
-    def _strategies(self, layer) -> tuple[Strategy, ...]:
+    def _strategies(self, layer: LayerSpec) -> tuple[Strategy, ...]:
         if self.cost.mesh.tp_size == 1:
             return (Strategy.REPLICATE,)  # every strategy is the whole layer on one device
         allowed = self.cost.strategies(layer)
@@ -125,13 +126,13 @@ class Problem:
             return (layer.default,)
         return allowed
 
-    def _choices(self, layer) -> tuple[Choice, ...]:
+    def _choices(self, layer: LayerSpec) -> tuple[Choice, ...]:
         mesh = self.cost.mesh
         residuals: tuple[Layout | None, ...] = (None,)
         if layer.opens_residual:
             full = self.space is Space.FULL and mesh.tp_size > 1
             residuals = (Layout.R, Layout.B) if full else (Layout.R,)
-        collectives = (Collective.PADDED, Collective.GROUPED)
+        collectives: tuple[Collective, ...] = (Collective.PADDED, Collective.GROUPED)
         if mesh.num_devices == 1:
             collectives = (Collective.PADDED,)
         out = []
@@ -239,6 +240,7 @@ def _zero_loads(cost: CostModel) -> Loads:
 
 def term_value(term: Term) -> float:
     """The time of a numeric term: the maximum of its rows."""
+    assert not isinstance(term.rows, Affine), "affine terms have no value before the LP"
     return float(np.max(term.rows))
 
 
@@ -297,23 +299,22 @@ class EdgeCosts:
 
     def floors(self) -> list[float]:
         """Per layer, the cheapest compute term over its choices (the heuristic's parts)."""
-        cm, problem = self.problem.cost, self.problem
+        problem = self.problem
         memo: dict[int, float] = {}
-        out = []
         for i, layer in enumerate(problem.layers):
             cls = problem.edge_class[i]
             if cls not in memo:
-                strategies = {c.strategy for c in problem.choices[i]}
-                memo[cls] = min(
-                    term_value(
-                        cm.layer_terms(layer, s, GradSync.ALLREDUCE, Collective.PADDED, self.loads)[
-                            0
-                        ][0]
-                    )
-                    for s in sorted(strategies, key=lambda s: s.value)
-                )
-            out.append(memo[cls])
-        return out
+                strategies = sorted({c.strategy for c in problem.choices[i]}, key=lambda s: s.value)
+                memo[cls] = min(self._compute(layer, s) for s in strategies)
+        return [memo[cls] for cls in problem.edge_class]
+
+    def _compute(self, layer: LayerSpec, strategy: Strategy) -> float:
+        # Gradient sync and collectives only add terms (SFB adds compute): a lower bound.
+        terms, _ = self.problem.cost.layer_terms(
+            layer, strategy, GradSync.ALLREDUCE, Collective.PADDED, self.loads
+        )
+        assert terms[0].compute
+        return term_value(terms[0])
 
 
 def astar(problem: Problem, loads: Loads) -> Program:

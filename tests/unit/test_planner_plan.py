@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 import types
 
@@ -150,3 +153,27 @@ def test_planning_48_layer_gpt_on_64_heterogeneous_devices_is_fast():
     elapsed = time.perf_counter() - start
     assert elapsed <= 10.0, f"planning took {elapsed:.1f} s"
     assert len(plan.layers) == len(model.layers) and plan.num_devices == 64
+
+
+def test_plans_are_identical_across_processes():
+    """Every rank plans alone: hash seeds (set and dict orders) must not change the plan."""
+    code = (
+        "import json, types; from colossal_hetero.planner import *\n"
+        "cfg = types.SimpleNamespace(model_type='llama', hidden_size=128, num_attention_heads=8,"
+        " num_key_value_heads=4, head_dim=None, num_hidden_layers=3, intermediate_size=344,"
+        " vocab_size=1000, attention_bias=False, mlp_bias=False, tie_word_embeddings=True)\n"
+        "model = model_spec_from_hf(cfg, batch_size=24, seq_len=64)\n"
+        "cluster = ClusterSpec.from_relative([1, .3, .7, 1, .5, .5, 1, .2], bandwidth_gbps=40)\n"
+        "print(json.dumps(search_plan(cluster, model, tp_size=4, alignment=8).to_dict()))\n"
+    )
+    outputs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+        for seed in ("1", "2")
+    }
+    assert len(outputs) == 1 and next(iter(outputs)).startswith("{")
