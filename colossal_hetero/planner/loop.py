@@ -39,6 +39,8 @@ from colossal_hetero.planner.shares import (
     uniform_shares,
 )
 from colossal_hetero.planner.spec import (
+    DEFAULT_GROUPED_EFFICIENCY,
+    DEFAULT_LATENCY_S,
     REFERENCE_FLOPS,
     ClusterSpec,
     LayerKind,
@@ -333,13 +335,16 @@ def plan_for_run(
     world_size: int,
     *,
     reference_flops: float = REFERENCE_FLOPS,
+    latency_s: float = DEFAULT_LATENCY_S,
+    grouped_efficiency: float = DEFAULT_GROUPED_EFFICIENCY,
     alignment: int = 1,
     max_iters: int = 10,
     space: str | Space = Space.MEGATRON,
 ) -> Plan:
     """Plan a ``config.schema.RunConfig`` on ``world_size`` ranks.
 
-    Uses ``cluster.devices`` (speed relative to ``reference_flops``, memory, bandwidth), the
+    Uses ``cluster.devices`` (speed relative to ``reference_flops``, memory, bandwidth; the
+    link model's ``latency_s`` and ``grouped_efficiency`` come from the arguments), the
     model from ``model`` (built with ``colossal_hetero.models.build_hf_config``, which imports
     transformers), ``data.global_batch_size`` and ``data.seq_len``, ``parallel.tp`` and
     ``parallel.precision``. Defaults to the "megatron" space, which the plugin executes.
@@ -357,7 +362,11 @@ def plan_for_run(
         raise NotImplementedError("the planner does not plan pipeline stages yet (pp > 1)")
     resolve_dp(run_config.plugin_config(), world_size)
     cluster = ClusterSpec.from_config(
-        run_config.cluster, world_size, reference_flops=reference_flops
+        run_config.cluster,
+        world_size,
+        reference_flops=reference_flops,
+        latency_s=latency_s,
+        grouped_efficiency=grouped_efficiency,
     )
     model = model_spec_from_hf(
         build_hf_config(run_config.model),

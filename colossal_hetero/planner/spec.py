@@ -113,12 +113,18 @@ class ClusterSpec:
 
     @classmethod
     def from_config(
-        cls, cluster: Any, world_size: int, *, reference_flops: float = REFERENCE_FLOPS
+        cls,
+        cluster: Any,
+        world_size: int,
+        *,
+        reference_flops: float = REFERENCE_FLOPS,
+        latency_s: float = DEFAULT_LATENCY_S,
+        grouped_efficiency: float = DEFAULT_GROUPED_EFFICIENCY,
     ) -> ClusterSpec:
         """From a ``config.schema.ClusterConfig``; no devices listed means identical defaults."""
-        devices = list(cluster.devices)
-        if not devices:
-            return cls.from_relative([1.0] * world_size, reference_flops=reference_flops)
+        from colossal_hetero.config.schema import DeviceSpec  # pure dataclasses, no torch
+
+        devices = list(cluster.devices) or [DeviceSpec()] * world_size
         if len(devices) != world_size:
             raise ValueError(
                 f"cluster.devices lists {len(devices)} devices but the world size is {world_size}"
@@ -128,6 +134,8 @@ class ClusterSpec:
             memory_gib=[d.memory_gib for d in devices],
             bandwidth_gbps=[d.bandwidth_gbps for d in devices],
             reference_flops=reference_flops,
+            latency_s=latency_s,
+            grouped_efficiency=grouped_efficiency,
         )
 
 

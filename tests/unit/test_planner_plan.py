@@ -177,3 +177,16 @@ def test_plans_are_identical_across_processes():
         for seed in ("1", "2")
     }
     assert len(outputs) == 1 and next(iter(outputs)).startswith("{")
+
+
+def test_cluster_from_config_converts_units():
+    from colossal_hetero.config.schema import ClusterConfig, DeviceSpec
+
+    devices = [DeviceSpec(speed=0.5, memory_gib=8, bandwidth_gbps=80), DeviceSpec()]
+    cluster = ClusterSpec.from_config(ClusterConfig(devices=devices), 2, reference_flops=1e12)
+    assert cluster.speeds == (0.5e12, 1e12)
+    assert cluster.memory_bytes == (8 * 2**30, 16 * 2**30)  # DeviceSpec's default: 16 GiB
+    assert cluster.bandwidths == (1e10, 1.25e10)  # Gbit/s -> bytes/s
+    assert ClusterSpec.from_config(ClusterConfig(), 3).num_devices == 3
+    with pytest.raises(ValueError, match="lists 2 devices but the world size is 4"):
+        ClusterSpec.from_config(ClusterConfig(devices=devices), 4)
