@@ -349,6 +349,47 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
+class PlanConfig:
+    """How tensor-parallel widths and data-parallel shares are chosen (see docs/planner.md)."""
+
+    mode: Literal["auto", "even", "file"] = "auto"
+    """auto: run the planner when cluster.devices differ in speed or memory (else even);
+    even: stock even split; file: load the plan from `path`."""
+
+    path: str | None = None
+    """Plan file (YAML or JSON) written by `colossal-hetero plan`, used when mode is file."""
+
+    alignment: int = 1
+    """Widths other than attention heads are multiples of this (8 or 64 suit GPUs)."""
+
+    max_iters: int = 10
+    """Rounds of the search / LP loop."""
+
+    reference_tflops: float = 100.0
+    """Sustained TFLOP/s of a device with speed 1.0 (calibrate with `colossal-hetero profile`)."""
+
+    latency_us: float = 10.0
+    """Per-message link latency the cost model assumes, microseconds."""
+
+    grouped_efficiency: float = 0.7
+    """Bandwidth fraction grouped (broadcast-based) collectives reach relative to ring ones."""
+
+    def __post_init__(self) -> None:
+        _require(
+            self.mode != "file" or self.path is not None,
+            "path",
+            "plan.mode is file but no path is given",
+        )
+        _require(self.alignment >= 1, "alignment", f"must be >= 1, got {self.alignment}")
+        _require(self.max_iters >= 1, "max_iters", f"must be >= 1, got {self.max_iters}")
+        _require(
+            self.reference_tflops > 0,
+            "reference_tflops",
+            f"must be > 0, got {self.reference_tflops}",
+        )
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
 class HeteroConfig:
     """What the plugin needs: the parallel layout, the cluster and its emulation."""
 
@@ -360,6 +401,9 @@ class HeteroConfig:
 
     emulation: EmulationConfig = field(default_factory=EmulationConfig)
     """Heterogeneity emulation (testing and benchmarks)."""
+
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    """Planning of uneven shard widths and batch shares."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -381,6 +425,9 @@ class RunConfig:
     emulation: EmulationConfig = field(default_factory=EmulationConfig)
     """Heterogeneity emulation."""
 
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    """Planning of uneven shard widths and batch shares."""
+
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """Optimizer."""
 
@@ -395,4 +442,6 @@ class RunConfig:
 
     def plugin_config(self) -> HeteroConfig:
         """The part of the run the plugin consumes."""
-        return HeteroConfig(parallel=self.parallel, cluster=self.cluster, emulation=self.emulation)
+        return HeteroConfig(
+            parallel=self.parallel, cluster=self.cluster, emulation=self.emulation, plan=self.plan
+        )

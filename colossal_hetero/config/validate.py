@@ -70,10 +70,19 @@ def validate_run(config: RunConfig, world_size: int) -> int:
     dp = validate_layout(config.plugin_config(), world_size)
     parallel = config.parallel
     shape = model_shape(config.model)
-    if shape.num_heads % parallel.tp != 0:
+    from colossal_hetero.planner.resolve import wants_plan
+
+    if wants_plan(config.plugin_config()):
+        # Uneven plans give every rank whole heads; a rank needs at least one.
+        if parallel.tp > shape.num_heads:
+            raise ConfigError(
+                f"parallel.tp: {parallel.tp} ranks but the model has only {shape.num_heads} "
+                f"attention heads"
+            )
+    elif shape.num_heads % parallel.tp != 0:
         raise ConfigError(
             f"parallel.tp: {parallel.tp} does not divide the {shape.num_heads} attention heads "
-            f"of model.hf"
+            f"of model.hf (set plan.mode: auto with heterogeneous devices for uneven heads)"
         )
     if shape.num_layers < parallel.pp:
         raise ConfigError(
@@ -85,7 +94,9 @@ def validate_run(config: RunConfig, world_size: int) -> int:
             f"data.dataset: {config.data.dataset!r} does not fit model.arch "
             f"{config.model.arch!r} (vit trains on digits, text models on pydoc_topics)"
         )
-    if parallel.batch_shares or parallel.batch_split != "even":
+    if wants_plan(config.plugin_config()) and not parallel.batch_shares:
+        pass  # the plan's group shares sum to the global batch by construction
+    elif parallel.batch_shares or parallel.batch_split != "even":
         from colossal_hetero.planner.batch_shares import batch_shares
 
         batch_shares(config.plugin_config(), world_size, dp, config.data.global_batch_size)

@@ -1,0 +1,135 @@
+"""Which plan a run uses: none (even split), one from a file, or one the planner makes now.
+
+Pure and deterministic, so every rank resolves the same plan from the same YAML before any
+collective starts; errors are ``ConfigError``s naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from colossal_hetero.config.loader import ConfigError
+from colossal_hetero.config.schema import ClusterConfig, HeteroConfig, RunConfig
+from colossal_hetero.planner.plan import Plan, load_plan
+
+
+def is_heterogeneous(cluster: ClusterConfig) -> bool:
+    """Whether the listed devices differ in speed or memory."""
+    devices = cluster.devices
+    return len({d.speed for d in devices}) > 1 or len({d.memory_gib for d in devices}) > 1
+
+
+def wants_plan(config: HeteroConfig) -> bool:
+    """Whether this config runs with a planned (possibly uneven) layout."""
+    mode = config.plan.mode
+    if mode == "file":
+        return True
+    return mode == "auto" and is_heterogeneous(config.cluster) and config.parallel.pp == 1
+
+
+def resolve_plan(run: RunConfig, world_size: int) -> Plan | None:
+    """The plan for ``run`` on ``world_size`` ranks, or None for Colossal-AI's even split.
+
+    Raises:
+        ConfigError: the plan file is missing or does not match the layout, or the planner
+            finds the layout infeasible (a device without memory for its shard, ...).
+    """
+    config = run.plugin_config()
+    if not wants_plan(config):
+        return None
+    if config.plan.mode == "file":
+        plan = _load(config.plan.path)
+    else:
+        plan = _search(run, world_size)
+    check_plan(plan, config, world_size, run.data.global_batch_size)
+    return plan
+
+
+def plan_for_model(
+    config: HeteroConfig, model: Any, world_size: int, workload: tuple[int, int] | None
+) -> Plan:
+    """Plan for a transformers ``model`` (the plugin's path when no plan was given).
+
+    ``workload`` is ``(global_batch_size, seq_len)``; None means 8 samples per data-parallel
+    group at the model's maximum sequence length.
+    """
+    from colossal_hetero.config.validate import resolve_dp
+    from colossal_hetero.planner.hf import model_spec_from_hf
+    from colossal_hetero.planner.loop import search_plan
+    from colossal_hetero.planner.search import Space
+    from colossal_hetero.planner.spec import ClusterSpec
+
+    if config.plan.mode == "file":
+        plan = _load(config.plan.path)
+        check_plan(plan, config, world_size, plan.batch_size)
+        return plan
+    dp = resolve_dp(config, world_size)
+    hf_config = model.config
+    batch_size, seq_len = workload or (8 * dp, getattr(hf_config, "max_position_embeddings", 512))
+    settings = config.plan
+    cluster = ClusterSpec.from_config(
+        config.cluster,
+        world_size,
+        reference_flops=settings.reference_tflops * 1e12,
+        latency_s=settings.latency_us * 1e-6,
+        grouped_efficiency=settings.grouped_efficiency,
+    )
+    spec = model_spec_from_hf(hf_config, batch_size, seq_len, dtype_bytes=_dtype_bytes(config))
+    try:
+        return search_plan(
+            cluster,
+            spec,
+            tp_size=config.parallel.tp,
+            alignment=settings.alignment,
+            max_iters=settings.max_iters,
+            space=Space.MEGATRON,  # the strategy space the resizable layers execute
+        )
+    except ValueError as error:
+        raise ConfigError(f"plan: infeasible: {error}") from None
+
+
+def _dtype_bytes(config: HeteroConfig) -> int:
+    return 4 if config.parallel.precision == "fp32" else 2
+
+
+def check_plan(plan: Plan, config: HeteroConfig, world_size: int, batch_size: int) -> None:
+    """Reject a plan made for another layout or batch size."""
+    if plan.tp_size != config.parallel.tp or plan.num_devices != world_size:
+        raise ConfigError(
+            f"plan.path: the plan is for tp {plan.tp_size} x dp {plan.dp_size}, the run is "
+            f"tp {config.parallel.tp} on {world_size} ranks"
+        )
+    if plan.batch_size != batch_size:
+        raise ConfigError(
+            f"plan.path: the plan is for a global batch of {plan.batch_size}, the run uses "
+            f"data.global_batch_size {batch_size}"
+        )
+
+
+def _load(path: Any) -> Plan:
+    try:
+        return load_plan(path)
+    except FileNotFoundError:
+        raise ConfigError(f"plan.path: no plan file at {path}") from None
+    except (ValueError, KeyError) as error:
+        raise ConfigError(f"plan.path: {path} is not a plan: {error}") from None
+
+
+def _search(run: RunConfig, world_size: int) -> Plan:
+    from colossal_hetero.planner.loop import plan_for_run
+
+    settings = run.plan
+    try:
+        return plan_for_run(
+            run,
+            world_size,
+            reference_flops=settings.reference_tflops * 1e12,
+            latency_s=settings.latency_us * 1e-6,
+            grouped_efficiency=settings.grouped_efficiency,
+            alignment=settings.alignment,
+            max_iters=settings.max_iters,
+        )
+    except ConfigError:
+        raise
+    except ValueError as error:
+        raise ConfigError(f"plan: infeasible: {error}") from None
