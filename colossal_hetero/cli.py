@@ -9,6 +9,7 @@ colossal-hetero demo [--steps N] [--out DIR]    4 CPU ranks, one emulated 2x slo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import subprocess
 import sys
@@ -58,6 +59,71 @@ def _train(args: argparse.Namespace) -> int:
     return launch(args.config, nproc)
 
 
+def _plan(args: argparse.Namespace) -> int:
+    import time
+
+    from colossal_hetero.planner.plan import dump_plan, format_plan
+    from colossal_hetero.planner.resolve import check_plan, resolve_plan
+
+    config = load_config(args.config)
+    world_size = args.world_size or _world_size_of(config)
+    validate_run(config, world_size)
+    if config.plan.mode == "file":
+        raise ConfigError("plan.mode: is file; `plan` makes a plan, set mode auto or even")
+    # Plan even for identical devices: the table still shows the predicted times.
+    auto = dataclasses.replace(config, plan=dataclasses.replace(config.plan, mode="auto"))
+    started = time.perf_counter()
+    plan = resolve_plan(auto, world_size) or _plan_uniform(auto, world_size)
+    check_plan(plan, config.plugin_config(), world_size, config.data.global_batch_size)
+    print(format_plan(plan))
+    print(f"planned in {time.perf_counter() - started:.2f} s")
+    if args.out:
+        dump_plan(plan, args.out)
+        print(f"wrote {args.out}; train with plan: {{mode: file, path: {args.out}}}")
+    return 0
+
+
+def _plan_uniform(config: RunConfig, world_size: int):  # noqa: ANN202
+    from colossal_hetero.planner.loop import plan_for_run
+
+    return plan_for_run(config, world_size)
+
+
+def _profile(args: argparse.Namespace) -> int:
+    import yaml
+
+    from colossal_hetero.bench.profile import cluster_yaml, profile_rank
+    from colossal_hetero.bench.spawn import spawn_ranks
+
+    emulation = None
+    if args.config:
+        config = load_config(args.config)
+        validate_run(config, args.nproc)
+        emulation = config.emulation if config.emulation.enabled else None
+    results = spawn_ranks(profile_rank, args.nproc, emulation=emulation)
+    for rank, result in enumerate(results):
+        gflops, gbps = result["flops"] / 1e9, result["gbps"]
+        print(f"rank {rank}: {gflops:8.2f} GFLOP/s  all-reduce {gbps:.2f} Gbit/s")
+    fragment = yaml.safe_dump(cluster_yaml(results, "cpu" if not _has_gpus(args.nproc) else "cuda"))
+    print(fragment, end="")
+    if args.out:
+        Path(args.out).write_text(fragment)
+        print(f"wrote {args.out} (merge it into a run config)")
+    return 0
+
+
+def _has_gpus(nproc: int) -> bool:
+    from colossal_hetero.utils.device import cuda_device_count
+
+    return cuda_device_count() >= nproc
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from colossal_hetero.bench import run_benchmark
+
+    return run_benchmark(args.name, quick=args.quick, json_path=args.json)
+
+
 def _demo(args: argparse.Namespace) -> int:
     from colossal_hetero.demo import run_demo
 
@@ -82,6 +148,24 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("config")
     train.add_argument("--nproc", type=int, default=0, help="ranks (default: from the config)")
     train.set_defaults(handler=_train)
+
+    plan = commands.add_parser("plan", help="plan uneven widths and batch shares")
+    plan.add_argument("config")
+    plan.add_argument("--world-size", type=int, default=0)
+    plan.add_argument("--out", default="", help="write the plan here (.yaml or .json)")
+    plan.set_defaults(handler=_plan)
+
+    profile = commands.add_parser("profile", help="measure device speed and link bandwidth")
+    profile.add_argument("--nproc", type=int, default=2, help="local ranks to measure")
+    profile.add_argument("--config", default="", help="apply this run config's emulation")
+    profile.add_argument("--out", default="", help="write the cluster YAML fragment here")
+    profile.set_defaults(handler=_profile)
+
+    bench = commands.add_parser("bench", help="run a benchmark against stock Colossal-AI")
+    bench.add_argument("name", choices=["static"])
+    bench.add_argument("--quick", action="store_true", help="fewer cases and steps")
+    bench.add_argument("--json", default="", help="write results here")
+    bench.set_defaults(handler=_bench)
 
     demo = commands.add_parser("demo", help="4 CPU ranks, one emulated 2x slower")
     demo.add_argument("--steps", type=int, default=0, help="override the demo's step count")

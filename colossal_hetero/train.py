@@ -12,6 +12,7 @@ import sys
 import warnings
 
 from colossal_hetero.config import ConfigError, load_config, validate_run
+from colossal_hetero.planner.resolve import resolve_plan
 
 
 def _quiet_optional_kernel_warnings() -> None:
@@ -30,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config)
         validate_run(config, world_size)
+        plan = resolve_plan(config, world_size)  # identical on every rank
     except (ConfigError, FileNotFoundError) as error:
         print(f"[rank {rank}] colossal-hetero: config error: {error}", file=sys.stderr)
         return 2
@@ -42,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
     device = init_distributed(config.cluster, seed=config.train.seed)
     try:
-        result = run_training(config, device)
+        result = run_training(config, device, plan)
     finally:
         dist.destroy_process_group()
     if rank == 0:

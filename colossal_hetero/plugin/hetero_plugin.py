@@ -31,8 +31,11 @@ from colossal_hetero.config.loader import ConfigError
 from colossal_hetero.config.schema import HeteroConfig
 from colossal_hetero.config.validate import validate_layout
 from colossal_hetero.emulation import CollectiveInterceptor, build_interceptor
+from colossal_hetero.planner.plan import Plan
+from colossal_hetero.planner.resolve import plan_for_model, wants_plan
 from colossal_hetero.plugin.engine import build_engine
 from colossal_hetero.plugin.launch import prepare_device
+from colossal_hetero.policies import resizable_policy
 from colossal_hetero.utils.device import backend_for, resolve_device
 
 
@@ -40,15 +43,27 @@ class HeteroParallelPlugin(PipelinePluginBase):
     """Booster plugin for heterogeneous clusters.
 
     Args:
-        config: parallel layout, cluster description and emulation settings.
-        policy: optional shardformer ``Policy`` replacing the stock one for the model.
+        config: parallel layout, cluster description, emulation and planning settings.
+        plan: a planner ``Plan`` (uneven tensor-parallel widths, data-parallel shares). When
+            None and ``config.plan`` asks for one (mode auto on a heterogeneous cluster), the
+            plugin plans at ``configure`` from the model's config and ``workload``.
+        workload: ``(global_batch_size, seq_len)`` the plugin plans for when it plans itself;
+            default: 8 samples per data-parallel group at the model's maximum length.
+        policy: optional shardformer ``Policy`` replacing the stock one (overrides the plan's).
 
     Raises:
         ConfigError: the layout does not fit the world size, or the device does not fit the
             process group's backend. Raised identically on every rank, before any collective.
     """
 
-    def __init__(self, config: HeteroConfig, *, policy: Any = None) -> None:
+    def __init__(
+        self,
+        config: HeteroConfig,
+        *,
+        plan: Plan | None = None,
+        workload: tuple[int, int] | None = None,
+        policy: Any = None,
+    ) -> None:
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("initialise torch.distributed (colossalai.launch*) first")
@@ -57,6 +72,7 @@ class HeteroParallelPlugin(PipelinePluginBase):
         self.dp_size = validate_layout(config, self.world_size)
         self.device = _device_for(config)
         prepare_device(self.device)
+        self.plan, self.workload, self._policy = plan, workload, policy
         self.engine = build_engine(config, self.device, policy)
         self.timer: CollectiveInterceptor = build_interceptor(
             config.emulation, self.rank, self.world_size, self.device
@@ -120,6 +136,10 @@ class HeteroParallelPlugin(PipelinePluginBase):
     ) -> tuple:
         """Shard ``model`` and wrap ``optimizer`` for the layout (see HybridParallelPlugin)."""
         keep_gpt2_causal(model)
+        if self.plan is None and wants_plan(self.config):
+            self.plan = plan_for_model(self.config, model, self.world_size, self.workload)
+        if self._policy is None and self.plan is not None and self.tp_size > 1:
+            self.engine.custom_policy = resizable_policy(model, self.plan.widths)
         return self.engine.configure(model, optimizer, criterion, dataloader, lr_scheduler)
 
     def execute_pipeline(

@@ -28,6 +28,7 @@ from colossal_hetero.metrics import (
 )
 from colossal_hetero.models import build_model, loss_from_outputs
 from colossal_hetero.planner.batch_shares import batch_shares
+from colossal_hetero.planner.plan import Plan, dump_plan
 from colossal_hetero.plugin import HeteroParallelPlugin
 from colossal_hetero.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from colossal_hetero.training.optim import build_lr_scheduler, build_optimizer
@@ -43,12 +44,17 @@ class RunResult:
     val_accuracy: float | None
 
 
-def run_training(config: RunConfig, device: torch.device) -> RunResult:
-    """Train as ``config`` says on an initialised process group; returns the validation curve."""
+def run_training(config: RunConfig, device: torch.device, plan: Plan | None = None) -> RunResult:
+    """Train as ``config`` says on an initialised process group; returns the validation curve.
+
+    ``plan`` (from ``planner.resolve.resolve_plan``) sets uneven tensor-parallel widths and
+    data-parallel shares; None trains Colossal-AI's even layout.
+    """
     if device.type == "cpu":
         torch.set_num_threads(1)  # ranks share the host's cores; one thread each
     rank = dist.get_rank()
-    plugin = HeteroParallelPlugin(config.plugin_config())
+    workload = (config.data.global_batch_size, config.data.seq_len)
+    plugin = HeteroParallelPlugin(config.plugin_config(), plan=plan, workload=workload)
     try:
         return _train(config, device, plugin, rank)
     finally:
@@ -70,12 +76,17 @@ def _train(
         model, optimizer, loss_from_outputs, lr_scheduler=lr_scheduler
     )
     start_step = _maybe_resume(config, booster, model, optimizer, lr_scheduler)
+    if rank == 0 and plugin.plan is not None:
+        dump_plan(plugin.plan, out_dir / "plan.yaml")  # the layout this run trained with
 
     data = build_data(config.data, config.model.arch)
     dp_rank = rank // (plugin.tp_size * plugin.pp_size)  # dp is the outermost mesh axis
-    shares = batch_shares(
-        config.plugin_config(), plugin.world_size, plugin.dp_size, config.data.global_batch_size
-    )
+    if plugin.plan is not None and not config.parallel.batch_shares:
+        shares = list(plugin.plan.group_samples)
+    else:
+        shares = batch_shares(
+            config.plugin_config(), plugin.world_size, plugin.dp_size, config.data.global_batch_size
+        )
     loss_scale = share_loss_scale(shares, dp_rank)
     use_pipeline = plugin.pp_size > 1
     val_batches = [

@@ -1,0 +1,130 @@
+"""Time training steps of one model under one plugin, on every rank of a spawned world.
+
+A step's time is the slowest rank's (the step is synchronous); compute time is a rank's time
+outside collectives, as the collective interceptor measures it.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from colossalai.booster import Booster
+
+from colossal_hetero.config.schema import ModelConfig
+from colossal_hetero.emulation import CollectiveInterceptor
+from colossal_hetero.models import build_model, loss_from_outputs
+
+
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    """Medians over the timed steps (seconds)."""
+
+    step_time: float
+    """Median over steps of the slowest rank's step time."""
+
+    compute_time: list[float]
+    """Per rank: median time outside collectives (emulated stretch included)."""
+
+    comm_wait: list[float]
+    """Per rank: median time inside collectives."""
+
+    losses: list[float]
+    """Training loss per timed step (as seen by rank 0's TP group)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return asdict(self)
+
+
+def text_batch(batch_size: int, seq_len: int, seed: int) -> dict[str, torch.Tensor]:
+    """A deterministic random byte batch for causal LM timing."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 256, (batch_size, seq_len), generator=generator)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+class TrainingRunner:
+    """One model boosted by one plugin, stepped on demand under its own timer.
+
+    Several runners can live side by side (each plugin has its own process groups); their
+    steps are interleaved so that every variant sees the same machine load. Each step installs
+    the runner's timer for its duration only (one interceptor may be installed at a time).
+    """
+
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        plugin: Any,
+        timer: CollectiveInterceptor,
+        *,
+        batch_size: int,
+        seq_len: int,
+        device: torch.device,
+    ) -> None:
+        if timer.installed:
+            timer.uninstall()
+        self.timer, self.device = timer, device
+        self.batch_size, self.seq_len = batch_size, seq_len
+        model = build_model(model_cfg)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        self.booster = Booster(plugin=plugin)
+        self.model, self.optimizer, self.criterion, _, _ = self.booster.boost(
+            model, optimizer, loss_from_outputs
+        )
+        self.rows: list[list[float]] = []
+
+    def step(self, step: int, *, record: bool) -> None:
+        """One training step on a deterministic batch; keeps its timing when ``record``.
+
+        Collectives: the model's own, then one all_gather of four numbers (outside the timing).
+        """
+        batch = text_batch(self.batch_size, self.seq_len, step)
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        with self.timer:
+            self.timer.begin_step(step)
+            loss = self.criterion(self.model(**batch), batch)
+            self.booster.backward(loss, self.optimizer)
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+            timing = self.timer.end_step()
+        values = [timing.step_time, timing.compute_time, timing.comm_wait, float(loss)]
+        gathered = _gather(values, self.device)
+        if record:
+            self.rows.append(gathered)
+
+    def measurement(self) -> Measurement:
+        """Medians over the recorded steps."""
+        return _summarise(self.rows, dist.get_world_size())
+
+
+def run_interleaved(runners: list[TrainingRunner], *, warmup: int, steps: int) -> None:
+    """Step every runner once per round, ``warmup`` unrecorded rounds then ``steps``."""
+    for step in range(warmup + steps):
+        for runner in runners:
+            runner.step(step, record=step >= warmup)
+
+
+def _gather(values: list[float], device: torch.device) -> list[float]:
+    mine = torch.tensor(values, dtype=torch.float64, device=device)
+    gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    return torch.cat(gathered).tolist()
+
+
+def _summarise(rows: list[list[float]], world_size: int) -> Measurement:
+    width = len(rows[0]) // world_size
+
+    def column(rank: int, index: int) -> list[float]:
+        return [row[rank * width + index] for row in rows]
+
+    step_times = [max(row[r * width] for r in range(world_size)) for row in rows]
+    return Measurement(
+        step_time=statistics.median(step_times),
+        compute_time=[statistics.median(column(r, 1)) for r in range(world_size)],
+        comm_wait=[statistics.median(column(r, 2)) for r in range(world_size)],
+        losses=column(0, 3),
+    )

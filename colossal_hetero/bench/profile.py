@@ -1,0 +1,101 @@
+"""Micro-benchmarks of this rank's compute speed and the links between ranks.
+
+They run under whatever emulation is installed, so a rank emulated 2x slower measures half
+the FLOP/s: that is the speed the planner should see.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from colossal_hetero.utils.device import synchronize
+
+
+def measure_flops(
+    device: torch.device, size: int = 384, repeats: int = 7, dtype: torch.dtype = torch.float32
+) -> float:
+    """Median FLOP/s of a ``size`` x ``size`` matmul on ``device``.
+
+    Each timed matmul is followed by a barrier-free all_reduce of one number over the world
+    group when a process group exists, so that compute emulation (which stretches the time
+    between collectives) applies to it.
+    """
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    token = torch.zeros(1, device=device)
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        (a @ b).sum()
+        if dist.is_initialized():
+            dist.all_reduce(token)  # the boundary at which emulation stretches the matmul
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return 2 * size**3 / statistics.median(times)
+
+
+def measure_allreduce_gbps(device: torch.device, nbytes: int = 4 << 20, repeats: int = 5) -> float:
+    """Bus bandwidth of a ring all_reduce over the world group, Gbit/s (median)."""
+    world = dist.get_world_size()
+    if world == 1:
+        return float("inf")
+    tensor = torch.zeros(nbytes // 4, device=device)
+    dist.all_reduce(tensor)  # warm the connections
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        synchronize(device)
+        start = time.perf_counter()
+        dist.all_reduce(tensor)
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    bus_bytes = 2 * (world - 1) / world * nbytes
+    return bus_bytes * 8 / statistics.median(times) / 1e9
+
+
+def agree(value: float, device: torch.device, op: str = "min") -> float:
+    """The same number on every rank (min or max over the world), so plans agree."""
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX)
+    return float(tensor)
+
+
+def profile_rank(rank: int, world_size: int, device: torch.device, emulation: Any) -> dict:
+    """Spawned on every rank: measure under ``emulation`` (an EmulationConfig or None).
+
+    FLOP/s come from the interceptor's compute time (time outside collectives, emulated
+    stretch included), so waiting for slower peers does not count against a fast rank.
+    """
+    from colossal_hetero.config.schema import EmulationConfig
+    from colossal_hetero.emulation import build_interceptor
+    from colossal_hetero.plugin import prepare_device
+
+    prepare_device(device)
+    size, repeats = 384, 7
+    with build_interceptor(emulation or EmulationConfig(), rank, world_size, device) as timer:
+        timer.begin_step(0)
+        measure_flops(device, size=size, repeats=repeats)
+        timing = timer.end_step()
+        gbps = measure_allreduce_gbps(device)
+    return {"flops": repeats * 2 * size**3 / timing.compute_time, "gbps": gbps}
+
+
+def cluster_yaml(results: list[dict], device_kind: str) -> dict:
+    """A ``cluster`` + ``plan`` YAML fragment from per-rank measurements."""
+    fastest = max(r["flops"] for r in results)
+    return {
+        "cluster": {
+            "device": device_kind,
+            "devices": [
+                {"speed": round(r["flops"] / fastest, 4), "bandwidth_gbps": round(r["gbps"], 3)}
+                for r in results
+            ],
+        },
+        "plan": {"reference_tflops": fastest / 1e12},
+    }

@@ -1,0 +1,55 @@
+"""Run a function on several local ranks and collect each rank's JSON-able result.
+
+Benchmarks use it like the tests use tests/dist_utils.py: gloo on CPU, NCCL with one GPU per
+rank. Results travel through files, so a rank's return value must be JSON-serialisable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from colossal_hetero.utils.device import backend_for, bind_device, cuda_device_count
+
+
+def _entry(rank: int, world_size: int, folder: str, fn: Callable[..., Any], kwargs: dict) -> None:
+    torch.set_num_threads(1)
+    device = (
+        torch.device("cuda", rank) if cuda_device_count() >= world_size else torch.device("cpu")
+    )
+    bind_device(device)
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    dist.init_process_group(
+        backend_for(device), init_method=f"file://{folder}/init", rank=rank, world_size=world_size
+    )
+    try:
+        result = fn(rank=rank, world_size=world_size, device=device, **kwargs)
+        with open(os.path.join(folder, f"result_{rank}.json"), "w") as handle:
+            json.dump(result, handle)
+    finally:
+        time.sleep(0.2)  # torch 2.5 gloo teardown race, see tests/dist_utils.py
+        dist.destroy_process_group()
+
+
+def spawn_ranks(fn: Callable[..., Any], world_size: int, **kwargs: Any) -> list[Any]:
+    """``[fn(rank=r, world_size=, device=, **kwargs) for r in ranks]``, each in its own process."""
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(_entry, args=(world_size, folder, fn, kwargs), nprocs=world_size, join=True)
+        results = []
+        for rank in range(world_size):
+            with open(os.path.join(folder, f"result_{rank}.json")) as handle:
+                results.append(json.load(handle))
+    return results

@@ -1,0 +1,198 @@
+"""``colossal-hetero bench static``: planned uneven TP vs Colossal-AI's even TP, same run.
+
+Per case (model, TP size, emulated speeds), one spawned world times three variants:
+
+- ``homogeneous``: stock HybridParallelPlugin, even TP, no emulation (gives T_homo, C_homo);
+- ``stock``: stock HybridParallelPlugin, even TP, ranks slowed to the case's speeds;
+- ``planned``: HeteroParallelPlugin with the planner's uneven widths, same slowdowns.
+
+ideal = T_homo - C_homo + C_homo * n / sum(speeds): compute spread exactly in proportion to
+speed, communication as measured. speedup = stock / planned; efficiency = ideal / planned.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from colossal_hetero.bench.measure import Measurement, TrainingRunner, run_interleaved
+from colossal_hetero.bench.profile import agree, measure_allreduce_gbps, measure_flops
+from colossal_hetero.config.schema import (
+    ClusterConfig,
+    DeviceSpec,
+    EmulationConfig,
+    HeteroConfig,
+    ModelConfig,
+    ParallelConfig,
+    PlanConfig,
+    SlowdownSpec,
+)
+
+SEQ_LEN = 64
+BATCH_SIZE = 4
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmark case."""
+
+    name: str
+    model: ModelConfig
+    speeds: tuple[float, ...]
+    steps: int = 8
+    warmup: int = 2
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tp(self) -> int:
+        """TP size: one rank per listed speed."""
+        return len(self.speeds)
+
+
+def _gpt2(width: int = 384, heads: int = 6, layers: int = 2) -> ModelConfig:
+    return ModelConfig(
+        arch="gpt2",
+        hf={
+            "n_layer": layers,
+            "n_embd": width,
+            "n_head": heads,
+            "n_positions": SEQ_LEN,
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+        },
+    )
+
+
+def _llama(width: int = 384, heads: int = 6, layers: int = 2) -> ModelConfig:
+    return ModelConfig(
+        arch="llama",
+        hf={
+            "num_hidden_layers": layers,
+            "hidden_size": width,
+            "intermediate_size": 4 * width,
+            "num_attention_heads": heads,
+            "num_key_value_heads": heads,
+            "max_position_embeddings": SEQ_LEN,
+        },
+    )
+
+
+def cases(quick: bool) -> list[Case]:
+    """The benchmark's cases; ``quick`` keeps one of each kind."""
+    selected = [
+        Case("gpt2-tp2-[1,0.5]", _gpt2(), (1.0, 0.5)),
+        Case("gpt2-tp2-equal", _gpt2(), (1.0, 1.0)),
+        Case("llama-tp2-[1,0.5]", _llama(), (1.0, 0.5)),
+        Case("gpt2-tp4-[1,1,0.5,0.25]", _gpt2(width=512, heads=8), (1.0, 1.0, 0.5, 0.25)),
+    ]
+    if not quick:
+        selected += [
+            Case("llama-tp4-[1,1,0.5,0.25]", _llama(width=512, heads=8), (1.0, 1.0, 0.5, 0.25)),
+            Case("llama-tp2-equal", _llama(), (1.0, 1.0)),
+            Case("gpt2-tp4-equal", _gpt2(width=512, heads=8), (1.0,) * 4),
+        ]
+        selected = [Case(c.name, c.model, c.speeds, steps=15, warmup=3) for c in selected]
+    return selected
+
+
+def _emulation(speeds: tuple[float, ...]) -> EmulationConfig:
+    fastest = max(speeds)
+    slowdowns = [
+        SlowdownSpec(rank=r, factor=fastest / s) for r, s in enumerate(speeds) if s < fastest
+    ]
+    return EmulationConfig(compute=slowdowns)
+
+
+def run_case(rank: int, world_size: int, device: torch.device, case: Case) -> dict[str, Any]:
+    """Spawned on every rank: profile, plan, and time the three variants."""
+    from colossalai.booster.plugin import HybridParallelPlugin
+
+    from colossal_hetero.emulation import build_interceptor
+    from colossal_hetero.plugin import HeteroParallelPlugin, prepare_device
+    from colossal_hetero.plugin.engine import engine_kwargs
+
+    prepare_device(device)
+    # The planner's device model: this machine's measured matmul rate and link bandwidth.
+    tflops = agree(measure_flops(device), device, "max") / 1e12
+    gbps = agree(measure_allreduce_gbps(device), device, "min")
+    devices = [DeviceSpec(speed=s, bandwidth_gbps=gbps) for s in case.speeds]
+    config = HeteroConfig(
+        parallel=ParallelConfig(tp=case.tp),
+        cluster=ClusterConfig(device=device.type, devices=devices),
+        emulation=_emulation(case.speeds),
+        plan=PlanConfig(mode="auto", reference_tflops=tflops),
+    )
+    even = HeteroConfig(parallel=config.parallel, cluster=ClusterConfig(device=device.type))
+    shape = {"batch_size": BATCH_SIZE, "seq_len": SEQ_LEN, "device": device}
+    results: dict[str, Any] = {"reference_tflops": tflops, "allreduce_gbps": gbps}
+
+    hetero = HeteroParallelPlugin(config, workload=(BATCH_SIZE, SEQ_LEN))
+    runners = {
+        "homogeneous": TrainingRunner(
+            case.model,
+            HybridParallelPlugin(**engine_kwargs(even, device)),
+            build_interceptor(even.emulation, rank, world_size, device),
+            **shape,
+        ),
+        "stock": TrainingRunner(
+            case.model,
+            HybridParallelPlugin(**engine_kwargs(even, device)),
+            build_interceptor(config.emulation, rank, world_size, device),
+            **shape,
+        ),
+        "planned": TrainingRunner(case.model, hetero, hetero.timer, **shape),
+    }
+    run_interleaved(list(runners.values()), warmup=case.warmup, steps=case.steps)
+    for name, runner in runners.items():
+        results[name] = runner.measurement().to_dict()
+    results["plan"] = {
+        "widths": hetero.plan.widths if hetero.plan else None,
+        "predicted_speedup": hetero.plan.speedup if hetero.plan else 1.0,
+    }
+    return results
+
+
+def summarise(case: Case, result: dict[str, Any]) -> dict[str, Any]:
+    """Ratios and the ideal bound of one case (see the module docstring)."""
+    homo, stock, planned = (Measurement(**result[k]) for k in ("homogeneous", "stock", "planned"))
+    n = len(case.speeds)
+    speeds = [s / max(case.speeds) for s in case.speeds]
+    c_homo = sum(homo.compute_time) / n
+    ideal = homo.step_time - c_homo + c_homo * n / sum(speeds)
+    return {
+        "case": case.name,
+        "tp": n,
+        "speeds": list(case.speeds),
+        "arch": case.model.arch,
+        "stock_step_time": stock.step_time,
+        "planned_step_time": planned.step_time,
+        "homogeneous_step_time": homo.step_time,
+        "homogeneous_compute_time": c_homo,
+        "ideal_step_time": ideal,
+        "speedup": stock.step_time / planned.step_time,
+        "efficiency": ideal / planned.step_time,
+        "plan": result["plan"],
+        "per_rank": {k: result[k] for k in ("homogeneous", "stock", "planned")},
+        "reference_tflops": result["reference_tflops"],
+        "allreduce_gbps": result["allreduce_gbps"],
+    }
+
+
+def planning_time_1p5b() -> float:
+    """Seconds to plan a 48-layer GPT (1.5B) for 64 heterogeneous devices (TP 8 x DP 8)."""
+    import transformers
+
+    from colossal_hetero.planner import ClusterSpec, model_spec_from_hf, search_plan
+    from colossal_hetero.planner.search import Space
+
+    hf = transformers.GPT2Config(n_layer=48, n_embd=1600, n_head=25, n_positions=1024)
+    speeds = [(1.0, 0.6, 0.35)[i % 3] for i in range(64)]
+    cluster = ClusterSpec.from_relative(speeds)
+    model = model_spec_from_hf(hf, batch_size=256, seq_len=1024, dtype_bytes=2)
+    started = time.perf_counter()
+    search_plan(cluster, model, tp_size=8, space=Space.MEGATRON)
+    return time.perf_counter() - started
