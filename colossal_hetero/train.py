@@ -9,17 +9,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import warnings
 
 from colossal_hetero.config import ConfigError, load_config, validate_run
 from colossal_hetero.planner.resolve import resolve_plan
-
-
-def _quiet_optional_kernel_warnings() -> None:
-    """Colossal-AI warns at import about optional CUDA kernels (apex, TensorNVMe) it cannot use;
-    on every rank that buries the progress bar. Only those warnings are silenced."""
-    for pattern in ("Please install apex", "Please install the latest tensornvme"):
-        warnings.filterwarnings("ignore", message=pattern, category=UserWarning)
+from colossal_hetero.utils.quiet import quiet_optional_kernel_warnings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[rank {rank}] colossal-hetero: config error: {error}", file=sys.stderr)
         return 2
 
-    _quiet_optional_kernel_warnings()
+    quiet_optional_kernel_warnings()
     import torch.distributed as dist
 
     from colossal_hetero.plugin import init_distributed

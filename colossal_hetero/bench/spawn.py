@@ -18,9 +18,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from colossal_hetero.utils.device import backend_for, bind_device, cuda_device_count
+from colossal_hetero.utils.quiet import quiet_optional_kernel_warnings
 
 
 def _entry(rank: int, world_size: int, folder: str, fn: Callable[..., Any], kwargs: dict) -> None:
+    quiet_optional_kernel_warnings()
     torch.set_num_threads(1)
     device = (
         torch.device("cuda", rank) if cuda_device_count() >= world_size else torch.device("cpu")

@@ -26,6 +26,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
+from colossal_hetero.checkpoint import HeteroCheckpointIO
 from colossal_hetero.compat.attention import keep_gpt2_causal
 from colossal_hetero.config.loader import ConfigError
 from colossal_hetero.config.schema import HeteroConfig
@@ -175,7 +176,15 @@ class HeteroParallelPlugin(PipelinePluginBase):
             )
 
     def get_checkpoint_io(self) -> CheckpointIO:
-        return self.engine.get_checkpoint_io()
+        """Colossal-AI's hybrid checkpoint IO, extended to uneven TP optimizer states."""
+        engine = self.engine
+        return HeteroCheckpointIO(
+            engine.mixed_dp_group,
+            engine.pp_group,
+            engine.tp_group,
+            engine.sp_group,
+            engine.zero_stage,
+        )
 
     def no_sync(self, model: nn.Module, optimizer: Any) -> AbstractContextManager:
         return self.engine.no_sync(model, optimizer)

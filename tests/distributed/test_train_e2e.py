@@ -113,3 +113,60 @@ def test_train_tp2_pp2_loss_falls_and_resume_is_exact(tmp_path):
             assert twin.loss == record.loss, (record.step, record.rank, twin.loss, record.loss)
             assert twin.lr == record.lr
             assert twin.val_loss == record.val_loss
+
+
+PLANNED_GPT2 = _with(
+    TINY_GPT2,
+    model={
+        "arch": "gpt2",
+        "hf": {
+            "n_layer": 2,
+            "n_embd": 48,
+            "n_head": 6,
+            "n_positions": 32,
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+        },
+    },
+    parallel={"tp": 2, "pp": 1, "num_microbatches": 1},
+    cluster={"device": "cpu", "devices": [{"speed": 1.0}, {"speed": 0.25}]},
+    emulation={"compute": [{"rank": 1, "factor": 4.0}]},
+    plan={"mode": "auto", "reference_tflops": 0.005},
+)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(900)
+def test_planned_uneven_tp_trains_and_resumes_into_even_widths(tmp_path):
+    run_dir, resumed_dir, checkpoints = tmp_path / "run", tmp_path / "even", tmp_path / "ckpt"
+    planned = _with(
+        PLANNED_GPT2,
+        logging={"dir": str(run_dir)},
+        checkpoint={"dir": str(checkpoints), "every": 4},
+    )
+    result = _launch(planned, tmp_path, nproc=2)
+    assert result.returncode == 0, result.stderr[-4000:]
+    plan = yaml.safe_load((run_dir / "plan.yaml").read_text())
+    heads = plan["widths"]["heads"]
+    assert sum(heads) == 6 and heads[0] > heads[1], heads  # the slow rank holds fewer heads
+    records = read_run(run_dir)
+    val = [r.val_loss for r in records if r.val_loss is not None and r.rank == 0]
+    assert val[1] < val[0] - 0.1, val
+
+    # Continue from step 4 with Colossal-AI's even split: the checkpoint re-shards.
+    (checkpoints / "step_8" / "trainer.json").unlink()
+    even = _with(
+        planned,
+        logging={"dir": str(resumed_dir)},
+        plan={"mode": "even"},
+        checkpoint={"dir": str(checkpoints), "every": 0, "resume": True},
+    )
+    result = _launch(even, tmp_path, nproc=2)
+    assert result.returncode == 0, result.stderr[-4000:]
+    again = {(r.step, r.rank): r for r in read_run(resumed_dir)}
+    for record in records:
+        if record.step >= 4:
+            twin = again[(record.step, record.rank)]
+            # Weights and Adam moments re-shard exactly (observed bitwise equal on CPU).
+            assert twin.loss == pytest.approx(record.loss, rel=1e-6), (record.step, record.rank)

@@ -1,0 +1,87 @@
+"""HeteroCheckpointIO: Colossal-AI's hybrid-parallel checkpoint IO, plus uneven TP optimizers.
+
+Models need nothing extra: resizable layers carry shard/gather hooks that Colossal-AI's model
+IO already uses, so saved weights are full Hugging Face tensors. Optimizers of models with
+uneven shards go through ``optimizer_state`` (full states keyed by position); loading that
+format works into any widths, even or uneven.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+from colossalai.checkpoint_io import HybridParallelCheckpointIO
+from torch import nn
+
+from colossal_hetero.checkpoint.optimizer_state import (
+    has_uneven_params,
+    is_full_format,
+    load_full_optimizer,
+    save_full_optimizer,
+)
+
+
+class HeteroCheckpointIO(HybridParallelCheckpointIO):
+    """Checkpoint IO for HeteroParallelPlugin (same constructor as the stock one)."""
+
+    def save_optimizer(
+        self, optimizer: Any, checkpoint: str, shard: bool = False, *args: Any, **kwargs: Any
+    ) -> None:
+        """Stock format, or full states when some parameter is unevenly sharded."""
+        if not has_uneven_params(optimizer):
+            return super().save_optimizer(optimizer, checkpoint, shard, *args, **kwargs)
+        self._require_full_format_layout("save")
+        writer = self.dp_rank == 0 and self.tp_rank == 0
+        save_full_optimizer(
+            optimizer, checkpoint, gather_even=self._gather_even(optimizer), is_writer=writer
+        )
+        return None
+
+    def load_optimizer(self, optimizer: Any, checkpoint: str, *args: Any, **kwargs: Any) -> None:
+        """Either format; full states are re-sharded to the current widths."""
+        if not is_full_format(checkpoint):
+            return super().load_optimizer(optimizer, checkpoint, *args, **kwargs)
+        self._require_full_format_layout("load")
+        load_full_optimizer(optimizer, checkpoint, shard_even=self._shard_even(optimizer))
+        dist.barrier()
+        return None
+
+    def _require_full_format_layout(self, action: str) -> None:
+        if self.use_zero or self.pp_size > 1:
+            raise ValueError(
+                f"cannot {action} the optimizer of unevenly sharded layers with ZeRO or pipeline "
+                f"parallelism (pp {self.pp_size}); use plan.mode: even for those layouts"
+            )
+
+    def _gather_even(self, optimizer: Any) -> Callable[[dict, nn.Parameter], dict]:
+        shapes = optimizer.param_info["param2shape"]
+
+        def gather(state: dict, working: nn.Parameter) -> dict:
+            return HybridParallelCheckpointIO.gather_from_sharded_optimizer_state(
+                state,
+                working,
+                shapes[id(working)],
+                self.global_dp_group,
+                self.tp_group,
+                use_zero=False,
+                inplace=False,
+            )
+
+        return gather
+
+    def _shard_even(self, optimizer: Any) -> Callable[[dict, nn.Parameter, nn.Parameter], dict]:
+        shapes = optimizer.param_info["param2shape"]
+
+        def shard(state: dict, working: nn.Parameter, param: nn.Parameter) -> dict:
+            return self.shard_from_complete_optimizer_state(
+                state,
+                current_shape=working.shape,
+                original_shape=shapes[id(working)],
+                device=param.device,
+                dtype=param.dtype,
+                inplace=True,
+            )
+
+        return shard

@@ -1,0 +1,64 @@
+"""The `colossal-hetero` command: check, plan, and plan files that train consumes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from colossal_hetero.cli import main
+from colossal_hetero.config import load_config
+from colossal_hetero.planner import load_plan
+from colossal_hetero.planner.resolve import resolve_plan
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def test_check_reports_the_layout(capsys):
+    assert main(["check", str(CONFIGS / "demo.yaml")]) == 0
+    assert "ok: gpt2, world size 4 = tp 2 x pp 2 x dp 1" in capsys.readouterr().out
+
+
+def test_unknown_key_is_one_line_and_status_2(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text("parallel: {tp_sise: 2}\n")
+    assert main(["check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == (
+        "colossal-hetero: error: parallel.tp_sise: unknown key (did you mean 'tp'?)"
+    )
+
+
+def test_plan_writes_a_file_that_training_resolves_identically(tmp_path, capsys):
+    out = tmp_path / "plan.yaml"
+    assert main(["plan", str(CONFIGS / "planned_gpt2_tp2.yaml"), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "widths per tp rank" in printed and "speedup" in printed
+    plan = load_plan(out)
+    # The slow rank (speed 0.5) gets fewer heads; widths are whole heads summing to 6.
+    assert sum(plan.widths["heads"]) == 6 and plan.widths["heads"][0] > plan.widths["heads"][1]
+
+    config = yaml.safe_load((CONFIGS / "planned_gpt2_tp2.yaml").read_text())
+    config["plan"] = {"mode": "file", "path": str(out)}
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text(yaml.safe_dump(config))
+    assert resolve_plan(load_config(run_file), 2) == plan
+    auto = resolve_plan(load_config(CONFIGS / "planned_gpt2_tp2.yaml"), 2)
+    assert auto == plan  # deterministic: planning again gives the same plan
+
+
+def test_plan_file_for_another_layout_is_rejected(tmp_path):
+    out = tmp_path / "plan.yaml"
+    assert main(["plan", str(CONFIGS / "planned_gpt2_tp2.yaml"), "--out", str(out)]) == 0
+    config = yaml.safe_load((CONFIGS / "planned_gpt2_tp2.yaml").read_text())
+    config["plan"] = {"mode": "file", "path": str(out)}
+    config["data"]["global_batch_size"] = 8
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text(yaml.safe_dump(config))
+    with pytest.raises(ValueError, match=r"^plan\.path: the plan is for a global batch of 4"):
+        resolve_plan(load_config(run_file), 2)
+
+
+def test_homogeneous_cluster_trains_even(tmp_path):
+    assert resolve_plan(load_config(CONFIGS / "gpt2_tp2_pp2.yaml"), 4) is None
