@@ -52,7 +52,7 @@ class Case:
         return len(self.speeds)
 
 
-def _gpt2(width: int = 384, heads: int = 6, layers: int = 2) -> ModelConfig:
+def _gpt2(width: int = 384, heads: int = 12, layers: int = 2) -> ModelConfig:
     return ModelConfig(
         arch="gpt2",
         hf={
@@ -67,7 +67,7 @@ def _gpt2(width: int = 384, heads: int = 6, layers: int = 2) -> ModelConfig:
     )
 
 
-def _llama(width: int = 384, heads: int = 6, layers: int = 2) -> ModelConfig:
+def _llama(width: int = 384, heads: int = 12, layers: int = 2) -> ModelConfig:
     return ModelConfig(
         arch="llama",
         hf={
@@ -87,13 +87,13 @@ def cases(quick: bool) -> list[Case]:
         Case("gpt2-tp2-[1,0.5]", _gpt2(), (1.0, 0.5)),
         Case("gpt2-tp2-equal", _gpt2(), (1.0, 1.0)),
         Case("llama-tp2-[1,0.5]", _llama(), (1.0, 0.5)),
-        Case("gpt2-tp4-[1,1,0.5,0.25]", _gpt2(width=512, heads=8), (1.0, 1.0, 0.5, 0.25)),
+        Case("gpt2-tp4-[1,1,0.5,0.25]", _gpt2(width=512, heads=16), (1.0, 1.0, 0.5, 0.25)),
     ]
     if not quick:
         selected += [
-            Case("llama-tp4-[1,1,0.5,0.25]", _llama(width=512, heads=8), (1.0, 1.0, 0.5, 0.25)),
+            Case("llama-tp4-[1,1,0.5,0.25]", _llama(width=512, heads=16), (1.0, 1.0, 0.5, 0.25)),
             Case("llama-tp2-equal", _llama(), (1.0, 1.0)),
-            Case("gpt2-tp4-equal", _gpt2(width=512, heads=8), (1.0,) * 4),
+            Case("gpt2-tp4-equal", _gpt2(width=512, heads=16), (1.0,) * 4),
         ]
         selected = [Case(c.name, c.model, c.speeds, steps=15, warmup=3) for c in selected]
     return selected
