@@ -45,7 +45,7 @@ def single_group(process_group: ProcessGroup | Sequence[ProcessGroup]) -> Proces
         if len(process_group) != 1:
             raise ValueError(f"expected one process group, got {len(process_group)}")
         process_group = process_group[0]
-    if process_group is None:
+    if not isinstance(process_group, ProcessGroup):
         raise ValueError("process_group is required (None would silently mean the world group)")
     return process_group
 
@@ -118,7 +118,7 @@ class _ColumnParallel(ResizableParallelModule):
         self.weight = shard_parameter(weight, layouts["weight"])
         if bias and bias_ is None:
             bias_ = nn.Parameter(torch.zeros(self.out_features, device=device, dtype=dtype))
-        self.bias = shard_parameter(bias_, layouts["bias"]) if bias else None
+        self.bias = shard_parameter(bias_, layouts["bias"]) if bias_ is not None else None
 
     def param_layouts(self, widths: Sequence[int]) -> dict[str, ShardLayout]:
         widths = tuple(widths)
@@ -133,7 +133,10 @@ class _ColumnParallel(ResizableParallelModule):
         bias = None if self.skip_bias_add else self.bias
         y_local = F.linear(copy_to_group(x, group=self.group), weight, bias)
         y = self._gather(y_local) if self.gather_output else y_local
-        return (y, self.bias) if self.skip_bias_add else y
+        if self.skip_bias_add:
+            assert self.bias is not None  # checked in __init__
+            return y, self.bias
+        return y
 
     def _gather(self, y_local: torch.Tensor) -> torch.Tensor:
         fused = [self.num_parts * w for w in self.widths]

@@ -96,12 +96,13 @@ def install_layout(param: torch.nn.Parameter, layout: ShardLayout) -> None:
     """Point ``param``'s checkpoint hooks and layout at ``layout`` (its data already fits)."""
     from colossalai.tensor.d_tensor.api import customized_distributed_tensor_to_existing_param
 
-    if hasattr(param, "shard_fn"):
-        param.shard_fn, param.gather_fn = layout.shard, layout.gather
-    else:  # first time: Colossal-AI also makes detach()/clone() keep the hooks
-        data = param.data
-        data.shard_fn, data.gather_fn = layout.shard, layout.gather
-        customized_distributed_tensor_to_existing_param(data, param)
+    first = not hasattr(param, "shard_fn")
+    # first time: Colossal-AI also makes detach()/clone() keep the hooks
+    target = param.data if first else param
+    setattr(target, "shard_fn", layout.shard)  # noqa: B010 (attributes torch does not declare)
+    setattr(target, "gather_fn", layout.gather)  # noqa: B010
+    if first:
+        customized_distributed_tensor_to_existing_param(target, param)
     setattr(param, LAYOUT_ATTR, layout)
 
 
