@@ -31,13 +31,16 @@ _POLICIES: dict[str, type[ResizablePolicy]] = {
 
 
 def resizable_policy(
-    model: nn.Module, widths: Mapping[str, Sequence[int]] | None = None
+    model: nn.Module,
+    widths: Mapping[str, Sequence[int]] | None = None,
+    *,
+    align: Mapping[str, int] | None = None,
 ) -> ResizablePolicy:
-    """The resizable policy for ``model``'s class, with per-rank ``widths``."""
+    """The resizable policy for ``model``'s class with per-rank ``widths`` (see ResizablePolicy)."""
     name = type(model).__name__
     if name not in _POLICIES:
         raise ValueError(f"no resizable policy for {name}; supported: {sorted(_POLICIES)}")
-    return _POLICIES[name](widths)
+    return _POLICIES[name](widths, align=align)
 
 
 __all__ = [

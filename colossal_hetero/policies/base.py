@@ -18,6 +18,7 @@ values are all overwritten here.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,14 +63,22 @@ class ResizablePolicy:
     Args:
         widths: per key (see ``width_totals``: ``heads``, ``ffn``, ``vocab``), one count per
             TP rank; missing keys are split evenly. Checked against the model when sharding.
+        align: per key, a granularity every count must be a multiple of (e.g. 64 for ``ffn``
+            and ``vocab`` on GPUs); combined with the model's own (query groups for heads).
     """
 
     shard_config: Any
     model: nn.Module
 
-    def __init__(self, widths: Mapping[str, Sequence[int]] | None = None) -> None:
+    def __init__(
+        self,
+        widths: Mapping[str, Sequence[int]] | None = None,
+        *,
+        align: Mapping[str, int] | None = None,
+    ) -> None:
         super().__init__()
         self.requested_widths = {key: tuple(counts) for key, counts in (widths or {}).items()}
+        self.align = dict(align or {})
         self.widths: dict[str, tuple[int, ...]] = {}
 
     # -- what a model policy defines ----------------------------------------------------
@@ -114,11 +123,14 @@ class ResizablePolicy:
 
     def resolve(self, widths: Mapping[str, Sequence[int]]) -> dict[str, tuple[int, ...]]:
         """``widths`` checked against the model, missing keys split evenly."""
+        units = dict(self.width_units())
+        for key, multiple in self.align.items():
+            units[key] = math.lcm(units.get(key, 1), multiple)
         return resolve_widths(
             widths,
             self.width_totals(),
             dist.get_world_size(self.tp_group),
-            units=self.width_units(),
+            units=units,
             min_width=self.min_widths(),
         )
 

@@ -317,6 +317,23 @@ def _check_pipeline_parity(model_cfg, widths):
         torch.testing.assert_close(grad, ref_grads[name], rtol=2e-4, atol=2e-5, msg=name)
 
 
+def _check_bad_widths():
+    """Widths that do not fit the model (or the alignment) fail at boost, on every rank."""
+    cases = [
+        ({"ffn": (88, 8)}, {"ffn": 16}, "multiple of 16"),
+        ({"heads": (4, 0)}, None, "at least 1"),
+        ({"vocab": (200, 50)}, None, "sums to 250"),
+    ]
+    for widths, align, message in cases:
+        policy = resizable_policy(build_model(GPT2), widths, align=align)
+        plugin = HeteroParallelPlugin(HeteroConfig(parallel=ParallelConfig(tp=2)), policy=policy)
+        try:
+            with pytest.raises(ValueError, match=message):
+                Booster(plugin=plugin).boost(build_model(GPT2))
+        finally:
+            plugin.close()
+
+
 def _pipelines(rank, world_size, device):
     prepare_device(device)
     _check_pipeline_parity(GPT2, GPT2_WIDTHS)
@@ -327,6 +344,7 @@ def _models(rank, world_size, device, folder):
     prepare_device(device)
     _check_parity(GPT2, GPT2_WIDTHS)
     _check_parity(LLAMA, LLAMA_WIDTHS)
+    _check_bad_widths()
     _check_parity(BERT, {"heads": (1, 3), "ffn": (60, 4), "vocab": (300, 20)}, _mlm_batch())
     _check_parity(VIT, {"heads": (3, 1), "ffn": (0, 64)}, _image_batch())
     _check_checkpoint(GPT2, GPT2_WIDTHS, {"heads": (1, 3), "vocab": (0, 256)}, folder, rank)
