@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader
 
 from colossal_hetero.checkpoint import HeteroCheckpointIO
 from colossal_hetero.compat.attention import keep_gpt2_causal
+from colossal_hetero.compat.grad_norm import count_customized_shards_in_grad_norm
 from colossal_hetero.config.loader import ConfigError
 from colossal_hetero.config.schema import HeteroConfig
 from colossal_hetero.config.validate import validate_layout
@@ -36,7 +37,7 @@ from colossal_hetero.planner.plan import Plan
 from colossal_hetero.planner.resolve import plan_for_model, wants_plan
 from colossal_hetero.plugin.engine import build_engine
 from colossal_hetero.plugin.launch import prepare_device
-from colossal_hetero.policies import resizable_policy
+from colossal_hetero.policies import ResizablePolicy, resizable_policy
 from colossal_hetero.utils.device import backend_for, resolve_device
 
 
@@ -73,6 +74,7 @@ class HeteroParallelPlugin(PipelinePluginBase):
         self.dp_size = validate_layout(config, self.world_size)
         self.device = _device_for(config)
         prepare_device(self.device)
+        count_customized_shards_in_grad_norm()  # clipping norm of TP shards (all devices)
         self.plan, self.workload, self._policy = plan, workload, policy
         self.engine = build_engine(config, self.device, policy)
         self.timer: CollectiveInterceptor = build_interceptor(
@@ -141,7 +143,34 @@ class HeteroParallelPlugin(PipelinePluginBase):
             self.plan = plan_for_model(self.config, model, self.world_size, self.workload)
         if self._policy is None and self.plan is not None and self.tp_size > 1:
             self.engine.custom_policy = resizable_policy(model, self.plan.widths)
-        return self.engine.configure(model, optimizer, criterion, dataloader, lr_scheduler)
+        boosted = self.engine.configure(model, optimizer, criterion, dataloader, lr_scheduler)
+        if isinstance(self.engine.custom_policy, ResizablePolicy):
+            _drop_single_rank_ddp(boosted[0])
+        return boosted
+
+    def resize(self, optimizer: Any, widths: dict[str, list[int]]) -> None:
+        """Move tensor-parallel shards to new ``widths`` between steps, losslessly.
+
+        Weights, gradients and the optimizer's state move with them (``widths`` keys: heads,
+        ffn, vocab; missing keys are split evenly). Call on every rank, between steps.
+
+        Raises:
+            ValueError: the model was not sharded with resizable layers, or the layout keeps
+                state that cannot move yet (ZeRO, mixed-precision master weights, dp > 1).
+        """
+        policy = self.engine.custom_policy
+        if not isinstance(policy, ResizablePolicy):
+            raise ValueError(
+                "resize needs resizable layers: plan.mode auto or file with tp > 1, or a "
+                "resizable policy"
+            )
+        parallel = self.config.parallel
+        if parallel.zero_stage > 0 or parallel.precision != "fp32" or self.dp_size > 1:
+            raise ValueError(
+                f"resize supports fp32 without ZeRO and dp == 1 for now (parallel.precision "
+                f"{parallel.precision}, zero_stage {parallel.zero_stage}, dp {self.dp_size})"
+            )
+        policy.resize(widths, optimizer=optimizer)
 
     def execute_pipeline(
         self,
@@ -202,6 +231,21 @@ class HeteroParallelPlugin(PipelinePluginBase):
         self, dataset: Any, batch_size: int, *args: Any, **kwargs: Any
     ) -> DataLoader:
         return self.engine.prepare_dataloader(dataset, batch_size, *args, **kwargs)
+
+
+def _drop_single_rank_ddp(model: Any) -> None:
+    """Unwrap the torch DDP that HybridParallelPlugin adds even when dp == 1.
+
+    Over one data-parallel rank DDP only adds its reducer, which pins every parameter's
+    gradient shape; resizable layers must be free to change shapes between steps.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if (
+        isinstance(model.module, DistributedDataParallel)
+        and dist.get_world_size(model.dp_group) == 1
+    ):
+        model.module, model.use_ddp = model.module.module, False
 
 
 def _device_for(config: HeteroConfig) -> torch.device:

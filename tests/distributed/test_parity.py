@@ -63,12 +63,13 @@ def _reference(model_cfg: ModelConfig, batch: dict, dtype: torch.dtype):
     loss = model(**batch).loss
     loss.backward()
     grads = {name: p.grad.detach().float() for name, p in model.named_parameters()}
+    norm = float(torch.stack([g.norm() for g in grads.values()]).norm())
     # Tied weights appear once in named_parameters; state_dict names both.
     for name, tensor in model.state_dict().items():
         for other, p in model.named_parameters():
             if tensor.data_ptr() == p.data_ptr() and name not in grads:
                 grads[name] = grads[other]
-    return float(loss), grads
+    return float(loss), grads, norm
 
 
 def _parallel_step(model_cfg: ModelConfig, parallel: ParallelConfig, batch: dict, rank: int):
@@ -100,6 +101,7 @@ def _parallel_step(model_cfg: ModelConfig, parallel: ParallelConfig, batch: dict
                 for name, p in model.unwrap().named_parameters()
             }
         optimizer.step()
+        grad_norm = optimizer.get_grad_norm() if parallel.max_norm > 0 else None
         if parallel.zero_stage == 0:
             after = {k: v.detach().float() for k, v in model.unwrap().state_dict().items()}
             grads = {k: (before[k] - after[k]) / LR for k in after if k in before}
@@ -107,7 +109,7 @@ def _parallel_step(model_cfg: ModelConfig, parallel: ParallelConfig, batch: dict
         weights = [float(shares[r // (parallel.tp * parallel.pp)]) for r in range(len(losses))]
     finally:
         plugin.close()
-    return losses, weights, grads
+    return losses, weights, grads, grad_norm
 
 
 def _gather_losses(loss, plugin) -> list[float]:
@@ -121,8 +123,10 @@ def _gather_losses(loss, plugin) -> list[float]:
 def _check_layout(rank, model_cfg, parallel, *, bf16: bool = False):
     batch = _batch(sum(parallel.batch_shares) or 4)
     dtype = torch.bfloat16 if bf16 else torch.float32
-    ref_loss, ref_grads = _reference(model_cfg, batch, dtype)
-    losses, weights, grads = _parallel_step(model_cfg, parallel, batch, rank)
+    ref_loss, ref_grads, ref_norm = _reference(model_cfg, batch, dtype)
+    losses, weights, grads, grad_norm = _parallel_step(model_cfg, parallel, batch, rank)
+    if grad_norm is not None:  # the norm gradient clipping uses
+        assert abs(grad_norm - ref_norm) <= 1e-4 * ref_norm, (parallel, grad_norm, ref_norm)
     seen = [(x, w) for x, w in zip(losses, weights, strict=True) if x == x]
     assert seen, "no rank computed a loss"
     data_parallel_mean = sum(x * w for x, w in seen) / sum(w for _, w in seen)
@@ -146,7 +150,7 @@ def _check_layout(rank, model_cfg, parallel, *, bf16: bool = False):
 
 def _two_rank_layouts(rank, world_size, device):
     prepare_device(device)
-    _check_layout(rank, GPT2, ParallelConfig(tp=2))
+    _check_layout(rank, GPT2, ParallelConfig(tp=2, max_norm=1e6))
     _check_layout(rank, GPT2, ParallelConfig(pp=2, num_microbatches=2))
     _check_layout(rank, LLAMA, ParallelConfig(tp=2))
     _check_layout(rank, GPT2, ParallelConfig(dp=2, zero_stage=1, precision="bf16"), bf16=True)

@@ -119,8 +119,6 @@ class _Run:
         self.model, self.optimizer, self.criterion, _, _ = self.booster.boost(
             model, optim, loss_from_outputs
         )
-        if optimizer == "adam" and tp > 1:
-            _drop_single_rank_ddp(self.model)
 
     def pipeline_step(self, batch) -> float | None:
         """One pipelined SGD step; the loss on the last stage, None elsewhere."""
@@ -148,20 +146,6 @@ class _Run:
 
     def close(self):
         self.plugin.close()
-
-
-def _drop_single_rank_ddp(wrapper) -> None:
-    """Unwrap the torch DDP that HybridParallelPlugin adds even when dp == 1.
-
-    DDP's reducer keeps every parameter's gradient accumulator and bucket sizes, so parameter
-    shapes cannot change under it; over one data-parallel rank it does nothing else. Stand-in
-    for the plugin doing this itself before it offers resizing.
-    """
-    from torch.nn.parallel import DistributedDataParallel
-
-    if isinstance(wrapper.module, DistributedDataParallel):
-        assert dist.get_world_size(wrapper.dp_group) == 1
-        wrapper.module, wrapper.use_ddp = wrapper.module.module, False
 
 
 def _reference_grads(model_cfg, batch):
@@ -251,10 +235,10 @@ def _train(model_cfg, widths, steps, resizes=None):
             batch = _batch(10 + step)
             new_widths, when = (resizes or {}).get(step, (None, None))
             if when == "before":
-                run.policy.resize(new_widths, optimizer=run.optimizer)
+                run.plugin.resize(run.optimizer, new_widths)
             if when == "inside":  # between backward and step: the gradients move too
                 losses.append(run.backward(batch))
-                run.policy.resize(new_widths, optimizer=run.optimizer)
+                run.plugin.resize(run.optimizer, new_widths)
                 run.optimizer.step()
                 run.optimizer.zero_grad()
             else:
