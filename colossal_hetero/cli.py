@@ -26,9 +26,9 @@ def _world_size_of(config: RunConfig) -> int:
     return p.tp * p.pp * max(p.dp, 1)
 
 
-def launch(config_path: str | Path, nproc: int, extra_env: dict[str, str] | None = None) -> int:
-    """Run the trainer on ``nproc`` local ranks with torchrun; returns its exit status."""
-    command = [
+def launch_command(config_path: str | Path, nproc: int) -> list[str]:
+    """The torchrun command line that trains ``config_path`` on ``nproc`` local ranks."""
+    return [
         sys.executable,
         "-m",
         "torch.distributed.run",
@@ -39,8 +39,12 @@ def launch(config_path: str | Path, nproc: int, extra_env: dict[str, str] | None
         "--config",
         str(config_path),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra_env or {})}
-    return subprocess.call(command, env=env)
+
+
+def launch(config_path: str | Path, nproc: int) -> int:
+    """Run the trainer on ``nproc`` local ranks with torchrun; returns its exit status."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.call(launch_command(config_path, nproc), env=env)
 
 
 def _check(args: argparse.Namespace) -> int:

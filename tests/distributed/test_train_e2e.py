@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from colossal_hetero.cli import launch_command
 from colossal_hetero.metrics import read_run
 
 TINY_GPT2 = {
@@ -42,17 +42,7 @@ def _launch(
 ) -> subprocess.CompletedProcess:
     path = folder / "config.yaml"
     path.write_text(yaml.safe_dump(config))
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        "-m",
-        "colossal_hetero.train",
-        "--config",
-        str(path),
-    ]
+    command = launch_command(path, nproc)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
 
