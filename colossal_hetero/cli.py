@@ -99,12 +99,12 @@ def _profile(args: argparse.Namespace) -> int:
     from colossal_hetero.bench.profile import cluster_yaml, profile_rank
     from colossal_hetero.bench.spawn import spawn_ranks
 
-    emulation = None
+    emulation, run = None, None
     if args.config:
-        config = load_config(args.config)
-        validate_run(config, args.nproc)
-        emulation = config.emulation if config.emulation.enabled else None
-    results = spawn_ranks(profile_rank, args.nproc, emulation=emulation)
+        run = load_config(args.config)
+        validate_run(run, args.nproc)
+        emulation = run.emulation if run.emulation.enabled else None
+    results = spawn_ranks(profile_rank, args.nproc, emulation=emulation, run=run)
     for rank, result in enumerate(results):
         gflops, gbps = result["flops"] / 1e9, result["gbps"]
         print(f"rank {rank}: {gflops:8.2f} GFLOP/s  all-reduce {gbps:.2f} Gbit/s")

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from colossalai.booster import Booster
 
+from colossal_hetero.compat.attention import keep_gpt2_causal
 from colossal_hetero.config.schema import ModelConfig
 from colossal_hetero.emulation import CollectiveInterceptor
 from colossal_hetero.models import build_model, loss_from_outputs
@@ -70,6 +71,9 @@ class TrainingRunner:
         self.timer, self.device = timer, device
         self.batch_size, self.seq_len = batch_size, seq_len
         model = build_model(model_cfg)
+        # Stock Colossal-AI shards GPT-2 into non-causal SDPA attention (compat/attention.py);
+        # every variant runs the causal (eager) model so that all compute the same thing.
+        keep_gpt2_causal(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         self.booster = Booster(plugin=plugin)
         self.model, self.optimizer, self.criterion, _, _ = self.booster.boost(

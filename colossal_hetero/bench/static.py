@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from colossal_hetero.bench.measure import Measurement, TrainingRunner, run_interleaved
-from colossal_hetero.bench.profile import agree, measure_allreduce_gbps, measure_flops
+from colossal_hetero.bench.profile import agree, calibrate_model, measure_allreduce_gbps
 from colossal_hetero.config.schema import (
     ClusterConfig,
     DeviceSpec,
@@ -116,19 +116,26 @@ def run_case(rank: int, world_size: int, device: torch.device, case: Case) -> di
     from colossal_hetero.plugin.engine import engine_kwargs
 
     prepare_device(device)
-    # The planner's device model: this machine's measured matmul rate and link bandwidth.
-    tflops = agree(measure_flops(device), device, "max") / 1e12
+    # The planner's device model, calibrated on this machine: the model's own FLOP rate and
+    # fixed per-layer cost (single-process steps), and the all-reduce bandwidth.
+    rate, overhead = calibrate_model(case.model, BATCH_SIZE, SEQ_LEN, device)
+    tflops = agree(rate, device, "max") / 1e12
+    overhead = agree(overhead, device, "min")
     gbps = agree(measure_allreduce_gbps(device), device, "min")
     devices = [DeviceSpec(speed=s, bandwidth_gbps=gbps) for s in case.speeds]
     config = HeteroConfig(
         parallel=ParallelConfig(tp=case.tp),
         cluster=ClusterConfig(device=device.type, devices=devices),
         emulation=_emulation(case.speeds),
-        plan=PlanConfig(mode="auto", reference_tflops=tflops),
+        plan=PlanConfig(mode="auto", reference_tflops=tflops, layer_overhead_us=overhead * 1e6),
     )
     even = HeteroConfig(parallel=config.parallel, cluster=ClusterConfig(device=device.type))
     shape = {"batch_size": BATCH_SIZE, "seq_len": SEQ_LEN, "device": device}
-    results: dict[str, Any] = {"reference_tflops": tflops, "allreduce_gbps": gbps}
+    results: dict[str, Any] = {
+        "reference_tflops": tflops,
+        "allreduce_gbps": gbps,
+        "layer_overhead_s": overhead,
+    }
 
     hetero = HeteroParallelPlugin(config, workload=(BATCH_SIZE, SEQ_LEN))
     runners = {
@@ -178,6 +185,7 @@ def summarise(case: Case, result: dict[str, Any]) -> dict[str, Any]:
         "plan": result["plan"],
         "per_rank": {k: result[k] for k in ("homogeneous", "stock", "planned")},
         "reference_tflops": result["reference_tflops"],
+        "layer_overhead_s": result["layer_overhead_s"],
         "allreduce_gbps": result["allreduce_gbps"],
     }
 

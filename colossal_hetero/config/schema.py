@@ -374,6 +374,10 @@ class PlanConfig:
     grouped_efficiency: float = 0.7
     """Bandwidth fraction grouped (broadcast-based) collectives reach relative to ring ones."""
 
+    layer_overhead_us: float = 0.0
+    """Time per layer per step a speed-1.0 device spends whatever its share (framework and
+    kernel-launch overhead), microseconds; `colossal-hetero profile` measures it."""
+
     def __post_init__(self) -> None:
         _require(
             self.mode != "file" or self.path is not None,
@@ -382,6 +386,11 @@ class PlanConfig:
         )
         _require(self.alignment >= 1, "alignment", f"must be >= 1, got {self.alignment}")
         _require(self.max_iters >= 1, "max_iters", f"must be >= 1, got {self.max_iters}")
+        _require(
+            self.layer_overhead_us >= 0,
+            "layer_overhead_us",
+            f"must be >= 0, got {self.layer_overhead_us}",
+        )
         _require(
             self.reference_tflops > 0,
             "reference_tflops",

@@ -230,6 +230,7 @@ class CostModel:
             raise ValueError(f"{cluster.num_devices} devices do not fill a {mesh} mesh")
         self.cluster, self.model, self.mesh = cluster, model, mesh
         self.speeds = np.asarray(cluster.speeds)
+        self.layer_overhead = cluster.layer_overhead_flops
         self.bandwidths = np.asarray(cluster.bandwidths)
         self.dtype = model.dtype_bytes
         g, k = _coords(mesh)
@@ -411,6 +412,8 @@ class CostModel:
         io = self.io(layer, strategy)
         flops = layer.flops_per_token * layer.tokens * (1.0 + BACKWARD_FLOPS_FACTOR)
         compute = self._samples(io, loads) * flops / self.speeds
+        if self.layer_overhead:  # fixed per-layer work: a constant, heavier on slow devices
+            compute = compute + self.layer_overhead / self.speeds
         terms: list[Term] = []
         uses_method = False
         tp = self.mesh.tp_size > 1

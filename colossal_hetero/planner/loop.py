@@ -340,6 +340,7 @@ def plan_for_run(
     alignment: int = 1,
     max_iters: int = 10,
     space: str | Space = Space.MEGATRON,
+    layer_overhead_s: float = 0.0,
 ) -> Plan:
     """Plan a ``config.schema.RunConfig`` on ``world_size`` ranks.
 
@@ -367,6 +368,7 @@ def plan_for_run(
         reference_flops=reference_flops,
         latency_s=latency_s,
         grouped_efficiency=grouped_efficiency,
+        layer_overhead_s=layer_overhead_s,
     )
     model = model_spec_from_hf(
         build_hf_config(run_config.model),

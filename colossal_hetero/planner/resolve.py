@@ -73,6 +73,7 @@ def plan_for_model(
         reference_flops=settings.reference_tflops * 1e12,
         latency_s=settings.latency_us * 1e-6,
         grouped_efficiency=settings.grouped_efficiency,
+        layer_overhead_s=settings.layer_overhead_us * 1e-6,
     )
     spec = model_spec_from_hf(hf_config, batch_size, seq_len, dtype_bytes=_dtype_bytes(config))
     try:
@@ -128,6 +129,7 @@ def _search(run: RunConfig, world_size: int) -> Plan:
             grouped_efficiency=settings.grouped_efficiency,
             alignment=settings.alignment,
             max_iters=settings.max_iters,
+            layer_overhead_s=settings.layer_overhead_us * 1e-6,
         )
     except ConfigError:
         raise

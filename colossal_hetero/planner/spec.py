@@ -61,6 +61,10 @@ class ClusterSpec:
     grouped_efficiency: float = DEFAULT_GROUPED_EFFICIENCY
     """Bandwidth fraction grouped broadcast/reduce collectives reach, in (0, 1]."""
 
+    layer_overhead_flops: float = 0.0
+    """Work every device does per layer per step whatever its share (framework and per-op
+    launch overhead), in FLOP at the device's own rate: a constant term of every layer."""
+
     def __post_init__(self) -> None:
         n = len(self.speeds)
         if n == 0:
@@ -77,6 +81,8 @@ class ClusterSpec:
             raise ValueError(f"latency_s must be finite and >= 0, got {self.latency_s}")
         if not 0 < self.grouped_efficiency <= 1:
             raise ValueError(f"grouped_efficiency must be in (0, 1], got {self.grouped_efficiency}")
+        if not (self.layer_overhead_flops >= 0 and math.isfinite(self.layer_overhead_flops)):
+            raise ValueError(f"layer_overhead_flops must be >= 0, got {self.layer_overhead_flops}")
 
     @property
     def num_devices(self) -> int:
@@ -93,8 +99,12 @@ class ClusterSpec:
         reference_flops: float = REFERENCE_FLOPS,
         latency_s: float = DEFAULT_LATENCY_S,
         grouped_efficiency: float = DEFAULT_GROUPED_EFFICIENCY,
+        layer_overhead_s: float = 0.0,
     ) -> ClusterSpec:
-        """A cluster from relative speeds (1.0 = ``reference_flops``), GiB and Gbit/s."""
+        """A cluster from relative speeds (1.0 = ``reference_flops``), GiB and Gbit/s.
+
+        ``layer_overhead_s`` is the per-layer fixed time of a speed-1.0 device.
+        """
         n = len(speeds)
         memory = [memory_gib] * n if isinstance(memory_gib, int | float) else list(memory_gib)
         bandwidth = (
@@ -109,6 +119,7 @@ class ClusterSpec:
             bandwidths=tuple(b * _BYTES_PER_GBIT for b in bandwidth),
             latency_s=latency_s,
             grouped_efficiency=grouped_efficiency,
+            layer_overhead_flops=layer_overhead_s * reference_flops,
         )
 
     @classmethod
@@ -120,6 +131,7 @@ class ClusterSpec:
         reference_flops: float = REFERENCE_FLOPS,
         latency_s: float = DEFAULT_LATENCY_S,
         grouped_efficiency: float = DEFAULT_GROUPED_EFFICIENCY,
+        layer_overhead_s: float = 0.0,
     ) -> ClusterSpec:
         """From a ``config.schema.ClusterConfig``; no devices listed means identical defaults."""
         from colossal_hetero.config.schema import DeviceSpec  # pure dataclasses, no torch
@@ -136,6 +148,7 @@ class ClusterSpec:
             reference_flops=reference_flops,
             latency_s=latency_s,
             grouped_efficiency=grouped_efficiency,
+            layer_overhead_s=layer_overhead_s,
         )
 
 
