@@ -106,9 +106,13 @@ class TrainingRunner:
 
 
 def run_interleaved(runners: list[TrainingRunner], *, warmup: int, steps: int) -> None:
-    """Step every runner once per round, ``warmup`` unrecorded rounds then ``steps``."""
+    """Step every runner once per round, ``warmup`` unrecorded rounds then ``steps``.
+
+    The order rotates every round so no variant always runs first or last.
+    """
     for step in range(warmup + steps):
-        for runner in runners:
+        shift = step % len(runners)
+        for runner in runners[shift:] + runners[:shift]:
             runner.step(step, record=step >= warmup)
 
 

@@ -43,8 +43,8 @@ class Space(str, Enum):
     FULL = "full"
     """Every strategy, residual layout (R or B), collective variant and gradient sync."""
     MEGATRON = "megatron"
-    """Stock shardformer strategies (``LayerSpec.default``), replicated residual stream;
-    collective variants still chosen. What the plugin's resizable layers execute."""
+    """Stock shardformer strategies (``LayerSpec.default``), replicated residual stream, padded
+    collectives: what the plugin's resizable layers execute."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +133,8 @@ class Problem:
             full = self.space is Space.FULL and mesh.tp_size > 1
             residuals = (Layout.R, Layout.B) if full else (Layout.R,)
         collectives: tuple[Collective, ...] = (Collective.PADDED, Collective.GROUPED)
-        if mesh.num_devices == 1:
+        if mesh.num_devices == 1 or self.space is Space.MEGATRON:
+            # The resizable layers run padded collectives: plan only what will execute.
             collectives = (Collective.PADDED,)
         out = []
         for strategy in self._strategies(layer):
