@@ -22,6 +22,7 @@ from colossal_hetero.bench.measure import Measurement, TrainingRunner, run_inter
 from colossal_hetero.bench.profile import agree, calibrate_model, measure_allreduce_gbps
 from colossal_hetero.config.schema import (
     ClusterConfig,
+    DeviceKind,
     DeviceSpec,
     EmulationConfig,
     HeteroConfig,
@@ -107,6 +108,10 @@ def _emulation(speeds: tuple[float, ...]) -> EmulationConfig:
     return EmulationConfig(compute=slowdowns)
 
 
+def _kind(device: torch.device) -> DeviceKind:
+    return "cuda" if device.type == "cuda" else "cpu"
+
+
 def run_case(rank: int, world_size: int, device: torch.device, case: Case) -> dict[str, Any]:
     """Spawned on every rank: profile, plan, and time the three variants."""
     from colossalai.booster.plugin import HybridParallelPlugin
@@ -125,12 +130,12 @@ def run_case(rank: int, world_size: int, device: torch.device, case: Case) -> di
     devices = [DeviceSpec(speed=s, bandwidth_gbps=gbps) for s in case.speeds]
     config = HeteroConfig(
         parallel=ParallelConfig(tp=case.tp),
-        cluster=ClusterConfig(device=device.type, devices=devices),
+        cluster=ClusterConfig(device=_kind(device), devices=devices),
         emulation=_emulation(case.speeds),
         plan=PlanConfig(mode="auto", reference_tflops=tflops, layer_overhead_us=overhead * 1e6),
     )
-    even = HeteroConfig(parallel=config.parallel, cluster=ClusterConfig(device=device.type))
-    shape = {"batch_size": BATCH_SIZE, "seq_len": SEQ_LEN, "device": device}
+    even = HeteroConfig(parallel=config.parallel, cluster=ClusterConfig(device=_kind(device)))
+    shape: dict[str, Any] = {"batch_size": BATCH_SIZE, "seq_len": SEQ_LEN, "device": device}
     results: dict[str, Any] = {
         "reference_tflops": tflops,
         "allreduce_gbps": gbps,
