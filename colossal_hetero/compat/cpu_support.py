@@ -178,10 +178,12 @@ def _patch_zero() -> None:
 
 
 def _device_safe_set_device(device: Any) -> None:
-    """torch.cuda.set_device that ignores CPU devices (what the modeling code meant)."""
+    """``set_device`` that ignores CPU devices (what the modeling code meant)."""
     if isinstance(device, torch.device) and device.type != "cuda":
         return
-    torch.cuda.set_device(device)
+    from colossal_hetero.utils.device import bind_device
+
+    bind_device(device if isinstance(device, torch.device) else torch.device("cuda", device))
 
 
 def _torch_view_without_cpu_set_device() -> types.SimpleNamespace:
