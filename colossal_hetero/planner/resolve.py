@@ -6,10 +6,10 @@ collective starts; errors are ``ConfigError``s naming the field.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypedDict
 
 from colossal_hetero.config.loader import ConfigError
-from colossal_hetero.config.schema import ClusterConfig, HeteroConfig, RunConfig
+from colossal_hetero.config.schema import ClusterConfig, HeteroConfig, PlanConfig, RunConfig
 from colossal_hetero.planner.plan import Plan, load_plan
 
 
@@ -70,10 +70,7 @@ def plan_for_model(
     cluster = ClusterSpec.from_config(
         config.cluster,
         world_size,
-        reference_flops=settings.reference_tflops * 1e12,
-        latency_s=settings.latency_us * 1e-6,
-        grouped_efficiency=settings.grouped_efficiency,
-        layer_overhead_s=settings.layer_overhead_us * 1e-6,
+        **_device_model(settings),
     )
     spec = model_spec_from_hf(hf_config, batch_size, seq_len, dtype_bytes=_dtype_bytes(config))
     try:
@@ -87,6 +84,23 @@ def plan_for_model(
         )
     except ValueError as error:
         raise ConfigError(f"plan: infeasible: {error}") from None
+
+
+class _DeviceModel(TypedDict):
+    reference_flops: float
+    latency_s: float
+    grouped_efficiency: float
+    layer_overhead_s: float
+
+
+def _device_model(settings: PlanConfig) -> _DeviceModel:
+    """``ClusterSpec`` link and compute settings from the plan config, in SI units."""
+    return {
+        "reference_flops": settings.reference_tflops * 1e12,
+        "latency_s": settings.latency_us * 1e-6,
+        "grouped_efficiency": settings.grouped_efficiency,
+        "layer_overhead_s": settings.layer_overhead_us * 1e-6,
+    }
 
 
 def _dtype_bytes(config: HeteroConfig) -> int:
@@ -124,12 +138,9 @@ def _search(run: RunConfig, world_size: int) -> Plan:
         return plan_for_run(
             run,
             world_size,
-            reference_flops=settings.reference_tflops * 1e12,
-            latency_s=settings.latency_us * 1e-6,
-            grouped_efficiency=settings.grouped_efficiency,
             alignment=settings.alignment,
             max_iters=settings.max_iters,
-            layer_overhead_s=settings.layer_overhead_us * 1e-6,
+            **_device_model(settings),
         )
     except ConfigError:
         raise

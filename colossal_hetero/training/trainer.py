@@ -186,9 +186,8 @@ def _is_eval_step(config: RunConfig, step: int) -> bool:
 
 
 def _is_checkpoint_step(config: RunConfig, step: int) -> bool:
+    """Whether to save after ``step`` (the caller checks that checkpointing is on)."""
     checkpoint = config.checkpoint
-    if checkpoint.dir is None:
-        return False
     last = step + 1 == config.train.steps
     return last or (checkpoint.every > 0 and (step + 1) % checkpoint.every == 0)
 
