@@ -125,7 +125,7 @@ def _has_gpus(nproc: int) -> bool:
 def _bench(args: argparse.Namespace) -> int:
     from colossal_hetero.bench import run_benchmark
 
-    return run_benchmark(args.name, quick=args.quick, json_path=args.json)
+    return run_benchmark(args.name, quick=args.quick, json_path=args.json, only=args.only)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -169,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("name", choices=["static"])
     bench.add_argument("--quick", action="store_true", help="fewer cases and steps")
     bench.add_argument("--json", default="", help="write results here")
+    bench.add_argument(
+        "--only", default="", metavar="TEXT", help="run only the cases whose name contains TEXT"
+    )
     bench.set_defaults(handler=_bench)
 
     demo = commands.add_parser("demo", help="4 CPU ranks, one emulated 2x slower")

@@ -15,23 +15,30 @@ from rich.console import Console
 from rich.table import Table
 
 
-def run_benchmark(name: str, *, quick: bool, json_path: str = "") -> int:
-    """Run benchmark ``name``; print a table; write JSON to ``json_path`` when given."""
+def run_benchmark(name: str, *, quick: bool, json_path: str = "", only: str = "") -> int:
+    """Run benchmark ``name``; print a table; write JSON to ``json_path`` when given.
+
+    ``only`` keeps the cases whose name contains it (all when empty).
+    """
     if name != "static":
         raise ValueError(f"bench: unknown benchmark {name!r}; known: static")
     from colossal_hetero.bench import static
     from colossal_hetero.bench.spawn import spawn_ranks
 
+    selected = [case for case in static.cases(quick) if only in case.name]
+    if not selected:
+        raise ValueError(f"bench: --only {only!r} matches no case of {name}")
     console = Console()
     started = time.perf_counter()
     rows = []
-    for case in static.cases(quick):
+    for case in selected:
         console.print(f"[bold]{case.name}[/]: {case.tp} ranks, speeds {list(case.speeds)}")
         results = spawn_ranks(static.run_case, case.tp, case=case)
         rows.append(static.summarise(case, results[0]))
     report: dict[str, Any] = {
         "benchmark": "static",
         "quick": quick,
+        "only": only,
         "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}",
         "cases": rows,
         "planning_1p5b_64_devices_s": static.planning_time_1p5b(),

@@ -1,9 +1,12 @@
 """The single place where emulation acts: wrappers over torch.distributed collectives.
 
 Between two collectives a rank computes; at each collective the interceptor
-  (a) stretches that compute: sleeps ``(factor - 1) * t`` where ``t`` is the time since the
+  (a) stretches that compute: sleeps ``(factor - 1) * t`` where ``t`` is the work done since the
       previous collective (or step start), so a slow rank really arrives late, by an amount
-      that scales with the work it really did (counted as compute);
+      that scales with the work it really did (counted as compute). ``t`` is the thread's CPU
+      time on CPU ranks (ranks share the host's cores: time spent waiting for a core is not
+      work, and stretching it would slow the rank for its neighbours' load) and wall time
+      after a device sync on accelerators;
   (b) runs the real collective and times it (communication wait);
   (c) sleeps the network model's time for the call after it completes (communication);
   (d) starts the next compute interval.
@@ -232,6 +235,7 @@ class CollectiveInterceptor:
 
     def _reset(self, now: float) -> None:
         self._step_start = self._boundary = now
+        self._work_boundary = self._work_clock()
         self._comm_wait = self._stretch_time = self._network_delay = 0.0
         self._num_collectives = 0
 
@@ -242,16 +246,23 @@ class CollectiveInterceptor:
         step = self._step if self._step is not None else 0
         factor = 1.0 if self.slowdown is None else self.slowdown.factor_at(step)
         if factor > 1.0:
-            time.sleep((factor - 1.0) * (now - self._boundary))
+            time.sleep((factor - 1.0) * (self._work_clock() - self._work_boundary))
             stretched = time.perf_counter()
             self._stretch_time += stretched - now
             now = stretched
         return now
 
+    def _work_clock(self) -> float:
+        """Seconds of work this rank did: its thread's CPU time on a CPU device, where ranks
+        share cores and wall time would count waiting for a core as work (and stretch it by the
+        slowdown factor); wall time on an accelerator, after the device sync."""
+        return time.thread_time() if self.device.type == "cpu" else time.perf_counter()
+
     def _finish_comm(self, start: float, *, sync: bool) -> None:
         if sync:
             synchronize(self.device)
         self._boundary = time.perf_counter()
+        self._work_boundary = self._work_clock()
         self._comm_wait += self._boundary - start
 
     def _model(self, cost: CostFn | None, call: CallArgs, result: Any) -> float:

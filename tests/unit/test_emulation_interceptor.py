@@ -16,8 +16,9 @@ CPU = torch.device("cpu")
 
 
 def _busy(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
+    """Burn ``seconds`` of this thread's CPU time (the work the CPU emulation stretches)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
         pass
 
 
@@ -79,7 +80,19 @@ def test_end_step_stretches_compute_without_collectives() -> None:
             timings.append(interceptor.end_step())
     plain, slowed = timings
     assert plain.stretch_time == 0.0
-    unstretched = slowed.compute_time - slowed.stretch_time
     # The stretch is twice the work really done (factor 3), up to sleep granularity.
-    assert slowed.stretch_time == pytest.approx(2 * unstretched, rel=0.1)
-    assert slowed.compute_time == pytest.approx(3 * plain.compute_time, rel=0.2)
+    assert slowed.stretch_time == pytest.approx(2 * 0.02, rel=0.15)
+    assert slowed.compute_time >= 3 * 0.02
+
+
+def test_cpu_stretch_counts_work_not_waiting() -> None:
+    """On a CPU rank, time not spent working (here: sleeping, as when waiting for a core the
+    other ranks hold) is not stretched; only the CPU time is."""
+    emulation = EmulationConfig(compute=[SlowdownSpec(rank=0, factor=3.0)])
+    with build_interceptor(emulation, 0, 1, CPU) as interceptor:
+        interceptor.begin_step(0)
+        time.sleep(0.05)
+        _busy(0.01)
+        timing = interceptor.end_step()
+    assert timing.stretch_time == pytest.approx(2 * 0.01, abs=0.01)
+    assert timing.compute_time >= 0.06
