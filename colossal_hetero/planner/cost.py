@@ -78,7 +78,8 @@ class GradSync(str, Enum):
     ALLREDUCE = "allreduce"
     SFB = "sfb"
     """Sufficient factor broadcasting: gather each device's inputs and output gradients and
-    rebuild dW = sum dy x^T locally (Xie et al., UAI'16); pays when tokens are few."""
+    rebuild dW = sum dy^T x (and the bias gradient, sum dy) locally (Xie et al., UAI'16); pays
+    when tokens * (in + out) is small next to in * out."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -431,12 +432,17 @@ class CostModel:
             assert self.sfb_applies(layer, strategy)
             peers = self.scopes[scope].peers
             own_tokens = self._samples(io, loads) * float(layer.tokens)
-            factors = own_tokens * float((layer.in_features + layer.out_features) * self.dtype)
+            # Each module of the layer gathers its own input (q, k and v each gather x) and
+            # its output gradient (colossal_hetero.comm.sfb).
+            features = max(1, len(layer.modules)) * layer.in_features + layer.out_features
+            factors = own_tokens * float(features * self.dtype)
             terms.append(Term("factor all-gather", self.gather(factors, scope, method)))
             uses_method = True
-            # Each device rebuilds dW from every peer's factors: 2 FLOPs per weight per token.
-            other_tokens = peers @ own_tokens - own_tokens
-            compute = compute + other_tokens * (2.0 * layer.weight_params) / self.speeds
+            # Each device rebuilds dW (and the bias gradient) from every peer's factors, its own
+            # included so that every replica sums in the same order: 2 FLOPs per weight per
+            # token, on top of the local dW autograd computes anyway.
+            group_tokens = peers @ own_tokens
+            compute = compute + group_tokens * (2.0 * layer.weight_params) / self.speeds
             param_bytes = np.full(self.mesh.num_devices, float(layer.replicated_params))
             param_bytes = param_bytes * float(self.dtype)
         if self.scopes[scope].size > 1 and not _is_zero(param_bytes):

@@ -44,7 +44,12 @@ class Space(str, Enum):
     """Every strategy, residual layout (R or B), collective variant and gradient sync."""
     MEGATRON = "megatron"
     """Stock shardformer strategies (``LayerSpec.default``), replicated residual stream, padded
-    collectives: what the plugin's resizable layers execute."""
+    collectives, all-reduced gradients: what the plugin's resizable layers execute in every
+    layout, and stock Colossal-AI's baseline."""
+    MEGATRON_SFB = "megatron_sfb"
+    """MEGATRON where, without tensor parallelism (tp_size 1), replicated linear weights may
+    also sync by SFB over the data-parallel group: what the plugin executes when Colossal-AI
+    wraps the model in torch DDP (zero_stage 0, pp 1; ``colossal_hetero.plugin.grad_sync``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +125,7 @@ class Problem:
         if self.cost.mesh.tp_size == 1:
             return (Strategy.REPLICATE,)  # every strategy is the whole layer on one device
         allowed = self.cost.strategies(layer)
-        if self.space is Space.MEGATRON:
+        if self.space is not Space.FULL:
             if layer.default not in allowed:
                 raise ValueError(f"layer {layer.name}: default {layer.default} does not apply")
             return (layer.default,)
@@ -133,17 +138,27 @@ class Problem:
             full = self.space is Space.FULL and mesh.tp_size > 1
             residuals = (Layout.R, Layout.B) if full else (Layout.R,)
         collectives: tuple[Collective, ...] = (Collective.PADDED, Collective.GROUPED)
-        if mesh.num_devices == 1 or self.space is Space.MEGATRON:
-            # The resizable layers run padded collectives: plan only what will execute.
+        # The resizable layers run padded collectives: plan only what will execute. Without
+        # tensor parallelism the only uneven gather is SFB's, which runs either way.
+        sfb_only = self.space is Space.MEGATRON_SFB and mesh.tp_size == 1
+        if mesh.num_devices == 1 or not (self.space is Space.FULL or sfb_only):
             collectives = (Collective.PADDED,)
         out = []
         for strategy in self._strategies(layer):
             syncs = [GradSync.ALLREDUCE]
-            if self.space is Space.FULL and self.cost.sfb_applies(layer, strategy):
+            if self._offers_sfb(layer, strategy):
                 syncs.append(GradSync.SFB)
             for residual, sync, coll in itertools.product(residuals, syncs, collectives):
                 out.append(Choice(strategy, coll, sync, residual))
         return tuple(out)
+
+    def _offers_sfb(self, layer: LayerSpec, strategy: Strategy) -> bool:
+        if not self.cost.sfb_applies(layer, strategy):
+            return False
+        if self.space is Space.FULL:
+            return True
+        # The runtime (colossal_hetero.comm.sfb) hooks whole nn.Linear / Conv1D modules.
+        return self.space is Space.MEGATRON_SFB and self.cost.mesh.tp_size == 1
 
     def walk(
         self, index: int, state: State, choice: Choice, move: Callable, own: Callable
