@@ -160,3 +160,21 @@ def test_planned_uneven_tp_trains_and_resumes_into_even_widths(tmp_path):
             twin = again[(record.step, record.rank)]
             # Weights and Adam moments re-shard exactly (observed bitwise equal on CPU).
             assert twin.loss == pytest.approx(record.loss, rel=1e-6), (record.step, record.rank)
+
+    # And into another TP size: one unsharded rank (tp 1) continues the same training.
+    (checkpoints / "step_8" / "trainer.json").unlink(missing_ok=True)  # the even run's final
+    single_dir = tmp_path / "single"
+    single = _with(
+        even,
+        logging={"dir": str(single_dir)},
+        parallel={"tp": 1},
+        cluster={"device": "cpu", "devices": []},
+        emulation={"compute": []},
+    )
+    result = _launch(single, tmp_path, nproc=1)
+    assert result.returncode == 0, result.stderr[-4000:]
+    alone = {r.step: r for r in read_run(single_dir)}
+    for record in records:
+        if record.step >= 4 and record.rank == 0:
+            # Same math without the TP split: equal up to float summation order.
+            assert alone[record.step].loss == pytest.approx(record.loss, rel=1e-5), record.step
