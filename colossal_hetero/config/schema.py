@@ -378,6 +378,10 @@ class PlanConfig:
     """Time per layer per step a speed-1.0 device spends whatever its share (framework and
     kernel-launch overhead), microseconds; `colossal-hetero profile` measures it."""
 
+    model_spec: Literal["hf", "fx"] = "hf"
+    """Where the planner reads the model's layers: hf: from the transformers config; fx: from a
+    torch.fx trace of the model (built on the meta device, no weights allocated)."""
+
     def __post_init__(self) -> None:
         _require(
             self.mode != "file" or self.path is not None,

@@ -346,17 +346,18 @@ def plan_for_run(
 
     Uses ``cluster.devices`` (speed relative to ``reference_flops``, memory, bandwidth; the
     link model's ``latency_s`` and ``grouped_efficiency`` come from the arguments), the
-    model from ``model`` (built with ``colossal_hetero.models.build_hf_config``, which imports
-    transformers), ``data.global_batch_size`` and ``data.seq_len``, ``parallel.tp`` and
-    ``parallel.precision``. Defaults to the "megatron" space, which the plugin executes.
+    model from ``model`` (read as ``plan.model_spec`` says: "hf" from the transformers config
+    of ``colossal_hetero.models.build_hf_config``, "fx" from a torch.fx trace of
+    ``build_model`` on the meta device; both import transformers), ``data.global_batch_size``
+    and ``data.seq_len``, ``parallel.tp`` and ``parallel.precision``. Defaults to the
+    "megatron" space, which the plugin executes.
 
     Raises:
         NotImplementedError: for pipeline parallelism (pp > 1).
+        ConfigError: naming ``plan.model_spec`` when the fx trace cannot be read as layers.
         ValueError: as :func:`search_plan`, or for a layout that does not fill the world.
     """
     from colossal_hetero.config.validate import resolve_dp
-    from colossal_hetero.models import build_hf_config
-    from colossal_hetero.planner.hf import model_spec_from_hf
 
     parallel = run_config.parallel
     if parallel.pp > 1:
@@ -370,12 +371,31 @@ def plan_for_run(
         grouped_efficiency=grouped_efficiency,
         layer_overhead_s=layer_overhead_s,
     )
-    model = model_spec_from_hf(
-        build_hf_config(run_config.model),
-        run_config.data.global_batch_size,
-        run_config.data.seq_len,
-        dtype_bytes=_DTYPE_BYTES[parallel.precision],
-    )
+    model = _run_model_spec(run_config, _DTYPE_BYTES[parallel.precision])
     return search_plan(
         cluster, model, tp_size=parallel.tp, alignment=alignment, max_iters=max_iters, space=space
     )
+
+
+def _run_model_spec(run_config: Any, dtype_bytes: int) -> ModelSpec:
+    """The configured model's spec, from its transformers config or from an fx trace."""
+    from colossal_hetero.config.loader import ConfigError
+    from colossal_hetero.models import build_hf_config
+
+    batch_size, seq_len = run_config.data.global_batch_size, run_config.data.seq_len
+    if run_config.plan.model_spec == "hf":
+        from colossal_hetero.planner.hf import model_spec_from_hf
+
+        hf_config = build_hf_config(run_config.model)
+        return model_spec_from_hf(hf_config, batch_size, seq_len, dtype_bytes=dtype_bytes)
+    import torch
+
+    from colossal_hetero.models import build_model
+    from colossal_hetero.planner.fx import model_spec_from_fx
+
+    with torch.device("meta"):  # the trace reads shapes only: allocate no weights
+        model = build_model(run_config.model)
+    try:
+        return model_spec_from_fx(model, batch_size, seq_len, dtype_bytes=dtype_bytes)
+    except ValueError as error:
+        raise ConfigError(f"plan.model_spec: fx: {error}") from None

@@ -11,6 +11,7 @@ from typing import Any, TypedDict
 from colossal_hetero.config.loader import ConfigError
 from colossal_hetero.config.schema import ClusterConfig, HeteroConfig, PlanConfig, RunConfig
 from colossal_hetero.planner.plan import Plan, load_plan
+from colossal_hetero.planner.spec import ModelSpec
 
 
 def is_heterogeneous(cluster: ClusterConfig) -> bool:
@@ -51,10 +52,15 @@ def plan_for_model(
     """Plan for a transformers ``model`` (the plugin's path when no plan was given).
 
     ``workload`` is ``(global_batch_size, seq_len)``; None means 8 samples per data-parallel
-    group at the model's maximum sequence length.
+    group at the model's maximum sequence length. ``plan.model_spec`` picks how the model is
+    read: "hf" from ``model.config``, "fx" from a torch.fx trace of ``model`` (traced on the
+    meta device; the live weights are not touched).
+
+    Raises:
+        ConfigError: the plan file does not fit, the fx trace cannot be read as layers
+            (``plan.model_spec``), or the planner finds the layout infeasible.
     """
     from colossal_hetero.config.validate import resolve_dp
-    from colossal_hetero.planner.hf import model_spec_from_hf
     from colossal_hetero.planner.loop import search_plan
     from colossal_hetero.planner.search import Space
     from colossal_hetero.planner.spec import ClusterSpec
@@ -64,7 +70,7 @@ def plan_for_model(
         check_plan(plan, config, world_size, plan.batch_size)
         return plan
     dp = resolve_dp(config, world_size)
-    hf_config = model.config
+    hf_config = getattr(model, "config", None)
     batch_size, seq_len = workload or (8 * dp, getattr(hf_config, "max_position_embeddings", 512))
     settings = config.plan
     cluster = ClusterSpec.from_config(
@@ -72,7 +78,7 @@ def plan_for_model(
         world_size,
         **_device_model(settings),
     )
-    spec = model_spec_from_hf(hf_config, batch_size, seq_len, dtype_bytes=_dtype_bytes(config))
+    spec = _model_spec(settings, model, batch_size, seq_len, _dtype_bytes(config))
     try:
         return search_plan(
             cluster,
@@ -84,6 +90,21 @@ def plan_for_model(
         )
     except ValueError as error:
         raise ConfigError(f"plan: infeasible: {error}") from None
+
+
+def _model_spec(
+    settings: PlanConfig, model: Any, batch_size: int, seq_len: int, dtype_bytes: int
+) -> ModelSpec:
+    if settings.model_spec == "hf":
+        from colossal_hetero.planner.hf import model_spec_from_hf
+
+        return model_spec_from_hf(model.config, batch_size, seq_len, dtype_bytes=dtype_bytes)
+    from colossal_hetero.planner.fx import model_spec_from_fx
+
+    try:
+        return model_spec_from_fx(model, batch_size, seq_len, dtype_bytes=dtype_bytes)
+    except ValueError as error:
+        raise ConfigError(f"plan.model_spec: fx: {error}") from None
 
 
 class _DeviceModel(TypedDict):
