@@ -258,10 +258,11 @@ def _mark_residuals(
         operands = [a for a in node.args if is_tensor(a)]
         if len(operands) != 2:
             continue
-        ends = [max((layer_of[i] for i in sources[a]), default=None) for a in operands]
-        if ends[0] is None or ends[1] is None or ends[0] == ends[1]:
-            continue  # masks, tables, or both sides from one layer (rotary, embeddings)
-        skip, branch = sorted(ends)
+        if not all(sources[a] for a in operands):
+            continue  # a mask or a table: not computed by any layer
+        skip, branch = sorted(max(layer_of[i] for i in sources[a]) for a in operands)
+        if skip == branch:
+            continue  # both sides from one layer (rotary embedding, summed embeddings)
         layers[skip + 1].opens = True
         layers[branch].closes = True
 
