@@ -11,7 +11,7 @@ import os
 import sys
 
 from colossal_hetero.config import ConfigError, load_config, validate_run
-from colossal_hetero.planner.resolve import resolve_plan
+from colossal_hetero.planner.resolve import resolve_plan, unplanned_notice
 from colossal_hetero.utils.quiet import quiet_optional_kernel_warnings
 
 
@@ -28,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as error:
         print(f"[rank {rank}] colossal-hetero: config error: {error}", file=sys.stderr)
         return 2
+    notice = unplanned_notice(config.plugin_config())
+    if notice and rank == 0:
+        print(f"colossal-hetero: {notice}", file=sys.stderr)
 
     quiet_optional_kernel_warnings()
     import torch.distributed as dist

@@ -28,6 +28,16 @@ def wants_plan(config: HeteroConfig) -> bool:
     return mode == "auto" and is_heterogeneous(config.cluster) and config.parallel.pp == 1
 
 
+def unplanned_notice(config: HeteroConfig) -> str | None:
+    """Why an ``auto`` run on a heterogeneous cluster stays on the even split, if it does."""
+    if config.plan.mode == "auto" and is_heterogeneous(config.cluster) and config.parallel.pp > 1:
+        return (
+            f"plan.mode auto: the planner does not plan pipeline stages (parallel.pp = "
+            f"{config.parallel.pp}); tensor-parallel widths and batch shares stay even"
+        )
+    return None
+
+
 def resolve_plan(run: RunConfig, world_size: int) -> Plan | None:
     """The plan for ``run`` on ``world_size`` ranks, or None for Colossal-AI's even split.
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -9,8 +10,9 @@ import yaml
 
 from colossal_hetero.cli import main
 from colossal_hetero.config import load_config
+from colossal_hetero.config.schema import DeviceSpec
 from colossal_hetero.planner import load_plan
-from colossal_hetero.planner.resolve import resolve_plan
+from colossal_hetero.planner.resolve import resolve_plan, unplanned_notice
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -62,3 +64,17 @@ def test_plan_file_for_another_layout_is_rejected(tmp_path):
 
 def test_homogeneous_cluster_trains_even(tmp_path):
     assert resolve_plan(load_config(CONFIGS / "gpt2_tp2_pp2.yaml"), 4) is None
+
+
+def test_auto_plan_with_pipeline_says_it_stays_even():
+    config = load_config(CONFIGS / "gpt2_tp2_pp2.yaml")
+    assert unplanned_notice(config.plugin_config()) is None  # homogeneous: nothing to plan
+    hetero = dataclasses.replace(
+        config,
+        cluster=dataclasses.replace(
+            config.cluster, devices=[DeviceSpec(speed=s) for s in (1.0, 1.0, 0.5, 0.5)]
+        ),
+    )
+    assert resolve_plan(hetero, 4) is None
+    notice = unplanned_notice(hetero.plugin_config())
+    assert notice is not None and "parallel.pp = 2" in notice
