@@ -36,6 +36,7 @@ from colossal_hetero.emulation import CollectiveInterceptor, build_interceptor
 from colossal_hetero.planner.plan import Plan
 from colossal_hetero.planner.resolve import plan_for_model, wants_plan
 from colossal_hetero.plugin.engine import build_engine
+from colossal_hetero.plugin.grad_sync import exclude_sfb_from_ddp, install_planned_sfb, planned_sfb
 from colossal_hetero.plugin.launch import prepare_device
 from colossal_hetero.policies import ResizablePolicy, resizable_policy
 from colossal_hetero.utils.device import backend_for, resolve_device
@@ -143,9 +144,12 @@ class HeteroParallelPlugin(PipelinePluginBase):
             self.plan = plan_for_model(self.config, model, self.world_size, self.workload)
         if self._policy is None and self.plan is not None and self.tp_size > 1:
             self.engine.custom_policy = resizable_policy(model, self.plan.widths)
+        sfb = planned_sfb(self.plan, self.config.parallel, self.dp_size)
+        exclude_sfb_from_ddp(model, sfb)  # SFB modules sync by gathered factors, not DDP
         boosted = self.engine.configure(model, optimizer, criterion, dataloader, lr_scheduler)
         if isinstance(self.engine.custom_policy, ResizablePolicy):
             _drop_single_rank_ddp(boosted[0])
+        self.grad_sync = install_planned_sfb(boosted[0], sfb)
         return boosted
 
     def resize(self, optimizer: Any, widths: dict[str, list[int]]) -> None:
