@@ -24,7 +24,8 @@ def _entry(
     rank: int, world_size: int, init_file: str, fn: Callable[..., Any], kwargs: dict[str, Any]
 ) -> None:
     torch.set_num_threads(1)
-    use_cuda = cuda_device_count() >= world_size and not kwargs.pop("force_cpu", False)
+    force_cpu = kwargs.pop("force_cpu", False)
+    use_cuda = cuda_device_count() >= world_size and not force_cpu
     device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
     bind_device(device)
     # Colossal-AI reads these to find its place; torchrun would set them.

@@ -339,7 +339,7 @@ def plan_for_run(
     grouped_efficiency: float = DEFAULT_GROUPED_EFFICIENCY,
     alignment: int = 1,
     max_iters: int = 10,
-    space: str | Space = Space.MEGATRON,
+    space: str | Space | None = None,
     layer_overhead_s: float = 0.0,
 ) -> Plan:
     """Plan a ``config.schema.RunConfig`` on ``world_size`` ranks.
@@ -349,8 +349,8 @@ def plan_for_run(
     model from ``model`` (read as ``plan.model_spec`` says: "hf" from the transformers config
     of ``colossal_hetero.models.build_hf_config``, "fx" from a torch.fx trace of
     ``build_model`` on the meta device; both import transformers), ``data.global_batch_size``
-    and ``data.seq_len``, ``parallel.tp`` and ``parallel.precision``. Defaults to the
-    "megatron" space, which the plugin executes.
+    and ``data.seq_len``, ``parallel.tp`` and ``parallel.precision``. ``space`` defaults to
+    the one the plugin executes for the layout (``Space.executed``).
 
     Raises:
         NotImplementedError: for pipeline parallelism (pp > 1).
@@ -372,6 +372,8 @@ def plan_for_run(
         layer_overhead_s=layer_overhead_s,
     )
     model = _run_model_spec(run_config, _DTYPE_BYTES[parallel.precision])
+    if space is None:
+        space = Space.executed(tp=parallel.tp, pp=parallel.pp, zero_stage=parallel.zero_stage)
     return search_plan(
         cluster, model, tp_size=parallel.tp, alignment=alignment, max_iters=max_iters, space=space
     )

@@ -72,7 +72,6 @@ def plan_for_model(
     """
     from colossal_hetero.config.validate import resolve_dp
     from colossal_hetero.planner.loop import search_plan
-    from colossal_hetero.planner.search import Space
     from colossal_hetero.planner.spec import ClusterSpec
 
     if config.plan.mode == "file":
@@ -96,10 +95,17 @@ def plan_for_model(
             tp_size=config.parallel.tp,
             alignment=settings.alignment,
             max_iters=settings.max_iters,
-            space=Space.MEGATRON,  # the strategy space the resizable layers execute
+            space=_executed_space(config),  # what the resizable layers and DDP execute
         )
     except ValueError as error:
         raise ConfigError(f"plan: infeasible: {error}") from None
+
+
+def _executed_space(config: HeteroConfig) -> Any:
+    from colossal_hetero.planner.search import Space
+
+    parallel = config.parallel
+    return Space.executed(tp=parallel.tp, pp=parallel.pp, zero_stage=parallel.zero_stage)
 
 
 def _model_spec(

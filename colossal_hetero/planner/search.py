@@ -51,6 +51,12 @@ class Space(str, Enum):
     also sync by SFB over the data-parallel group: what the plugin executes when Colossal-AI
     wraps the model in torch DDP (zero_stage 0, pp 1; ``colossal_hetero.plugin.grad_sync``)."""
 
+    @classmethod
+    def executed(cls, *, tp: int, pp: int, zero_stage: int) -> Space:
+        """The space the plugin executes for a layout: SFB only where torch DDP syncs
+        whole, unsharded modules (no TP, no pipeline, no ZeRO)."""
+        return cls.MEGATRON_SFB if tp == 1 and pp == 1 and zero_stage == 0 else cls.MEGATRON
+
 
 @dataclass(frozen=True, slots=True)
 class State:
