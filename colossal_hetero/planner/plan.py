@@ -79,7 +79,7 @@ class Plan:
     iterations: int
     """Search/LP rounds of HAP's loop."""
     space: str
-    """Strategy space searched: full or megatron."""
+    """Strategy space searched: full, megatron or megatron_sfb (``search.Space``)."""
     version: int = PLAN_VERSION
 
     @property
