@@ -85,7 +85,8 @@ def profile_rank(
         timer.begin_step(0)
         measure_flops(device, size=size, repeats=repeats)
         timing = timer.end_step()
-        gbps = measure_allreduce_gbps(device)
+        with timer.step(1):  # emulation acts inside steps only: links are modelled here too
+            gbps = measure_allreduce_gbps(device)
     result = {"flops": repeats * 2 * size**3 / timing.compute_time, "gbps": gbps}
     if run is not None:
         result["model_flops"], result["layer_overhead_s"] = calibrate_model(
