@@ -5,13 +5,19 @@ the same shape, e.g. Adam's exp_avg and exp_avg_sq) is gathered to its full size
 to the new widths: values are moved, never recomputed, so training continues exactly as if the
 widths had always been the new ones. Each tensor costs one padded all-gather over the TP group.
 
-Parameters keep their identity (only ``.data`` changes), so optimizers and the booster's
-wrappers still hold them. Tied weights are re-sharded once: a parameter already in the new
-layout is skipped. Call between steps (after ``optimizer.step()``, or after ``backward`` to
-move the gradients too), on every rank of the group, with the same widths.
+Under Colossal-AI's mixed precision (``MixedPrecisionOptimizer``: fp16/bf16 working
+parameters, fp32 master copies that the optimizer steps) the master copy, its gradient and its
+state move as well, each in its own dtype: the fp32 values are moved, never re-derived from
+the low-precision working parameter.
 
-Not supported: ZeRO (its flat fp32 master copies) and mixed-precision master weights, and
-torch DDP (its buckets are sized at wrap time), i.e. data parallelism over TP groups.
+Parameters and master copies keep their identity (only ``.data`` changes), so optimizers, the
+working<->master maps and the booster's wrappers still hold them. Tied weights are re-sharded
+once: a parameter already in the new layout is skipped. Call between steps (after
+``optimizer.step()``, or after ``backward`` to move the gradients too), on every rank of the
+group, with the same widths.
+
+Not supported here: ZeRO (its flat fp32 partitions), and torch DDP, whose reducer pins every
+parameter's gradient shape: plugin/resizing.py rebuilds it after the move.
 """
 
 from __future__ import annotations
@@ -31,36 +37,59 @@ def reshard(local: torch.Tensor, old: ShardLayout, new: ShardLayout) -> torch.Te
     return new.shard(old.gather(local))
 
 
-def _optimizer_state(optimizer: Any, param: torch.Tensor) -> dict:
-    """Per-parameter state of a torch optimizer or of a booster's OptimizerWrapper."""
+def _stepped(optimizer: Any, param: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """The tensor the optimizer steps for ``param`` and its per-parameter state.
+
+    That tensor is ``param`` itself, or its fp32 master copy under Colossal-AI's mixed
+    precision (``working_to_master_map``). Accepts a torch optimizer or a booster wrapper.
+    """
     if optimizer is None:
-        return {}
+        return param, {}
+    master = getattr(optimizer, "working_to_master_map", {}).get(param, param)
     optim = getattr(optimizer, "optim", optimizer)  # colossalai OptimizerWrapper -> torch
-    return optim.state.get(param, {})
+    return master, optim.state.get(master, {})
 
 
-def _sharded_state_keys(state: dict, param: torch.Tensor, group: Any) -> list[str]:
-    """Keys of the state tensors shaped like ``param``; every rank must have as many."""
-    keys = [
-        k for k, v in state.items() if torch.is_tensor(v) and v.dim() and v.shape == param.shape
-    ]
-    counts = torch.tensor([len(keys), -len(keys)], dtype=torch.int64, device=param.device)
+def _agreed_state_keys(
+    state: dict, param: torch.Tensor, master: torch.Tensor, group: Any
+) -> list[str]:
+    """Keys of the state tensors shaped like ``master``; every rank must move as many tensors.
+
+    One all-reduce of three integers over ``group``: the number of state tensors, and whether
+    ``param`` and ``master`` hold gradients, must agree (else a rank would wait forever in a
+    gather the others skip).
+    """
+    keys = sorted(
+        k for k, v in state.items() if torch.is_tensor(v) and v.dim() and v.shape == master.shape
+    )
+    has_master_grad = master is not param and master.grad is not None
+    moving = [len(keys), int(param.grad is not None), int(has_master_grad)]
+    counts = torch.tensor(moving + [-n for n in moving], dtype=torch.int64, device=param.device)
     dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=group)
-    if counts[0] != -counts[1]:  # one rank would wait forever in a gather the others skip
+    if not torch.equal(counts[:3], -counts[3:]):
         raise RuntimeError(
-            f"ranks hold different optimizer state for a sharded parameter ({sorted(keys)} "
-            "here): resize before the first step or after every rank has stepped"
+            f"ranks hold different gradients or optimizer state for a sharded parameter "
+            f"({sorted(keys)} here): resize before the first step or after every rank has "
+            "stepped, with the same optimizer on every rank"
         )
-    return sorted(keys)
+    return keys
+
+
+def _reshard_grad(
+    grad: torch.Tensor | None, old: ShardLayout, new: ShardLayout
+) -> torch.Tensor | None:
+    return None if grad is None else reshard(grad, old, new)
 
 
 @torch.no_grad()
 def resize_parameter(
     param: torch.nn.Parameter, layout: ShardLayout, *, optimizer: Any = None
 ) -> bool:
-    """Re-shard ``param``, its gradient and its optimizer state to ``layout``.
+    """Re-shard ``param``, its gradient, its master copy and optimizer state to ``layout``.
 
-    Returns False (and does nothing) when the parameter already has that layout.
+    Collectives, all over the layout's group, in the same order on every rank: one small
+    all-reduce (agreement on what moves), then one padded all-gather per moving tensor.
+    Returns False (and does nothing, no collective) when ``param`` already has that layout.
     """
     old = layout_of(param)
     if old is None:
@@ -69,11 +98,13 @@ def resize_parameter(
         return False
     if old.group is not layout.group or old.dim != layout.dim or old.num_parts != layout.num_parts:
         raise ValueError(f"can only change widths: {old} -> {layout}")
-    state = _optimizer_state(optimizer, param)
-    keys = _sharded_state_keys(state, param, old.group)
-    grad = param.grad
+    master, state = _stepped(optimizer, param)
+    keys = _agreed_state_keys(state, param, master, old.group)
     param.data = reshard(param.data, old, layout)
-    param.grad = None if grad is None else reshard(grad, old, layout)
+    param.grad = _reshard_grad(param.grad, old, layout)
+    if master is not param:
+        master.data = reshard(master.data, old, layout)
+        master.grad = _reshard_grad(master.grad, old, layout)
     for key in keys:
         state[key] = reshard(state[key], old, layout)
     install_layout(param, layout)

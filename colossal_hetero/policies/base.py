@@ -170,7 +170,9 @@ class ResizablePolicy:
         """Move the sharded model to new ``widths``; lossless (see layers.resize).
 
         Call on every TP rank between steps, with the booster's optimizer (or the torch one)
-        so that its state moves too. Keys left out are split evenly.
+        so that its state (and mixed precision's fp32 master weights) moves too. Keys left out
+        are split evenly. This moves the layers only: a boosted model wrapped in torch DDP
+        needs ``HeteroParallelPlugin.resize``, which also rebuilds the DDP.
         """
         new = self.resolve(widths)
         changes = []
