@@ -38,6 +38,7 @@ from colossal_hetero.planner.resolve import plan_for_model, wants_plan
 from colossal_hetero.plugin.engine import build_engine
 from colossal_hetero.plugin.grad_sync import exclude_sfb_from_ddp, install_planned_sfb, planned_sfb
 from colossal_hetero.plugin.launch import prepare_device
+from colossal_hetero.plugin.resizing import resize_boosted
 from colossal_hetero.policies import ResizablePolicy, resizable_policy
 from colossal_hetero.utils.device import backend_for, resolve_device
 
@@ -152,15 +153,22 @@ class HeteroParallelPlugin(PipelinePluginBase):
         self.grad_sync = install_planned_sfb(boosted[0], sfb)
         return boosted
 
-    def resize(self, optimizer: Any, widths: dict[str, list[int]]) -> None:
+    def resize(self, model: nn.Module, optimizer: Any, widths: dict[str, list[int]]) -> None:
         """Move tensor-parallel shards to new ``widths`` between steps, losslessly.
 
-        Weights, gradients and the optimizer's state move with them (``widths`` keys: heads,
-        ffn, vocab; missing keys are split evenly). Call on every rank, between steps.
+        Weights, gradients and the optimizer's state move with them, and under mixed precision
+        the fp32 master weights and their state, exactly (``widths`` keys: heads, ffn, vocab;
+        missing keys are split evenly). With data parallelism each replica's TP group resizes
+        the same way and the torch DDP is rebuilt. Call on every rank, between steps (or
+        between backward and step), with the booster's model and optimizer and the same
+        ``widths`` on every rank: the widths are checked equal over the world (one small
+        all-reduce) before anything moves. See plugin/resizing.py for the collectives.
 
         Raises:
-            ValueError: the model was not sharded with resizable layers, or the layout keeps
-                state that cannot move yet (ZeRO, mixed-precision master weights, dp > 1).
+            ValueError: the model was not sharded with resizable layers, the layout uses ZeRO
+                (``parallel.zero_stage`` > 0), the model or optimizer is not the booster's
+                (mixed precision needs its optimizer), all raised before any collective; or
+                the widths differ across ranks or do not fit the model, raised on every rank.
         """
         policy = self.engine.custom_policy
         if not isinstance(policy, ResizablePolicy):
@@ -168,13 +176,18 @@ class HeteroParallelPlugin(PipelinePluginBase):
                 "resize needs resizable layers: plan.mode auto or file with tp > 1, or a "
                 "resizable policy"
             )
-        parallel = self.config.parallel
-        if parallel.zero_stage > 0 or parallel.precision != "fp32" or self.dp_size > 1:
-            raise ValueError(
-                f"resize supports fp32 without ZeRO and dp == 1 for now (parallel.precision "
-                f"{parallel.precision}, zero_stage {parallel.zero_stage}, dp {self.dp_size})"
-            )
-        policy.resize(widths, optimizer=optimizer)
+        world = dist.group.WORLD
+        assert world is not None  # initialised before construction
+        resize_boosted(
+            model,
+            optimizer,
+            policy,
+            widths,
+            zero_stage=self.config.parallel.zero_stage,
+            ddp_options=self.engine.ddp_config,
+            group=world,
+            device=self.device,
+        )
 
     def execute_pipeline(
         self,

@@ -235,10 +235,10 @@ def _train(model_cfg, widths, steps, resizes=None):
             batch = _batch(10 + step)
             new_widths, when = (resizes or {}).get(step, (None, None))
             if when == "before":
-                run.plugin.resize(run.optimizer, new_widths)
+                run.plugin.resize(run.model, run.optimizer, new_widths)
             if when == "inside":  # between backward and step: the gradients move too
                 losses.append(run.backward(batch))
-                run.plugin.resize(run.optimizer, new_widths)
+                run.plugin.resize(run.model, run.optimizer, new_widths)
                 run.optimizer.step()
                 run.optimizer.zero_grad()
             else:
