@@ -109,8 +109,8 @@ def agreed_widths(
     also when its widths do not fit the model, so that all ranks raise together.
 
     Raises:
-        ValueError: the widths do not fit the model (that rank's message) or differ between
-            ranks (every other rank).
+        ValueError: the widths do not fit the model (raised with that message) or differ
+            between ranks (raised on every rank whose own widths fit).
     """
     try:
         resolved, error = policy.resolve(widths), None
@@ -136,8 +136,9 @@ def rebuild_ddp(model: Any, options: Mapping[str, Any]) -> None:
 
     The old reducer (and the logger that refers to it) is released first: it holds every
     parameter's gradient accumulator, whose recorded shape would reject resized gradients.
-    The new DDP wraps the same module with the same process group and ``options``. Gradient
-    communication hooks registered on the old DDP are not carried over.
+    The new DDP wraps the same module with the same process group and ``options``; parameters
+    excluded from DDP on the module (``_ddp_params_and_buffers_to_ignore``) stay excluded.
+    Communication hooks registered on the old DDP are not carried over.
     """
     ddp = model.module
     if not isinstance(ddp, DistributedDataParallel):
