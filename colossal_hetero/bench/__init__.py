@@ -32,8 +32,11 @@ def run_benchmark(name: str, *, quick: bool, json_path: str = "", only: str = ""
     started = time.perf_counter()
     rows = []
     for case in selected:
-        console.print(f"[bold]{case.name}[/]: {case.tp} ranks, speeds {list(case.speeds)}")
-        results = spawn_ranks(static.run_case, case.tp, case=case)
+        console.print(
+            f"[bold]{case.name}[/]: {case.world} ranks, tp {case.tp_size}, "
+            f"speeds {list(case.speeds)}"
+        )
+        results = spawn_ranks(static.run_case, case.world, case=case)
         rows.append(static.summarise(case, results[0]))
     report: dict[str, Any] = {
         "benchmark": "static",

@@ -16,7 +16,9 @@ from colossalai.booster import Booster
 
 from colossal_hetero.compat.attention import keep_gpt2_causal
 from colossal_hetero.config.schema import ModelConfig
+from colossal_hetero.data import shard_batch_by_shares, share_loss_scale
 from colossal_hetero.emulation import CollectiveInterceptor
+from colossal_hetero.emulation.ddp import route_ddp_through_interceptor
 from colossal_hetero.models import build_model, loss_from_outputs
 
 
@@ -65,6 +67,9 @@ class TrainingRunner:
         batch_size: int,
         seq_len: int,
         device: torch.device,
+        shares: list[int] | None = None,
+        dp_rank: int = 0,
+        emulated: bool = False,
     ) -> None:
         if timer.installed:
             timer.uninstall()
@@ -79,6 +84,12 @@ class TrainingRunner:
         self.model, self.optimizer, self.criterion, _, _ = self.booster.boost(
             model, optimizer, loss_from_outputs
         )
+        if emulated:  # the stock plugin's DDP must meet the emulated link and ranks too
+            route_ddp_through_interceptor(self.model)
+        # Samples per data-parallel group: a plan's (made at boost) or the given ones.
+        plan = getattr(plugin, "plan", None)
+        self.shares = list(plan.group_samples) if plan is not None else shares or [batch_size]
+        self.dp_rank = dp_rank
         self.rows: list[list[float]] = []
 
     def step(self, step: int, *, record: bool) -> None:
@@ -87,11 +98,13 @@ class TrainingRunner:
         Collectives: the model's own, then one all_gather of four numbers (outside the timing).
         """
         batch = text_batch(self.batch_size, self.seq_len, step)
+        batch = shard_batch_by_shares(batch, self.shares, self.dp_rank)
         batch = {k: v.to(self.device) for k, v in batch.items()}
+        scale = share_loss_scale(self.shares, self.dp_rank)
         with self.timer:
             self.timer.begin_step(step)
             loss = self.criterion(self.model(**batch), batch)
-            self.booster.backward(loss, self.optimizer)
+            self.booster.backward(loss * scale, self.optimizer)
             self.optimizer.step()
             self.optimizer.zero_grad()
             timing = self.timer.end_step()

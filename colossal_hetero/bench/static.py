@@ -13,7 +13,7 @@ speed, communication as measured. speedup = stock / planned; efficiency = ideal 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -27,6 +27,7 @@ from colossal_hetero.config.schema import (
     EmulationConfig,
     HeteroConfig,
     ModelConfig,
+    NetworkEmulationConfig,
     ParallelConfig,
     PlanConfig,
     SlowdownSpec,
@@ -38,24 +39,34 @@ BATCH_SIZE = 4
 
 @dataclass(frozen=True)
 class Case:
-    """One benchmark case."""
+    """One benchmark case: one rank per listed speed."""
 
     name: str
     model: ModelConfig
     speeds: tuple[float, ...]
     steps: int = 8
     warmup: int = 2
-    extra: dict[str, Any] = field(default_factory=dict)
+    tp: int = 0
+    """Tensor-parallel size; 0: every rank (no data parallelism)."""
+    batch_size: int = BATCH_SIZE
+    seq_len: int = SEQ_LEN
+    link_gbps: float | None = None
+    """Emulated link bandwidth for every variant (None: the host's loopback as it is)."""
+
+    @property
+    def world(self) -> int:
+        """Ranks the case spawns."""
+        return len(self.speeds)
+
+    @property
+    def tp_size(self) -> int:
+        """Tensor-parallel group size."""
+        return self.tp or self.world
 
     @property
     def equal(self) -> bool:
         """All ranks at the same speed."""
         return len(set(self.speeds)) == 1
-
-    @property
-    def tp(self) -> int:
-        """TP size: one rank per listed speed."""
-        return len(self.speeds)
 
 
 def _gpt2(width: int = 384, heads: int = 12, layers: int = 2) -> ModelConfig:
@@ -104,20 +115,31 @@ def cases(quick: bool) -> list[Case]:
             Case("llama-tp4-[1,1,0.5,0.25]", _llama(width=512, heads=16), (1.0, 1.0, 0.5, 0.25)),
             Case("llama-tp2-equal", _llama(), (1.0, 1.0)),
             Case("gpt2-tp4-equal", _gpt2(width=512, heads=16), (1.0,) * 4),
+            # Data parallelism on a slow link with few tokens: batch shares, and SFB where
+            # the planner prices it below the weight all-reduce.
+            Case(
+                "gpt2-dp2-[1,0.5]-0.5gbps",
+                _gpt2(width=768, heads=12),
+                (1.0, 0.5),
+                tp=1,
+                batch_size=4,
+                seq_len=16,
+                link_gbps=0.5,
+            ),
         ]
     steps, warmup = (8, 2) if quick else (15, 3)
-    return [
-        Case(c.name, c.model, c.speeds, steps=3 * steps if c.equal else steps, warmup=warmup)
-        for c in selected
-    ]
+    return [replace(c, steps=3 * steps if c.equal else steps, warmup=warmup) for c in selected]
 
 
-def _emulation(speeds: tuple[float, ...]) -> EmulationConfig:
-    fastest = max(speeds)
+def _emulation(case: Case, *, slow_ranks: bool) -> EmulationConfig:
+    fastest = max(case.speeds)
     slowdowns = [
-        SlowdownSpec(rank=r, factor=fastest / s) for r, s in enumerate(speeds) if s < fastest
+        SlowdownSpec(rank=r, factor=fastest / s) for r, s in enumerate(case.speeds) if s < fastest
     ]
-    return EmulationConfig(compute=slowdowns)
+    network = None
+    if case.link_gbps is not None:
+        network = NetworkEmulationConfig(bandwidth_gbps=case.link_gbps)
+    return EmulationConfig(compute=slowdowns if slow_ranks else [], network=network)
 
 
 def _kind(device: torch.device) -> DeviceKind:
@@ -135,47 +157,71 @@ def run_case(rank: int, world_size: int, device: torch.device, case: Case) -> di
     prepare_device(device)
     # The planner's device model, calibrated on this machine: the model's own FLOP rate and
     # fixed per-layer cost (single-process steps), and the all-reduce bandwidth.
-    rate, overhead = calibrate_model(case.model, BATCH_SIZE, SEQ_LEN, device)
+    rate, overhead = calibrate_model(case.model, case.batch_size, case.seq_len, device)
     tflops = agree(rate, device, "max") / 1e12
     overhead = agree(overhead, device, "min")
     gbps = agree(measure_allreduce_gbps(device), device, "min")
+    if case.link_gbps is not None:
+        gbps = min(gbps, case.link_gbps)
     devices = [DeviceSpec(speed=s, bandwidth_gbps=gbps) for s in case.speeds]
     config = HeteroConfig(
-        parallel=ParallelConfig(tp=case.tp),
+        parallel=ParallelConfig(tp=case.tp_size),
         cluster=ClusterConfig(device=_kind(device), devices=devices),
-        emulation=_emulation(case.speeds),
+        emulation=_emulation(case, slow_ranks=True),
         plan=PlanConfig(mode="auto", reference_tflops=tflops, layer_overhead_us=overhead * 1e6),
     )
-    even = HeteroConfig(parallel=config.parallel, cluster=ClusterConfig(device=_kind(device)))
-    shape: dict[str, Any] = {"batch_size": BATCH_SIZE, "seq_len": SEQ_LEN, "device": device}
+    even = HeteroConfig(
+        parallel=config.parallel,
+        cluster=ClusterConfig(device=_kind(device)),
+        emulation=_emulation(case, slow_ranks=False),
+    )
+    dp_size = case.world // case.tp_size
+    dp_rank = rank // case.tp_size
+    even_shares = [case.batch_size // dp_size] * dp_size
+    shape: dict[str, Any] = {
+        "batch_size": case.batch_size,
+        "seq_len": case.seq_len,
+        "device": device,
+        "dp_rank": dp_rank,
+    }
     results: dict[str, Any] = {
         "reference_tflops": tflops,
         "allreduce_gbps": gbps,
         "layer_overhead_s": overhead,
     }
 
-    hetero = HeteroParallelPlugin(config, workload=(BATCH_SIZE, SEQ_LEN))
+    hetero = HeteroParallelPlugin(config, workload=(case.batch_size, case.seq_len))
     runners = {
         "homogeneous": TrainingRunner(
             case.model,
             HybridParallelPlugin(**engine_kwargs(even, device)),
             build_interceptor(even.emulation, rank, world_size, device),
+            shares=even_shares,
+            emulated=even.emulation.enabled,
             **shape,
         ),
         "stock": TrainingRunner(
             case.model,
             HybridParallelPlugin(**engine_kwargs(even, device)),
             build_interceptor(config.emulation, rank, world_size, device),
+            shares=even_shares,
+            emulated=config.emulation.enabled,
             **shape,
         ),
-        "planned": TrainingRunner(case.model, hetero, hetero.timer, **shape),
     }
+    # The plugin plans at boost time; the runner then takes the plan's batch shares.
+    runners["planned"] = TrainingRunner(
+        case.model, hetero, hetero.timer, shares=even_shares, **shape
+    )
     run_interleaved(list(runners.values()), warmup=case.warmup, steps=case.steps)
     for name, runner in runners.items():
         results[name] = runner.measurement().to_dict()
+    plan = hetero.plan
     results["plan"] = {
-        "widths": hetero.plan.widths if hetero.plan else None,
-        "predicted_speedup": hetero.plan.speedup if hetero.plan else 1.0,
+        "widths": plan.widths if plan and plan.widths else None,
+        "group_samples": list(plan.group_samples) if plan else even_shares,
+        "sfb_layers": [la.name for la in plan.layers if la.grad_sync == "sfb"] if plan else [],
+        "predicted_speedup": plan.speedup if plan else 1.0,
     }
     return results
 
@@ -183,13 +229,15 @@ def run_case(rank: int, world_size: int, device: torch.device, case: Case) -> di
 def summarise(case: Case, result: dict[str, Any]) -> dict[str, Any]:
     """Ratios and the ideal bound of one case (see the module docstring)."""
     homo, stock, planned = (Measurement(**result[k]) for k in ("homogeneous", "stock", "planned"))
-    n = len(case.speeds)
+    n = case.world
     speeds = [s / max(case.speeds) for s in case.speeds]
     c_homo = sum(homo.compute_time) / n
     ideal = homo.step_time - c_homo + c_homo * n / sum(speeds)
     return {
         "case": case.name,
-        "tp": n,
+        "tp": case.tp_size,
+        "dp": case.world // case.tp_size,
+        "link_gbps": case.link_gbps,
         "speeds": list(case.speeds),
         "arch": case.model.arch,
         "stock_step_time": stock.step_time,

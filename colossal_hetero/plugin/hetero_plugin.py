@@ -33,6 +33,7 @@ from colossal_hetero.config.loader import ConfigError
 from colossal_hetero.config.schema import HeteroConfig
 from colossal_hetero.config.validate import validate_layout
 from colossal_hetero.emulation import CollectiveInterceptor, build_interceptor
+from colossal_hetero.emulation.ddp import route_ddp_through_interceptor
 from colossal_hetero.planner.plan import Plan
 from colossal_hetero.planner.resolve import plan_for_model, wants_plan
 from colossal_hetero.plugin.engine import build_engine
@@ -151,6 +152,8 @@ class HeteroParallelPlugin(PipelinePluginBase):
         if isinstance(self.engine.custom_policy, ResizablePolicy):
             _drop_single_rank_ddp(boosted[0])
         self.grad_sync = install_planned_sfb(boosted[0], sfb)
+        if self.config.emulation.enabled:  # DDP's C++ all-reduces must meet the emulation too
+            route_ddp_through_interceptor(boosted[0])
         return boosted
 
     def resize(self, model: nn.Module, optimizer: Any, widths: dict[str, list[int]]) -> None:
@@ -188,6 +191,8 @@ class HeteroParallelPlugin(PipelinePluginBase):
             group=world,
             device=self.device,
         )
+        if self.config.emulation.enabled:  # a rebuilt DDP has lost the emulation's hook
+            route_ddp_through_interceptor(model)
 
     def execute_pipeline(
         self,

@@ -6,6 +6,7 @@ for a noisy 2-core machine but fail if the stretch or the delay is missing or do
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 
@@ -193,9 +194,36 @@ def _check_network(rank: int, world_size: int, device: torch.device) -> None:
     assert all(getattr(m, n) is fn for (m, n), fn in originals.items())
 
 
+def _check_ddp_routing(rank: int, world_size: int, device: torch.device) -> None:
+    """(vi) DDP's C++ gradient all-reduces, routed through Python, meet the emulated link and
+    still average exactly as DDP does."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from colossal_hetero.emulation.ddp import route_ddp_through_interceptor
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(50, 40).to(device)
+    plain, routed = (DistributedDataParallel(copy.deepcopy(layer)) for _ in range(2))
+    assert route_ddp_through_interceptor(routed) and route_ddp_through_interceptor(routed)
+    assert not route_ddp_through_interceptor(layer)  # no DDP inside: nothing to route
+    x = torch.randn(8, 50, device=device) * (rank + 1)  # ranks hold different data
+    network = NetworkEmulationConfig(bandwidth_gbps=0.08)
+    with build_interceptor(EmulationConfig(network=network), rank, world_size, device) as ic:
+        plain(x).square().sum().backward()
+        with ic.step(0):
+            routed(x).square().sum().backward()
+    timing = ic.last_timing
+    assert timing.num_collectives >= 1
+    # One bucket of 50 * 40 + 40 floats; a ring all-reduce of 2 ranks moves it once at 1e7 B/s.
+    assert timing.network_delay >= (50 * 40 + 40) * 4 / 1e7
+    for a, b in zip(plain.parameters(), routed.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-7)
+
+
 def _check_emulation(rank: int, world_size: int, device: torch.device) -> None:
     _check_slowdown(rank, world_size, device)
     _check_network(rank, world_size, device)
+    _check_ddp_routing(rank, world_size, device)
     # torch 2.5.1 destroys a gloo group holding the GIL while joining its worker threads; a
     # worker still releasing a finished work whose tensor Python already dropped needs the GIL,
     # so teardown can deadlock (fixed upstream by pytorch PR 154976). Let the workers drain.
