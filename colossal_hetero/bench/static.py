@@ -136,7 +136,7 @@ def _emulation(case: Case, *, slow_ranks: bool) -> EmulationConfig:
     slowdowns = [
         SlowdownSpec(rank=r, factor=fastest / s) for r, s in enumerate(case.speeds) if s < fastest
     ]
-    network = None
+    network = NetworkEmulationConfig()  # off: the host's loopback as it is
     if case.link_gbps is not None:
         network = NetworkEmulationConfig(bandwidth_gbps=case.link_gbps)
     return EmulationConfig(compute=slowdowns if slow_ranks else [], network=network)
