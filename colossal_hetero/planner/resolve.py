@@ -156,6 +156,13 @@ def check_plan(plan: Plan, config: HeteroConfig, world_size: int, batch_size: in
             f"plan.path: the plan is for a global batch of {plan.batch_size}, the run uses "
             f"data.global_batch_size {batch_size}"
         )
+    executed = _executed_space(config)
+    if plan.space not in ("megatron", executed.value):
+        raise ConfigError(
+            f"plan.path: the plan was searched in space {plan.space}, whose per-layer choices "
+            f"this layout does not execute (it runs {executed.value}); make the plan with "
+            "`colossal-hetero plan` for this config"
+        )
 
 
 def _load(path: Any) -> Plan:

@@ -62,6 +62,25 @@ def test_plan_file_for_another_layout_is_rejected(tmp_path):
         resolve_plan(load_config(run_file), 2)
 
 
+def test_plan_file_the_runtime_cannot_execute_is_rejected(tmp_path):
+    """A plan searched in another space (full: per-layer strategies beyond the stock pairing,
+    or SFB for a TP layout) is refused, not silently run as something else."""
+    config_path = CONFIGS / "planned_gpt2_tp2.yaml"
+    out = tmp_path / "plan.yaml"
+    assert main(["plan", str(config_path), "--out", str(out)]) == 0
+    for space in ("full", "megatron_sfb"):
+        plan = yaml.safe_load(out.read_text())
+        plan["space"] = space
+        edited = tmp_path / f"{space}.yaml"
+        edited.write_text(yaml.safe_dump(plan))
+        config = yaml.safe_load(config_path.read_text())
+        config["plan"] = {"mode": "file", "path": str(edited)}
+        run_file = tmp_path / f"run_{space}.yaml"
+        run_file.write_text(yaml.safe_dump(config))
+        with pytest.raises(ValueError, match=rf"^plan\.path: .* space {space}, .* runs megatron\)"):
+            resolve_plan(load_config(run_file), 2)
+
+
 def test_homogeneous_cluster_trains_even(tmp_path):
     assert resolve_plan(load_config(CONFIGS / "gpt2_tp2_pp2.yaml"), 4) is None
 
