@@ -67,7 +67,12 @@ def _plan(args: argparse.Namespace) -> int:
     import time
 
     from colossal_hetero.planner.plan import dump_plan, format_plan
-    from colossal_hetero.planner.resolve import check_plan, resolve_plan
+    from colossal_hetero.planner.resolve import (
+        check_plan,
+        compare_layouts,
+        plan_run,
+        resolve_plan,
+    )
 
     config = load_config(args.config)
     world_size = args.world_size or _world_size_of(config)
@@ -77,20 +82,30 @@ def _plan(args: argparse.Namespace) -> int:
     # Plan even for identical devices: the table still shows the predicted times.
     auto = dataclasses.replace(config, plan=dataclasses.replace(config.plan, mode="auto"))
     started = time.perf_counter()
-    plan = resolve_plan(auto, world_size) or _plan_uniform(auto, world_size)
+    plan = resolve_plan(auto, world_size) or plan_run(auto, world_size)
     check_plan(plan, config.plugin_config(), world_size, config.data.global_batch_size)
     print(format_plan(plan))
     print(f"planned in {time.perf_counter() - started:.2f} s")
+    if config.parallel.pp == 1 and world_size > 1:
+        print(_format_layouts(compare_layouts(auto, world_size), config.parallel.tp))
     if args.out:
         dump_plan(plan, args.out)
         print(f"wrote {args.out}; train with plan: {{mode: file, path: {args.out}}}")
     return 0
 
 
-def _plan_uniform(config: RunConfig, world_size: int):  # noqa: ANN202
-    from colossal_hetero.planner.loop import plan_for_run
-
-    return plan_for_run(config, world_size)
+def _format_layouts(options: list, current_tp: int) -> str:
+    """The other layouts of the same ranks, predicted (``compare_layouts``)."""
+    lines = ["", "the same ranks in other layouts (predicted step, planned):"]
+    for option in options:
+        name = f"tp {option.tp} x dp {option.dp}"
+        if option.step_time is None:
+            what = f"cannot run: {option.reason}"
+        else:
+            what = f"{option.step_time * 1e3:10.2f} ms"
+        mark = "   <- this config" if option.tp == current_tp else ""
+        lines.append(f"  {name:<14} {what}{mark}")
+    return "\n".join(lines)
 
 
 def _profile(args: argparse.Namespace) -> int:

@@ -6,6 +6,7 @@ collective starts; errors are ``ConfigError``s naming the field.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Any, TypedDict
 
 from colossal_hetero.config.loader import ConfigError
@@ -51,7 +52,7 @@ def resolve_plan(run: RunConfig, world_size: int) -> Plan | None:
     if config.plan.mode == "file":
         plan = _load(config.plan.path)
     else:
-        plan = _search(run, world_size)
+        plan = plan_run(run, world_size)
     check_plan(plan, config, world_size, run.data.global_batch_size)
     return plan
 
@@ -174,7 +175,12 @@ def _load(path: Any) -> Plan:
         raise ConfigError(f"plan.path: {path} is not a plan: {error}") from None
 
 
-def _search(run: RunConfig, world_size: int) -> Plan:
+def plan_run(run: RunConfig, world_size: int) -> Plan:
+    """Plan ``run`` now with its ``plan`` settings (also for identical devices).
+
+    Raises:
+        ConfigError: the planner finds the layout infeasible, naming what does not fit.
+    """
     from colossal_hetero.planner.loop import plan_for_run
 
     settings = run.plan
@@ -190,3 +196,39 @@ def _search(run: RunConfig, world_size: int) -> Plan:
         raise
     except ValueError as error:
         raise ConfigError(f"plan: infeasible: {error}") from None
+
+
+@dataclass(frozen=True)
+class LayoutOption:
+    """One tensor x data-parallel layout of the same ranks, as the planner predicts it."""
+
+    tp: int
+    dp: int
+    step_time: float | None
+    """Predicted seconds per step of the executed plan; None when the layout cannot run."""
+    reason: str = ""
+    """Why the layout cannot run (the error it would raise), when it cannot."""
+
+
+def compare_layouts(run: RunConfig, world_size: int) -> list[LayoutOption]:
+    """The run's model, batch and devices planned for every ``tp x dp`` of ``world_size``
+    ranks (pp 1), each in the space the plugin executes for it; by increasing tp.
+
+    A layout the run's checks reject (heads, batch divisibility, memory) is listed with the
+    reason instead of a time.
+    """
+    from colossal_hetero.config.validate import validate_run
+
+    options = []
+    for tp in (t for t in range(1, world_size + 1) if world_size % t == 0):
+        parallel = replace(run.parallel, tp=tp, pp=1, dp=0)
+        layout = replace(run, parallel=parallel, plan=replace(run.plan, mode="auto"))
+        try:
+            validate_run(layout, world_size)
+            # Identical devices resolve to no plan: plan anyway for the predicted time.
+            plan = resolve_plan(layout, world_size) or plan_run(layout, world_size)
+        except (ConfigError, ValueError) as error:
+            options.append(LayoutOption(tp, world_size // tp, None, str(error)))
+            continue
+        options.append(LayoutOption(tp, world_size // tp, plan.step_time))
+    return options

@@ -12,7 +12,12 @@ from colossal_hetero.cli import main
 from colossal_hetero.config import load_config
 from colossal_hetero.config.schema import DeviceSpec
 from colossal_hetero.planner import load_plan
-from colossal_hetero.planner.resolve import resolve_plan, unplanned_notice
+from colossal_hetero.planner.resolve import (
+    compare_layouts,
+    plan_run,
+    resolve_plan,
+    unplanned_notice,
+)
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -97,3 +102,24 @@ def test_auto_plan_with_pipeline_says_it_stays_even():
     assert resolve_plan(hetero, 4) is None
     notice = unplanned_notice(hetero.plugin_config())
     assert notice is not None and "parallel.pp = 2" in notice
+
+
+def test_plan_compares_the_other_layouts_of_the_same_ranks(capsys):
+    config_path = CONFIGS / "planned_gpt2_tp4.yaml"
+    assert main(["plan", str(config_path)]) == 0
+    out = capsys.readouterr().out
+    assert "tp 4 x dp 1" in out and "<- this config" in out
+    config = load_config(config_path)
+    options = {o.tp: o for o in compare_layouts(config, 4)}
+    assert sorted(options) == [1, 2, 4]
+    # The config's own layout is predicted as `plan` predicts it on its own.
+    assert options[4].step_time == pytest.approx(plan_run(config, 4).step_time)
+    assert all(o.step_time is not None and o.dp == 4 // o.tp for o in options.values())
+
+    # A layout the run's checks reject is listed with the reason: 2 heads cannot go to 4 ranks.
+    two_heads = dataclasses.replace(
+        config, model=dataclasses.replace(config.model, hf={**config.model.hf, "n_head": 2})
+    )
+    options = {o.tp: o for o in compare_layouts(two_heads, 4)}
+    assert options[4].step_time is None and "heads" in options[4].reason
+    assert options[1].step_time is not None and options[2].step_time is not None
