@@ -32,6 +32,7 @@ from colossal_hetero.config.schema import (
     PlanConfig,
     SlowdownSpec,
 )
+from colossal_hetero.planner.batch_shares import batch_shares
 
 SEQ_LEN = 64
 BATCH_SIZE = 4
@@ -177,7 +178,7 @@ def run_case(rank: int, world_size: int, device: torch.device, case: Case) -> di
     )
     dp_size = case.world // case.tp_size
     dp_rank = rank // case.tp_size
-    even_shares = [case.batch_size // dp_size] * dp_size
+    even_shares = batch_shares(even, world_size, dp_size, case.batch_size)
     shape: dict[str, Any] = {
         "batch_size": case.batch_size,
         "seq_len": case.seq_len,

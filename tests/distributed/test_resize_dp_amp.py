@@ -38,31 +38,8 @@ from colossal_hetero.models import build_model, loss_from_outputs
 from colossal_hetero.plugin import HeteroParallelPlugin, prepare_device
 from colossal_hetero.policies import resizable_policy
 from tests.dist_utils import run_distributed
+from tests.tiny_models import GPT2, LLAMA
 
-GPT2 = ModelConfig(
-    arch="gpt2",
-    hf={
-        "n_layer": 2,
-        "n_embd": 32,
-        "n_head": 4,
-        "n_inner": 96,
-        "n_positions": 32,
-        "resid_pdrop": 0.0,
-        "embd_pdrop": 0.0,
-        "attn_pdrop": 0.0,
-    },
-)
-LLAMA = ModelConfig(  # grouped-query attention: 6 query heads in 3 key/value groups
-    arch="llama",
-    hf={
-        "num_hidden_layers": 2,
-        "hidden_size": 48,
-        "intermediate_size": 64,
-        "num_attention_heads": 6,
-        "num_key_value_heads": 3,
-        "max_position_embeddings": 32,
-    },
-)
 GPT2_A = {"heads": (3, 1), "ffn": (80, 16), "vocab": (200, 56)}
 GPT2_B = {"heads": (1, 3), "ffn": (8, 88), "vocab": (56, 200)}
 LLAMA_A = {"heads": (2, 4), "ffn": (0, 64), "vocab": (31, 225)}

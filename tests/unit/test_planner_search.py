@@ -25,69 +25,7 @@ from colossal_hetero.planner.spec import (
     ShardDim,
     Strategy,
 )
-
-
-def _linear(name, kind, fan_in, fan_out, tokens=16, heads=0, **kw) -> LayerSpec:
-    in_dim = ShardDim(fan_in, fan_in // heads if heads and kind is LayerKind.ATTENTION_OUT else 1)
-    out_dim = ShardDim(
-        fan_out, fan_out // heads if heads and kind is LayerKind.ATTENTION_QKV else 1
-    )
-    return LayerSpec(
-        name=name,
-        kind=kind,
-        tokens=tokens,
-        in_features=fan_in,
-        out_features=fan_out,
-        flops_per_token=2.0 * fan_in * fan_out,
-        weight_params=fan_in * fan_out,
-        bias_params=fan_out,
-        in_shard=in_dim,
-        out_shard=out_dim,
-        num_heads=heads,
-        **kw,
-    )
-
-
-def _norm(name, width, tokens=16, **kw) -> LayerSpec:
-    return LayerSpec(
-        name=name,
-        kind=LayerKind.NORM,
-        tokens=tokens,
-        in_features=width,
-        out_features=width,
-        flops_per_token=8.0 * width,
-        replicated_params=2 * width,
-        **kw,
-    )
-
-
-def _loss(classes, tokens=16) -> LayerSpec:
-    return LayerSpec(
-        name="loss",
-        kind=LayerKind.LOSS,
-        tokens=tokens,
-        in_features=classes,
-        out_features=1,
-        flops_per_token=4.0 * classes,
-        in_shard=ShardDim(classes),
-        default=Strategy.COLUMN,
-    )
-
-
-def _embedding(vocab, width, tokens=16) -> LayerSpec:
-    return LayerSpec(
-        name="embed",
-        kind=LayerKind.EMBEDDING,
-        tokens=tokens,
-        in_features=vocab,
-        out_features=width,
-        flops_per_token=float(width),
-        weight_params=vocab * width,
-        in_shard=ShardDim(vocab),
-        out_shard=ShardDim(width),
-        saves_input=False,
-        default=Strategy.ROW,
-    )
+from tests.unit.planner_layers import embedding, linear, loss, norm
 
 
 def _graphs() -> dict[str, list[LayerSpec]]:
@@ -106,37 +44,37 @@ def _graphs() -> dict[str, list[LayerSpec]]:
         saves_output=True,
         default=Strategy.COLUMN,
     )
-    qkv = _linear("qkv", LayerKind.ATTENTION_QKV, h, 3 * h, heads=head, default=Strategy.COLUMN)
+    qkv = linear("qkv", LayerKind.ATTENTION_QKV, h, 3 * h, heads=head, default=Strategy.COLUMN)
     qkv = LayerSpec(**{**{f: getattr(qkv, f) for f in qkv.__slots__}, "out_shard": core.in_shard})
-    out = _linear(
+    out = linear(
         "out", LayerKind.ATTENTION_OUT, h, h, heads=head, default=Strategy.ROW, closes_residual=True
     )
     out = LayerSpec(**{**{f: getattr(out, f) for f in out.__slots__}, "in_shard": core.out_shard})
     return {
         "mlp": [
-            _linear("up", LayerKind.MLP_UP, h, 4 * h, default=Strategy.COLUMN),
-            _linear("down", LayerKind.MLP_DOWN, 4 * h, h, default=Strategy.ROW),
-            _loss(h),
+            linear("up", LayerKind.MLP_UP, h, 4 * h, default=Strategy.COLUMN),
+            linear("down", LayerKind.MLP_DOWN, 4 * h, h, default=Strategy.ROW),
+            loss(h),
         ],
         "residual_block": [
-            _norm("ln", h, opens_residual=True),
-            _linear("up", LayerKind.MLP_UP, h, 4 * h, default=Strategy.COLUMN),
-            _linear(
+            norm("ln", h, opens_residual=True),
+            linear("up", LayerKind.MLP_UP, h, 4 * h, default=Strategy.COLUMN),
+            linear(
                 "down", LayerKind.MLP_DOWN, 4 * h, h, default=Strategy.ROW, closes_residual=True
             ),
-            _loss(h),
+            loss(h),
         ],
-        "attention": [_embedding(500, h), _norm("ln", h, opens_residual=True), qkv, core, out],
+        "attention": [embedding(500, h), norm("ln", h, opens_residual=True), qkv, core, out],
         "tied_head": [
-            _embedding(1000, h),
-            _norm("ln_f", h),
-            _linear("head", LayerKind.LM_HEAD, h, 1000, tied=True, default=Strategy.COLUMN),
-            _loss(1000),
+            embedding(1000, h),
+            norm("ln_f", h),
+            linear("head", LayerKind.LM_HEAD, h, 1000, tied=True, default=Strategy.COLUMN),
+            loss(1000),
         ],
         "classifier_sfb": [  # few tokens and wide layers: factor broadcasting can pay
-            _linear("fc1", LayerKind.LINEAR, 512, 512, tokens=1),
-            _linear("fc2", LayerKind.LINEAR, 512, 512, tokens=1),
-            _loss(512, tokens=1),
+            linear("fc1", LayerKind.LINEAR, 512, 512, tokens=1),
+            linear("fc2", LayerKind.LINEAR, 512, 512, tokens=1),
+            loss(512, tokens=1),
         ],
     }
 

@@ -24,55 +24,16 @@ from colossal_hetero.planner.search import (
     brute_force,
     program_cost,
 )
-from colossal_hetero.planner.spec import LayerKind, LayerSpec, Mesh, ModelSpec, ShardDim, Strategy
-
-
-def _linear(name: str, fan_in: int, fan_out: int, tokens: int, **kw) -> LayerSpec:
-    return LayerSpec(
-        name=name,
-        kind=LayerKind.LINEAR,
-        tokens=tokens,
-        in_features=fan_in,
-        out_features=fan_out,
-        flops_per_token=2.0 * fan_in * fan_out,
-        weight_params=fan_in * fan_out,
-        bias_params=fan_out,
-        in_shard=ShardDim(fan_in),
-        out_shard=ShardDim(fan_out),
-        **kw,
-    )
-
-
-def _norm(name: str, width: int, tokens: int) -> LayerSpec:
-    return LayerSpec(
-        name=name,
-        kind=LayerKind.NORM,
-        tokens=tokens,
-        in_features=width,
-        out_features=width,
-        flops_per_token=8.0 * width,
-        replicated_params=2 * width,
-    )
-
-
-def _loss(classes: int, tokens: int) -> LayerSpec:
-    return LayerSpec(
-        name="loss",
-        kind=LayerKind.LOSS,
-        tokens=tokens,
-        in_features=classes,
-        out_features=1,
-        flops_per_token=4.0 * classes,
-        in_shard=ShardDim(classes),
-    )
+from colossal_hetero.planner.spec import LayerKind, LayerSpec, Mesh, ModelSpec, Strategy
+from tests.unit.planner_layers import linear, loss, norm
 
 
 def _classifier(tokens: int) -> list[LayerSpec]:
     return [
-        _linear("fc1", 512, 512, tokens),
-        _norm("ln", 512, tokens),
-        _linear("fc2", 512, 256, tokens),
-        _loss(256, tokens),
+        linear("fc1", LayerKind.LINEAR, 512, 512, tokens),
+        norm("ln", 512, tokens),
+        linear("fc2", LayerKind.LINEAR, 512, 256, tokens),
+        loss(256, tokens),
     ]
 
 
@@ -159,11 +120,11 @@ def test_grouped_factor_gathers_chosen_when_shares_are_very_uneven():
 
 def test_factor_gather_counts_each_modules_input():
     """q, k and v each gather the layer's input: three inputs plus the fused output."""
-    fused = _linear("qkv", 64, 192, 4, modules=("q", "k", "v"))
-    single = _linear("qkv", 64, 192, 4, modules=("qkv",))
+    fused = linear("qkv", LayerKind.LINEAR, 64, 192, 4, modules=("q", "k", "v"))
+    single = linear("qkv", LayerKind.LINEAR, 64, 192, 4, modules=("qkv",))
     values = []
     for layer in (fused, single):
-        problem, mesh = _problem([layer, _loss(192, 4)], [1.0, 1.0], 1, batch=2)
+        problem, mesh = _problem([layer, loss(192, 4)], [1.0, 1.0], 1, batch=2)
         terms, _ = problem.cost.layer_terms(
             layer, Strategy.REPLICATE, GradSync.SFB, Collective.PADDED, _loads(mesh, 2, (0.5,) * 2)
         )
