@@ -1,0 +1,123 @@
+"""The pipeline simulator against hand-computed timelines and closed forms."""
+
+from __future__ import annotations
+
+import pytest
+
+from colossal_hetero.pipeline.order import kfkb_order
+from colossal_hetero.pipeline.simulator import Trace, simulate
+
+
+def uniform(p: int, f: float, b: float, c: float) -> tuple[list[float], list[float], list[Trace]]:
+    return [f] * p, [b] * p, [Trace.constant(c)] * (p - 1)
+
+
+def test_hand_computed_two_stages():
+    # p=2, m=2, k=1, f=1, b=2, transfer 0.5. Stage 0 runs F0 F1 B0 B1, stage 1 F0 B0 F1 B1:
+    # s0 F0 [0,1] -> lands 1.5; F1 [1,2] -> link free at 1.5, lands 2.5
+    # s1 F0 [1.5,2.5]  B0 [2.5,4.5] -> grad lands 5.0;  F1 [4.5,5.5]  B1 [5.5,7.5] -> lands 8.0
+    # s0 B0 [5,7]  B1 [8,10]
+    r = simulate(*uniform(2, 1.0, 2.0, 0.5), num_microbatches=2, k=1, activation_bytes=[3.0, 5.0])
+    assert r.step_time == 10.0
+    assert r.busy == (6.0, 6.0) and r.idle == (4.0, 4.0)
+    assert r.peak_in_flight == (2, 1) and r.peak_memory == (6.0, 5.0)
+    spans = {(e.stage, e.op, e.mb): (e.start, e.end) for e in r.events}
+    assert spans[(1, "F", 1)] == (4.5, 5.5) and spans[(0, "B", 0)] == (5.0, 7.0)
+
+
+def test_link_is_fifo_one_transfer_at_a_time():
+    # p=2, m=3, k=3 (GPipe), f=1, transfer 2: stage 0 finishes forwards at 1, 2, 3 but the link
+    # delivers at 3, 5, 7 (each waits for the previous); stage 1 forwards end at 4, 6, 8, its
+    # backwards (b=1) at 9, 10, 11; gradients land at 11, 13, 15; stage 0 backwards end 12, 14, 16.
+    r = simulate(*uniform(2, 1.0, 1.0, 2.0), num_microbatches=3, k=3)
+    arrivals = sorted(e.start for e in r.events if e.stage == 1 and e.op == "F")
+    assert arrivals == [3.0, 5.0, 7.0]
+    assert r.step_time == 16.0
+
+
+def test_free_transfers_give_the_classic_bound_for_every_k():
+    for p in (1, 2, 3, 4, 6):
+        for m in (1, 4, 8, 12):
+            for k in range(1, m + 1):
+                if m % k:
+                    continue
+                r = simulate(*uniform(p, 1.0, 2.0, 0.0), num_microbatches=m, k=k)
+                assert r.step_time == (m + p - 1) * 3.0, (p, m, k)
+
+
+def test_1f1b_uniform_bound_with_other_times():
+    r = simulate(*uniform(4, 0.25, 0.5, 0.0), num_microbatches=16, k=1)
+    assert r.step_time == pytest.approx((16 + 4 - 1) * 0.75, abs=1e-12)  # sums of dyadic floats
+    assert all(b == 16 * 0.75 for b in r.busy)
+
+
+def test_latency_hiding_rows_of_the_digest_table():
+    # seeds_2d_pipe_moe.md 2.3 (p=4, m=16, f=1, b=2), the rows where a transfer (c <= f) is not
+    # slower than the compute feeding its link, so one-at-a-time links change nothing:
+    table = {0.0: [57, 57, 57, 57, 57], 1.0: [85, 63, 63, 63, 63]}
+    for c, row in table.items():
+        got = [simulate(*uniform(4, 1.0, 2.0, c), 16, k).step_time for k in (1, 2, 4, 8, 16)]
+        assert got == row
+
+
+def test_gpipe_pays_only_fill_and_drain_latency_when_links_keep_up():
+    # k = m with c <= f: (m + p - 1)(f + b) + 2c(p - 1), the digest's large-k makespan.
+    for p, m, f, b, c in [(4, 16, 1.0, 2.0, 0.5), (3, 6, 1.0, 1.0, 1.0), (5, 10, 2.0, 3.0, 1.5)]:
+        r = simulate(*uniform(p, f, b, c), num_microbatches=m, k=m)
+        assert r.step_time == (m + p - 1) * (f + b) + 2 * c * (p - 1)
+
+
+def test_1f1b_pays_transfers_inside_the_steady_state():
+    # The slowest stage-pair round trip is paid per micro-batch: 1F1B grows faster in c than kFkB.
+    slow = [simulate(*uniform(4, 1.0, 2.0, c), 16, 1).step_time for c in (0.0, 0.5, 1.0)]
+    grouped = [simulate(*uniform(4, 1.0, 2.0, c), 16, 4).step_time for c in (0.0, 0.5, 1.0)]
+    assert slow[2] - slow[0] > 2 * (grouped[2] - grouped[0])
+
+
+def test_trace_straddling_a_change():
+    trace = Trace((0.0, 1.0), (2.0, 0.5))
+    assert trace.finish(0.5) == 1.375  # quarter done by t=1 at 2 s/transfer, rest at 0.5 s
+    assert trace.finish(3.0) == 3.5
+    assert Trace((0.0, 2.0), (0.0, 4.0)).finish(1.0) == 1.0
+    # A step that starts late on a trace sees the later transfer time.
+    fast = simulate([1.0, 1.0], [1.0, 1.0], [trace], 2, 1, start_time=10.0)
+    assert fast.step_time == simulate(*uniform(2, 1.0, 1.0, 0.5), 2, 1).step_time
+
+
+def test_heterogeneous_stage_is_the_bottleneck():
+    # The middle stage (f=2, b=4) computes back to back but for two gaps: it waits 1 for stage
+    # 0's F0, and after its warm-up (F0 [1,3], F1 [3,5]) 1 more for stage 2's F0+B0 ([3,6]).
+    # Then 8 * 6 of work ending at 50, and stage 0's last backward [50, 52].
+    r = simulate([1.0, 2.0, 1.0], [2.0, 4.0, 2.0], [Trace.constant(0.0)] * 2, 8, 1)
+    assert r.step_time == 1 + 1 + 8 * 6.0 + 2
+    assert r.idle[1] == 1 + 1 + 2  # the two gaps and the tail after its last pass
+    assert r.busy == (24.0, 48.0, 24.0)
+
+
+def test_memory_follows_the_order():
+    r = simulate(*uniform(4, 1.0, 2.0, 0.0), 8, 2, activation_bytes=[10.0] * 4)
+    peaks = [min(2 * (4 - s), 8) for s in range(4)]
+    assert r.peak_in_flight == tuple(peaks)
+    assert r.peak_memory == tuple(10.0 * n for n in peaks)
+    assert len(r.events) == 4 * 2 * 8
+    for s in range(4):  # each stage runs exactly its kfkb_order
+        ran = [(e.op, e.mb) for e in sorted(r.events, key=lambda e: e.start) if e.stage == s]
+        assert ran == kfkb_order(4, s, 8, 2)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(starts=(1.0,), seconds=(1.0,)),
+        dict(starts=(0.0, 0.0), seconds=(1.0, 1.0)),
+        dict(starts=(0.0,), seconds=(-1.0,)),
+    ],
+)
+def test_bad_traces(kwargs):
+    with pytest.raises(ValueError, match="^trace:"):
+        Trace(**kwargs)
+
+
+def test_bad_lengths():
+    with pytest.raises(ValueError, match="boundary traces"):
+        simulate([1.0, 1.0], [1.0, 1.0], [], 2, 1)
