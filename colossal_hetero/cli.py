@@ -87,7 +87,7 @@ def _plan(args: argparse.Namespace) -> int:
     print(format_plan(plan))
     print(f"planned in {time.perf_counter() - started:.2f} s")
     if config.parallel.pp == 1 and world_size > 1:
-        print(_format_layouts(compare_layouts(auto, world_size), config.parallel.tp))
+        print(_format_layouts(compare_layouts(auto, world_size, validate_run), config.parallel.tp))
     if args.out:
         dump_plan(plan, args.out)
         print(f"wrote {args.out}; train with plan: {{mode: file, path: {args.out}}}")

@@ -63,7 +63,9 @@ class _AttentionShape:
     @property
     def heads_dim(self) -> ShardDim:
         heads = self.q_width // self.head_dim
-        return ShardDim(self.q_width, self.head_dim * (heads // self.kv_heads), aligned=False)
+        return ShardDim(
+            self.q_width, self.head_dim * (heads // self.kv_heads), aligned=False, min_units=1
+        )
 
 
 @dataclass

@@ -88,7 +88,7 @@ def _attention(
     """
     hidden_dim = ShardDim(hidden)
     q_width = heads * head_dim
-    heads_dim = ShardDim(q_width, head_dim * (heads // kv_heads), aligned=False)
+    heads_dim = ShardDim(q_width, head_dim * (heads // kv_heads), aligned=False, min_units=1)
     qkv_features = q_width + 2 * kv_heads * head_dim
     name, modules = qkv
     return [

@@ -56,12 +56,22 @@ _IMPROVEMENT = 1e-9
 
 
 def _check_heads(model: ModelSpec, tp_size: int) -> None:
+    """Every rank must hold at least one key/value head with its group of query heads."""
     for layer in model.layers:
-        if layer.num_heads and tp_size > layer.num_heads:
+        if not layer.num_heads or tp_size <= layer.num_heads:
+            continue
+        heads_dim = layer.in_shard if layer.kind is LayerKind.ATTENTION_OUT else layer.out_shard
+        query = heads_dim.size // layer.head_dim if heads_dim and layer.head_dim else 0
+        if query and query != layer.num_heads:
             raise ValueError(
-                f"layer {layer.name}: tp_size {tp_size} exceeds its {layer.num_heads} attention "
-                f"heads (a rank holds whole heads)"
+                f"layer {layer.name}: tp_size {tp_size} exceeds its {layer.num_heads} key/value "
+                f"heads ({query} attention heads in {layer.num_heads} groups; a rank holds "
+                f"whole groups)"
             )
+        raise ValueError(
+            f"layer {layer.name}: tp_size {tp_size} exceeds its {layer.num_heads} attention "
+            f"heads (a rank holds whole heads)"
+        )
 
 
 def align(model: ModelSpec, alignment: int) -> ModelSpec:
@@ -357,12 +367,14 @@ def plan_for_run(
         ConfigError: naming ``plan.model_spec`` when the fx trace cannot be read as layers.
         ValueError: as :func:`search_plan`, or for a layout that does not fill the world.
     """
-    from colossal_hetero.config.validate import resolve_dp
-
     parallel = run_config.parallel
     if parallel.pp > 1:
         raise NotImplementedError("the planner does not plan pipeline stages yet (pp > 1)")
-    resolve_dp(run_config.plugin_config(), world_size)
+    if world_size % parallel.tp or (parallel.dp and parallel.tp * parallel.dp != world_size):
+        raise ValueError(
+            f"parallel: tp {parallel.tp} x dp {parallel.dp or 'auto'} does not fill the world "
+            f"size {world_size}"
+        )
     cluster = ClusterSpec.from_config(
         run_config.cluster,
         world_size,

@@ -6,6 +6,7 @@ collective starts; errors are ``ConfigError``s naming the field.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, TypedDict
 
@@ -71,7 +72,6 @@ def plan_for_model(
         ConfigError: the plan file does not fit, the fx trace cannot be read as layers
             (``plan.model_spec``), or the planner finds the layout infeasible.
     """
-    from colossal_hetero.config.validate import resolve_dp
     from colossal_hetero.planner.loop import search_plan
     from colossal_hetero.planner.spec import ClusterSpec
 
@@ -79,7 +79,7 @@ def plan_for_model(
         plan = _load(config.plan.path)
         check_plan(plan, config, world_size, plan.batch_size)
         return plan
-    dp = resolve_dp(config, world_size)
+    dp = world_size // (config.parallel.tp * config.parallel.pp)  # the plugin checked the layout
     hf_config = getattr(model, "config", None)
     batch_size, seq_len = workload or (8 * dp, getattr(hf_config, "max_position_embeddings", 512))
     settings = config.plan
@@ -210,21 +210,23 @@ class LayoutOption:
     """Why the layout cannot run (the error it would raise), when it cannot."""
 
 
-def compare_layouts(run: RunConfig, world_size: int) -> list[LayoutOption]:
+def compare_layouts(
+    run: RunConfig, world_size: int, check: Callable[[RunConfig, int], object] | None = None
+) -> list[LayoutOption]:
     """The run's model, batch and devices planned for every ``tp x dp`` of ``world_size``
     ranks (pp 1), each in the space the plugin executes for it; by increasing tp.
 
-    A layout the run's checks reject (heads, batch divisibility, memory) is listed with the
-    reason instead of a time.
+    A layout that ``check`` (the run's validation, e.g. ``config.validate_run``: heads, batch
+    divisibility) or the planner (heads, memory) rejects is listed with the reason instead of
+    a time. ``check`` is passed in so that the planner does not import config validation.
     """
-    from colossal_hetero.config.validate import validate_run
-
     options = []
     for tp in (t for t in range(1, world_size + 1) if world_size % t == 0):
         parallel = replace(run.parallel, tp=tp, pp=1, dp=0)
         layout = replace(run, parallel=parallel, plan=replace(run.plan, mode="auto"))
         try:
-            validate_run(layout, world_size)
+            if check is not None:
+                check(layout, world_size)
             # Identical devices resolve to no plan: plan anyway for the predicted time.
             plan = resolve_plan(layout, world_size) or plan_run(layout, world_size)
         except (ConfigError, ValueError) as error:

@@ -158,11 +158,14 @@ def round_shares(
     """Round every share vector; ``floor_*`` devices round down (a memory-tight device must
     not gain the unit that rounding up would give it)."""
 
-    def caps(ratios: tuple[float, ...], size: int, floored: frozenset[int]) -> list[int] | None:
+    def caps(
+        ratios: tuple[float, ...], size: int, floored: frozenset[int], least: int = 0
+    ) -> list[int] | None:
         if not floored:
             return None
         return [
-            int(np.floor(r * size + 1e-9)) if i in floored else size for i, r in enumerate(ratios)
+            max(int(np.floor(r * size + 1e-9)), least) if i in floored else size
+            for i, r in enumerate(ratios)
         ]
 
     widths = {
@@ -170,7 +173,8 @@ def round_shares(
             dim.size,
             shares.tp,
             granularity=dim.granularity,
-            caps=caps(shares.tp, dim.size, floor_ranks),
+            caps=caps(shares.tp, dim.size, floor_ranks, dim.min_units * dim.granularity),
+            min_units=dim.min_units,  # what the layers need (a head group per rank)
         )
         for dim in shard_dims(model)
     }

@@ -206,10 +206,13 @@ class ShardDim:
     granularity: int = 1
     aligned: bool = True
     """Whether the planner's ``alignment`` option also applies (False for head dims)."""
+    min_units: int = 0
+    """Granules every rank must hold: 1 for heads (transformers' attention cannot run with
+    no head, so a rank holds at least one key/value group), 0 where a rank may hold none."""
 
     def __post_init__(self) -> None:
-        if self.size < 1 or self.granularity < 1:
-            raise ValueError(f"shard dim needs size, granularity >= 1, got {self}")
+        if self.size < 1 or self.granularity < 1 or self.min_units < 0:
+            raise ValueError(f"shard dim needs size, granularity >= 1, min_units >= 0, got {self}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -97,3 +97,44 @@ def test_caps_redistribute_in_proportion():
 def test_bad_inputs_raise(kwargs, message):
     with pytest.raises(ValueError, match=message):
         round_widths(**kwargs)
+
+
+def test_minimum_units_hold_on_random_cases():
+    """With ``min_units`` every device gets at least that many granules, even at ratio 0."""
+    rng = np.random.default_rng(11)
+    for _ in range(2000):
+        n = int(rng.integers(1, 9))
+        g = int(rng.choice([1, 2, 64]))
+        least = int(rng.integers(1, 3))
+        dim = g * int(rng.integers(least * n, least * n + 40))
+        ratios = rng.random(n) * (rng.random(n) < 0.7)
+        if ratios.sum() == 0:
+            ratios[0] = 1.0
+        widths = round_widths(dim, ratios, granularity=g, min_units=least)
+        assert sum(widths) == dim and all(w % g == 0 for w in widths)
+        assert min(widths) >= least * g, (dim, ratios, g, least)
+        # Within one granule of the reference: x_d = max(least, lam * r_d) summing to the
+        # units, with lam found by bisection (independent of the water-filling loop).
+        units = dim // g
+        lo_lam, hi_lam = 0.0, units / max(ratios.min(initial=1.0, where=ratios > 0), 1e-12)
+        for _ in range(200):
+            lam = (lo_lam + hi_lam) / 2
+            if np.maximum(least, lam * ratios).sum() > units:
+                hi_lam = lam
+            else:
+                lo_lam = lam
+        reference = np.maximum(least, lo_lam * ratios)
+        assert np.all(np.abs(np.asarray(widths) / g - reference) < 1 + 1e-6), (widths, reference)
+    # Hand-worked: 3 groups of 2 heads over [1, 0.6, 0.3] at TP 3: every rank one group.
+    assert round_widths(6, [1, 0.6, 0.3], granularity=2, min_units=1) == (2, 2, 2)
+    # 12 heads in 6 groups, [1, 1, 0.1]: the slow rank's share 0.57 units rises to 1 group,
+    # and the other two share the remaining 5 groups: 2.5 each, the tie to the lower index.
+    assert round_widths(12, [1, 1, 0.1], granularity=2, min_units=1) == (6, 4, 2)
+    assert round_widths(10, [0, 1, 0], min_units=1) == (1, 8, 1)
+
+
+def test_minimum_errors_name_the_cause():
+    with pytest.raises(ValueError, match="fewer than 1 for each of 4 devices"):
+        round_widths(6, [1, 1, 1, 1], granularity=2, min_units=1)
+    with pytest.raises(ValueError, match="device 1: its cap of 1 is below the minimum of 2"):
+        round_widths(6, [1, 1], granularity=2, caps=[6, 1], min_units=1)
