@@ -1,0 +1,157 @@
+"""bench.stats and bench.rounds: interval coverage on seeded synthetic rounds, and the driver."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from colossal_hetero.bench.rounds import RoundsPolicy, run_rounds
+from colossal_hetero.bench.stats import Interval, median_interval, ratio_interval
+
+TRIALS = 400
+
+
+def _rounds(rng: np.random.Generator, n: int, slowdown: float = 1.0) -> tuple[np.ndarray, ...]:
+    """Step times of two variants over ``n`` interleaved rounds on a noisy shared machine.
+
+    Per round a load factor both variants share (lognormal, sd 0.2), then each variant's own
+    noise (lognormal, sd 0.05) and, one round in ten, a 1.5x spike of its own: the kinds of
+    noise a loaded 2-core machine shows. ``b`` is ``slowdown`` times slower than ``a``.
+    """
+    load = np.exp(rng.normal(0.0, 0.2, n))
+
+    def own() -> np.ndarray:
+        return np.exp(rng.normal(0.0, 0.05, n)) * np.where(rng.random(n) < 0.1, 1.5, 1.0)
+
+    return 0.3 * load * own(), 0.3 * slowdown * load * own()
+
+
+def _ratio_through_driver(a: np.ndarray, b: np.ndarray, policy: RoundsPolicy) -> Interval:
+    """b / a as run_rounds measures it: variant callables fed from the arrays, round by round."""
+    result = run_rounds(
+        {"a": lambda i, warmup: float(a[i]), "b": lambda i, warmup: float(b[i])},
+        {"b_over_a": lambda v: v["b"] / v["a"]},
+        policy,
+    )
+    assert result.figure_series["b_over_a"] == pytest.approx(
+        list(b[: result.rounds] / a[: result.rounds])
+    )
+    return result.figures["b_over_a"]
+
+
+@pytest.mark.parametrize("rounds", [10, 30])
+def test_identical_variants_interval_covers_one(rounds):
+    # Binomial margin: for an interval of true coverage 0.95, hits over 400 independent trials
+    # are Binomial(400, 0.95): mean 380, sd sqrt(400 * 0.95 * 0.05) = 4.4. Requiring >= 372
+    # (0.93) sits 1.8 sd below that mean, while an interval that undercovers at 0.90 would
+    # have to beat its mean 360 by 2.0 sd of its own. These seeded trials measured 0.975
+    # (390/400) at 10 and at 30 rounds.
+    rng = np.random.default_rng(1234 + rounds)
+    policy = RoundsPolicy(warmup=0, min_rounds=rounds, max_rounds=rounds, budget_s=1e9)
+    hits = 0
+    for _ in range(TRIALS):
+        a, b = _rounds(rng, rounds)
+        hits += _ratio_through_driver(a, b, policy).contains(1.0)
+    assert hits >= 0.93 * TRIALS, f"covered 1.0 in {hits}/{TRIALS} trials"
+
+
+def test_ten_percent_difference_is_detected():
+    # The driver runs until the ratio is known to +-3%; then the interval must exclude 1.0
+    # (a 10% gap is more than 3 half-widths) and contain the true 1.10 in >= 54 of 60 trials
+    # (Binomial(60, 0.95) has mean 57 and sd 1.7; 54 sits 1.8 sd below). Measured: 57/60.
+    rng = np.random.default_rng(7)
+    policy = RoundsPolicy(warmup=0, min_rounds=10, max_rounds=400, budget_s=1e9)
+    contains = 0
+    for _ in range(60):
+        a, b = _rounds(rng, policy.max_rounds, slowdown=1.10)
+        interval = _ratio_through_driver(a, b, policy)
+        assert interval.half_width <= 0.03
+        assert not interval.contains(1.0), interval
+        contains += interval.contains(1.10)
+    assert contains >= 54, f"contained 1.10 in {contains}/60 trials"
+
+
+def test_median_interval_contract():
+    constant = median_interval([0.5] * 12)
+    assert (constant.value, constant.low, constant.high, constant.half_width) == (
+        0.5,
+        0.5,
+        0.5,
+        0.0,
+    )
+    samples = [3.0, 1.0, 2.0, 5.0, 4.0]
+    interval = median_interval(samples, seed=3)
+    assert interval.value == 3.0  # hand-computed median
+    assert interval.low <= 3.0 <= interval.high
+    assert median_interval(samples, seed=3) == interval  # same seed, same numbers: same interval
+    with pytest.raises(ValueError, match="need >= 2 samples"):
+        median_interval([1.0])
+    with pytest.raises(ValueError, match="must be > 0"):
+        ratio_interval([1.0, 0.0, 2.0])
+    assert Interval(2.0, 1.9, 2.2).half_width == pytest.approx(0.075)  # (2.2 - 1.9) / 2 / 2
+
+
+def test_driver_rotates_order_and_names_series():
+    calls: list[tuple[str, int, bool]] = []
+
+    def variant(name):
+        def run(index, warmup):
+            calls.append((name, index, warmup))
+            return {"step": 1.0 + index, "compute": 0.5}
+
+        return run
+
+    policy = RoundsPolicy(warmup=1, min_rounds=3, max_rounds=3, budget_s=1e9)
+    result = run_rounds({n: variant(n) for n in "xyz"}, {}, policy)
+    assert [c[0] for c in calls] == list("xyzyzxzxyxyz")  # rotates every round
+    assert [c[2] for c in calls] == [True] * 3 + [False] * 9
+    assert result.rounds == 3 and result.stopped_by == "max_rounds"
+    assert result.series["y.step"] == [2.0, 3.0, 4.0]  # warm-up round 0 not recorded
+    assert sorted(result.series) == sorted(f"{n}.{k}" for n in "xyz" for k in ("step", "compute"))
+    changing = {"x": lambda i, warmup: {"a": 1.0} if i == 1 else {"b": 1.0}}
+    with pytest.raises(ValueError, match="round 2 measured"):
+        run_rounds(changing, {}, policy)
+
+
+def test_budget_stop_is_reported_with_the_half_width_reached():
+    clock = itertools.count(0.0, 1.0)  # every clock reading is one second later
+    ticks = iter(np.random.default_rng(0).lognormal(0.0, 0.3, 1000))  # far too noisy for 3%
+    policy = RoundsPolicy(warmup=1, min_rounds=5, max_rounds=400, budget_s=20.0)
+    result = run_rounds(
+        {"a": lambda i, warmup: next(ticks), "b": lambda i, warmup: next(ticks)},
+        {"b_over_a": lambda v: v["b"] / v["a"]},
+        policy,
+        clock=lambda: float(next(clock)),
+    )
+    # Clock readings: 0 at the start, then one per round from round 5: 1, 2, ... ; the 20th
+    # reading (>= 20 s) comes after round 5 + 19 = 24.
+    assert result.rounds == 24
+    report = result.to_dict()
+    assert report["stopped_by"] == "budget" and report["converged"] is False
+    assert report["max_half_width"] == result.figures["b_over_a"].half_width > 0.03
+    assert report["figures"]["b_over_a"]["ci"] == [
+        result.figures["b_over_a"].low,
+        result.figures["b_over_a"].high,
+    ]
+
+
+def test_decide_is_asked_once_per_round_and_has_the_last_word():
+    asked: list[bool] = []
+
+    def peer_says_stop_at_8(propose):
+        asked.append(propose())  # what this rank would have decided
+        return len(asked) == 8 - 4 + 1
+
+    policy = RoundsPolicy(warmup=0, min_rounds=4, max_rounds=400, budget_s=1e9)
+    result = run_rounds(
+        {"a": lambda i, warmup: 1.0, "b": lambda i, warmup: 1.0},
+        {"b_over_a": lambda v: v["b"] / v["a"]},
+        policy,
+        decide=peer_says_stop_at_8,
+    )
+    # Identical constant variants converge at once, yet the decision taken elsewhere rules:
+    # asked after rounds 4..8, one question per round (the collective count is fixed).
+    assert asked == [True] * 5 and result.rounds == 8
+    assert result.figures["b_over_a"] == Interval(1.0, 1.0, 1.0)
