@@ -10,9 +10,11 @@ Model (the contract the tuner and the planner rely on):
   boundary link at once and the sender goes on computing; the receiver finds the data there as
   soon as the transfer ends, busy or not.
 - Boundary ``b`` (between stages ``b`` and ``b + 1``) carries one transfer at a time per
-  direction, first in, first out. How long one micro-batch's transfer takes is a
+  direction, first in, first out. How long one micro-batch's transfer holds the link is a
   :class:`Trace`: piecewise constant in time, so a transfer that straddles a change speeds up or
-  slows down part-way (it progresses at ``1 / seconds`` of a transfer per second).
+  slows down part-way (it progresses at ``1 / seconds`` of a transfer per second). An optional
+  per-boundary latency is added after the transfer leaves the link: latency overlaps with the
+  next transfer, link time does not (alpha and bytes / bandwidth of the alpha-beta model).
 - Memory: a micro-batch's activations live on stage ``s`` from its forward to its backward;
   peak memory is ``activation_bytes[s]`` times the peak number alive.
 """
@@ -111,16 +113,21 @@ def simulate(
     k: int,
     activation_bytes: Sequence[float] | None = None,
     start_time: float = 0.0,
+    latency_s: Sequence[float] | None = None,
 ) -> SimResult:
     """Simulate one step of kFkB with ``k`` over ``p = len(forward_s)`` stages.
 
     ``transfers[b]`` is boundary ``b``'s trace, evaluated at ``start_time`` plus the simulated
     time (so successive steps can walk along one trace). Both directions of a boundary follow the
     same trace (activations and their gradients have the same size) on separate queues.
+    ``latency_s[b]`` (default 0) is added to every landing time on boundary ``b``.
     """
     p = len(forward_s)
     act = [0.0] * p if activation_bytes is None else list(activation_bytes)
+    lat = [0.0] * (p - 1) if latency_s is None else list(latency_s)
     _check_lengths(p, forward_s, backward_s, transfers, act)
+    if len(lat) != p - 1 or any(not (math.isfinite(x) and x >= 0) for x in lat):
+        raise ValueError(f"simulate: latency_s needs {p - 1} finite values >= 0, got {lat}")
     orders = [kfkb_order(p, s, num_microbatches, k) for s in range(p)]
     arrival: dict[tuple[int, str, int], float] = {}  # (stage, op, mb) -> input ready
     link_free = {(b, d): start_time for b in range(p - 1) for d in "FB"}
@@ -136,7 +143,7 @@ def simulate(
                 end = start + (forward_s[s] if op == "F" else backward_s[s])
                 events.append(Event(s, op, mb, start - start_time, end - start_time))
                 stage_free[s], pos[s], progressed = end, pos[s] + 1, True
-                _send(op, mb, s, p, end, transfers, link_free, arrival)
+                _send(op, mb, s, p, end, transfers, lat, link_free, arrival)
         assert progressed, f"simulated pipeline deadlocked at positions {pos}"
     step = max(stage_free) - start_time
     busy = tuple(sum(e.end - e.start for e in events if e.stage == s) for s in range(p))
@@ -164,6 +171,7 @@ def _send(
     p: int,
     end: float,
     transfers: Sequence[Trace],
+    latency: Sequence[float],
     link_free: dict[tuple[int, str], float],
     arrival: dict[tuple[int, str, int], float],
 ) -> None:
@@ -175,6 +183,6 @@ def _send(
     else:
         return
     begin = max(end, link_free[(boundary, op)])
-    land = transfers[boundary].finish(begin)
-    link_free[(boundary, op)] = land
-    arrival[(dest, op, mb)] = land
+    leaves = transfers[boundary].finish(begin)
+    link_free[(boundary, op)] = leaves
+    arrival[(dest, op, mb)] = leaves + latency[boundary]

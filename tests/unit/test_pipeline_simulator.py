@@ -60,6 +60,26 @@ def test_latency_hiding_rows_of_the_digest_table():
         assert got == row
 
 
+def test_digest_table_with_latency():
+    # The whole table of seeds_2d_pipe_moe.md 2.3 (p=4, m=16, f=1, b=2) treats c as latency:
+    # it overlaps with the next transfer on the same link.
+    table = {
+        0.0: [57, 57, 57, 57, 57],
+        1.0: [85, 63, 63, 63, 63],
+        2.0: [113, 74, 69, 69, 69],
+        4.0: [169, 106, 81, 81, 81],
+    }
+    free = [Trace.constant(0.0)] * 3
+    for c, row in table.items():
+        got = [
+            simulate([1.0] * 4, [2.0] * 4, free, 16, k, latency_s=[c] * 3).step_time
+            for k in (1, 2, 4, 8, 16)
+        ]
+        assert got == row, c
+        # and large k pays only fill and drain: (m + p - 1)(f + b) + 2c(p - 1)
+        assert got[-1] == (16 + 4 - 1) * 3 + 2 * c * 3
+
+
 def test_gpipe_pays_only_fill_and_drain_latency_when_links_keep_up():
     # k = m with c <= f: (m + p - 1)(f + b) + 2c(p - 1), the digest's large-k makespan.
     for p, m, f, b, c in [(4, 16, 1.0, 2.0, 0.5), (3, 6, 1.0, 1.0, 1.0), (5, 10, 2.0, 3.0, 1.5)]:
@@ -121,3 +141,5 @@ def test_bad_traces(kwargs):
 def test_bad_lengths():
     with pytest.raises(ValueError, match="boundary traces"):
         simulate([1.0, 1.0], [1.0, 1.0], [], 2, 1)
+    with pytest.raises(ValueError, match="latency_s"):
+        simulate([1.0, 1.0], [1.0, 1.0], [Trace()], 2, 1, latency_s=[-1.0])

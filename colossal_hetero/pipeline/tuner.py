@@ -1,0 +1,172 @@
+"""Ada-Grouper's decision: the kFkB group size ``k`` for the next steps. Pure.
+
+The runtime half (not here) all-gathers one :class:`LocalMeasurement` row per pipeline rank, so
+every rank holds the same matrix; :func:`agree_profile` reduces it to one
+:class:`PipelineProfile` and :func:`choose_k` turns that into ``k``. Both are deterministic
+functions of the gathered matrix alone, so every rank reaches the same ``k`` without a broadcast.
+
+The choice: simulate one step (:func:`~colossal_hetero.pipeline.simulator.simulate`) for every
+candidate ``k`` whose peak activation memory fits every stage's budget, and keep the fastest;
+within ``rel_tol`` of the fastest, the smaller ``k`` wins (it holds less memory).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import astuple, dataclass, fields
+
+from colossal_hetero.pipeline.order import check_pipeline_args, expected_peak_in_flight
+from colossal_hetero.pipeline.simulator import Trace, simulate
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineProfile:
+    """Agreed per-stage inputs of the decision (seconds per micro-batch, bytes)."""
+
+    forward_s: tuple[float, ...]
+    backward_s: tuple[float, ...]
+    transfer_s: tuple[float, ...]
+    """Seconds one micro-batch's activation (or gradient) takes over boundary ``b``; ``p - 1``."""
+    activation_bytes: tuple[float, ...]
+    """Bytes one in-flight micro-batch keeps alive on each stage."""
+    memory_budget_bytes: tuple[float, ...]
+    """Bytes each stage may spend on in-flight activations."""
+    latency_s: tuple[float, ...] = ()
+    """Seconds each boundary adds after a transfer leaves its link (overlaps the next transfer);
+    empty means 0 on every boundary."""
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.forward_s)
+
+
+@dataclass(frozen=True, slots=True)
+class KDecision:
+    """The chosen ``k``, its predicted step time, and every feasible candidate's prediction."""
+
+    k: int
+    predicted_step_s: float
+    step_s_by_k: dict[int, float]
+    peak_memory_bytes: tuple[float, ...]
+
+
+def fits_memory(profile: PipelineProfile, num_microbatches: int, k: int) -> bool:
+    """Whether ``min(k (p - s), m)`` micro-batches of activations fit every stage's budget."""
+    p = profile.num_stages
+    return all(
+        expected_peak_in_flight(p, s, num_microbatches, k) * profile.activation_bytes[s]
+        <= profile.memory_budget_bytes[s]
+        for s in range(p)
+    )
+
+
+def _check_profile(profile: PipelineProfile) -> None:
+    p = profile.num_stages
+    lengths = (len(profile.backward_s), len(profile.activation_bytes))
+    if lengths != (p, p) or len(profile.memory_budget_bytes) != p:
+        raise ValueError("profile: every per-stage field needs one value per stage")
+    if len(profile.transfer_s) != p - 1:
+        raise ValueError(f"profile.transfer_s: {p} stages need {p - 1} boundary times")
+    if profile.latency_s and len(profile.latency_s) != p - 1:
+        raise ValueError(f"profile.latency_s: {p} stages need {p - 1} boundary latencies")
+    pairs = zip(profile.activation_bytes, profile.memory_budget_bytes, strict=True)
+    for s, (a, m) in enumerate(pairs):
+        if m < a:
+            raise ValueError(
+                f"memory_budget_bytes: stage {s} budget {m:.4g} B is below one micro-batch's "
+                f"activations ({a:.4g} B)"
+            )
+
+
+def choose_k(
+    profile: PipelineProfile,
+    num_microbatches: int,
+    candidates: Sequence[int] | None = None,
+    rel_tol: float = 1e-9,
+) -> KDecision:
+    """The fastest memory-feasible ``k`` (default candidates ``1..m``), ties to the smaller.
+
+    ``rel_tol`` is the relative step-time difference below which two candidates tie (it absorbs
+    float rounding of sums of times; raise it to make switching ``k`` worth a minimum gain).
+    Raises ValueError when a budget is below one micro-batch or no candidate fits.
+    """
+    _check_profile(profile)
+    m = num_microbatches
+    ks = sorted(set(range(1, m + 1) if candidates is None else candidates))
+    for k in ks:
+        check_pipeline_args(profile.num_stages, m, k)
+    traces = [Trace.constant(c) for c in profile.transfer_s]
+    latency = profile.latency_s or None
+    times: dict[int, float] = {}
+    for k in ks:
+        if fits_memory(profile, m, k):
+            times[k] = simulate(
+                profile.forward_s, profile.backward_s, traces, m, k, latency_s=latency
+            ).step_time
+    if not times:
+        raise ValueError(
+            f"memory_budget_bytes: no k in {ks} keeps the in-flight activations of "
+            f"{m} micro-batches within the stage budgets"
+        )
+    best = min(times.values())
+    k = min(c for c, t in times.items() if t <= best * (1 + rel_tol))
+    p = profile.num_stages
+    peaks = tuple(
+        expected_peak_in_flight(p, s, m, k) * profile.activation_bytes[s] for s in range(p)
+    )
+    return KDecision(k, times[k], times, peaks)
+
+
+@dataclass(frozen=True, slots=True)
+class LocalMeasurement:
+    """What one rank measured over the last window, as it goes into the all-gather."""
+
+    forward_s: float
+    """Mean seconds of this rank's forward pass per micro-batch."""
+    backward_s: float
+    transfer_s: float
+    """Mean seconds one send to the next stage holds the link (0 on the last stage)."""
+    activation_bytes: float
+    memory_budget_bytes: float
+    latency_s: float = 0.0
+    """Seconds a send to the next stage takes beyond its link time (0 on the last stage)."""
+
+    def to_row(self) -> list[float]:
+        """The row this rank contributes to the all-gathered ``[world, ROW_WIDTH]`` matrix."""
+        return [float(v) for v in astuple(self)]
+
+
+ROW_WIDTH = len(fields(LocalMeasurement))
+
+
+def agree_profile(
+    rows: Sequence[Sequence[float]], stage_of_rank: Sequence[int], num_stages: int
+) -> PipelineProfile:
+    """Reduce all-gathered rows (row ``r`` from rank ``r``) to one profile, the same on every rank.
+
+    Ranks of one stage (its tensor- and data-parallel peers) run in lockstep, so the stage takes
+    its slowest rank's times and largest activations, and its smallest budget. Only max and min
+    are used: exact in floating point and independent of the order of the rows.
+    """
+    if len(rows) != len(stage_of_rank) or any(len(r) != ROW_WIDTH for r in rows):
+        raise ValueError(f"rows: need one row of {ROW_WIDTH} values per rank in stage_of_rank")
+    if any(not math.isfinite(v) for r in rows for v in r):
+        raise ValueError("rows: measurements must be finite")
+    owned = list(zip(stage_of_rank, rows, strict=True))
+    members = [[r for s, r in owned if s == st] for st in range(num_stages)]
+    if any(not m for m in members):
+        raise ValueError(f"stage_of_rank: every stage 0..{num_stages - 1} needs a rank")
+
+    def per_stage(col: int, smallest: bool = False) -> tuple[float, ...]:
+        pick = min if smallest else max
+        return tuple(pick(row[col] for row in m) for m in members)
+
+    return PipelineProfile(
+        forward_s=per_stage(0),
+        backward_s=per_stage(1),
+        transfer_s=per_stage(2)[:-1],
+        activation_bytes=per_stage(3),
+        memory_budget_bytes=per_stage(4, smallest=True),
+        latency_s=per_stage(5)[:-1],
+    )
