@@ -1,0 +1,184 @@
+"""Pipeline stages for unequal devices: layers per stage, micro-batch count and kFkB ``k``. Pure.
+
+``split_layers`` gives each stage a number of (equal) layers so that the slowest stage is as fast
+as it can be: stage ``s`` takes ``n_s * layer_seconds / speed_s + extra_seconds[s]`` per pass
+and may hold at most as many layers as its memory allows. Equal devices get Colossal-AI's own even
+split (``PipelineStageManager.distribute_layers``: the remainder goes to a run of middle stages),
+so enabling the planner on a homogeneous cluster changes nothing.
+
+``choose_microbatches`` picks the micro-batch count (and ``k`` for it) from the pipeline
+simulator, trading fewer pipeline bubbles against per-pass overhead and activation memory.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from colossal_hetero.pipeline.tuner import KDecision, PipelineProfile, choose_k, fits_memory
+
+
+def remainder_priority(num_stages: int) -> list[int]:
+    """Stages in the order Colossal-AI hands out the remainder of an even split.
+
+    ``distribute_layers`` gives ``r`` extra layers to stages ``p//2 - r//2 .. p//2 - r//2 + r - 1``;
+    those runs are nested as ``r`` grows, so they define one order of stages.
+    """
+    order: list[int] = []
+    for r in range(1, num_stages + 1):
+        start = num_stages // 2 - r // 2
+        order += [s for s in range(start, start + r) if s not in order]
+    return order
+
+
+def check_layers_per_stage(layers_per_stage: Sequence[int], num_layers: int, pp: int) -> None:
+    """Raise ValueError unless a given split has ``pp`` positive entries summing to the layers."""
+    field_name = "parallel.num_layers_per_stage"
+    if len(layers_per_stage) != pp:
+        raise ValueError(f"{field_name}: {len(layers_per_stage)} entries for {pp} stages")
+    if any(n < 1 for n in layers_per_stage):
+        raise ValueError(f"{field_name}: every stage needs a layer, got {list(layers_per_stage)}")
+    if sum(layers_per_stage) != num_layers:
+        raise ValueError(
+            f"{field_name}: {list(layers_per_stage)} sums to {sum(layers_per_stage)}, "
+            f"the model has {num_layers} layers"
+        )
+
+
+def _caps(
+    p: int,
+    num_layers: int,
+    memory_bytes: Sequence[float] | None,
+    layer_bytes: float,
+    extra_bytes: Sequence[float],
+) -> list[int]:
+    if memory_bytes is None or layer_bytes <= 0:
+        return [num_layers] * p
+    if len(memory_bytes) != p:
+        raise ValueError(f"memory_bytes: {len(memory_bytes)} values for {p} stages")
+    pairs = zip(memory_bytes, extra_bytes, strict=True)
+    return [max(0, math.floor((m - e) / layer_bytes)) for m, e in pairs]
+
+
+def split_layers(
+    num_layers: int,
+    speeds: Sequence[float],
+    *,
+    layer_seconds: float = 1.0,
+    extra_seconds: Sequence[float] | None = None,
+    memory_bytes: Sequence[float] | None = None,
+    layer_bytes: float = 0.0,
+    extra_bytes: Sequence[float] | None = None,
+) -> list[int]:
+    """Layers per stage (``len(speeds)`` stages, each >= 1) minimising the slowest stage's time.
+
+    ``speeds[s]`` is stage ``s``'s relative speed, ``extra_seconds[s]`` the time of its fixed
+    work (embedding, LM head). A stage holds at most ``(memory_bytes[s] - extra_bytes[s]) //
+    layer_bytes`` layers. Greedy water-filling: each layer goes to the stage whose time grows
+    least, ties to Colossal-AI's remainder order; it takes the ``num_layers`` cheapest layer
+    slots, so its maximum is optimal. Raises ValueError when the layers cannot fit.
+    """
+    p = len(speeds)
+    if p < 1 or any(not (math.isfinite(v) and v > 0) for v in speeds):
+        raise ValueError(f"speeds: need one finite speed > 0 per stage, got {list(speeds)}")
+    if num_layers < p:
+        raise ValueError(f"num_layers: {num_layers} layers cannot fill {p} pipeline stages")
+    extra_t = [0.0] * p if extra_seconds is None else list(extra_seconds)
+    extra_b = [0.0] * p if extra_bytes is None else list(extra_bytes)
+    if len(extra_t) != p or len(extra_b) != p:
+        raise ValueError("extra_seconds, extra_bytes: need one value per stage")
+    caps = _caps(p, num_layers, memory_bytes, layer_bytes, extra_b)
+    if min(caps) < 1 or sum(caps) < num_layers:
+        raise ValueError(
+            f"memory_bytes: stages hold at most {caps} layers, the model has {num_layers}"
+        )
+    rank = {s: i for i, s in enumerate(remainder_priority(p))}
+
+    def time_with(s: int, n: int) -> float:
+        return n * layer_seconds / speeds[s] + extra_t[s]
+
+    layers = [1] * p
+    heap = [(time_with(s, 2), rank[s], s) for s in range(p) if caps[s] > 1]
+    heapq.heapify(heap)
+    for _ in range(num_layers - p):
+        _, _, s = heapq.heappop(heap)
+        layers[s] += 1
+        if layers[s] < caps[s]:
+            heapq.heappush(heap, (time_with(s, layers[s] + 1), rank[s], s))
+    return layers
+
+
+def stage_speeds(device_speeds: Sequence[float], pp: int, tp: int, dp: int) -> list[float]:
+    """Speed of each pipeline stage from per-rank speeds in Colossal-AI's dp-outer layout.
+
+    Rank ``(d * pp + s) * tp + t`` is data-parallel replica ``d``, stage ``s``, TP rank ``t``.
+    A stage's TP ranks share its layers by planned (uneven) widths, so they add up; its
+    data-parallel replicas move in lockstep, so the slowest replica counts.
+    """
+    if len(device_speeds) != pp * tp * dp:
+        raise ValueError(
+            f"cluster.speeds: {len(device_speeds)} devices for pp*tp*dp={pp * tp * dp}"
+        )
+    return [
+        min(sum(device_speeds[(d * pp + s) * tp + t] for t in range(tp)) for d in range(dp))
+        for s in range(pp)
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineCosts:
+    """Per-sample costs of one step's pipeline passes, from the cost model or a profile."""
+
+    forward_s_per_sample: tuple[float, ...]
+    backward_s_per_sample: tuple[float, ...]
+    activation_bytes_per_sample: tuple[float, ...]
+    memory_budget_bytes: tuple[float, ...]
+    """Bytes each stage may spend on in-flight activations."""
+    link_s_per_sample: tuple[float, ...]
+    """Seconds one sample's activation holds boundary ``b``'s link (bytes / bandwidth)."""
+    latency_s: tuple[float, ...] = ()
+    pass_overhead_s: float = 0.0
+    """Fixed seconds per forward or backward pass (kernel launches, Python), any size."""
+
+    def profile(self, microbatch_size: int) -> PipelineProfile:
+        """The tuner's profile for micro-batches of ``microbatch_size`` samples."""
+        n, o = microbatch_size, self.pass_overhead_s
+        return PipelineProfile(
+            forward_s=tuple(n * f + o for f in self.forward_s_per_sample),
+            backward_s=tuple(n * b + o for b in self.backward_s_per_sample),
+            transfer_s=tuple(n * c for c in self.link_s_per_sample),
+            activation_bytes=tuple(n * a for a in self.activation_bytes_per_sample),
+            memory_budget_bytes=self.memory_budget_bytes,
+            latency_s=self.latency_s,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class MicrobatchChoice:
+    num_microbatches: int
+    decision: KDecision
+    step_s_by_microbatches: dict[int, float] = field(repr=False)
+
+
+def choose_microbatches(costs: PipelineCosts, global_batch_size: int) -> MicrobatchChoice:
+    """Micro-batch count ``m`` (a divisor of the batch, ``m >= p`` as Colossal-AI's 1F1B requires)
+    and ``k`` with the least simulated step time whose activations fit; ties to the smaller ``m``.
+    """
+    p = len(costs.forward_s_per_sample)
+    candidates = [m for m in range(p, global_batch_size + 1) if global_batch_size % m == 0]
+    decisions: dict[int, KDecision] = {}
+    for m in candidates:
+        prof = costs.profile(global_batch_size // m)
+        if fits_memory(prof, m, 1):  # 1F1B holds the fewest micro-batches of any k
+            decisions[m] = choose_k(prof, m)
+    if not decisions:
+        raise ValueError(
+            f"data.global_batch_size: no micro-batch count of {global_batch_size} samples "
+            f"(>= {p} micro-batches) fits the stage memory budgets"
+        )
+    times = {m: d.predicted_step_s for m, d in decisions.items()}
+    best = min(times.values())
+    m = min(c for c, t in times.items() if t <= best * (1 + 1e-9))
+    return MicrobatchChoice(m, decisions[m], times)

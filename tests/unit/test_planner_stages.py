@@ -1,0 +1,177 @@
+"""Speed-aware stage split vs brute force and Colossal-AI's even split; micro-batch choice."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from colossal_hetero.pipeline.simulator import Trace, simulate
+from colossal_hetero.planner.stages import (
+    PipelineCosts,
+    check_layers_per_stage,
+    choose_microbatches,
+    remainder_priority,
+    split_layers,
+    stage_speeds,
+)
+
+
+def colossalai_even_split(num_layers: int, num_stages: int) -> list[int]:
+    from colossalai.pipeline.stage_manager import PipelineStageManager
+
+    manager = SimpleNamespace(num_layers_per_stage=None, num_stages=num_stages, num_model_chunks=1)
+    return PipelineStageManager.distribute_layers(manager, num_layers)  # type: ignore[arg-type]
+
+
+def compositions(total: int, parts: int, caps: list[int]):
+    if parts == 1:
+        if 1 <= total <= caps[0]:
+            yield (total,)
+        return
+    for first in range(1, min(caps[0], total - parts + 1) + 1):
+        for rest in compositions(total - first, parts - 1, caps[1:]):
+            yield (first, *rest)
+
+
+def stage_time(n, speed, layer_s, extra):
+    return n * layer_s / speed + extra
+
+
+def test_equal_devices_give_colossalai_even_split():
+    for p in range(1, 9):
+        for layers in range(p, 41):
+            want = colossalai_even_split(layers, p)
+            assert split_layers(layers, [3.0] * p) == want, (layers, p)
+            assert split_layers(layers, [1.0] * p, extra_seconds=[0.5] * p) == want
+
+
+def test_remainder_priority_is_nested_runs_of_middle_stages():
+    assert remainder_priority(4) == [2, 1, 3, 0]
+    assert remainder_priority(6) == [3, 2, 4, 1, 5, 0]
+    assert sorted(remainder_priority(7)) == list(range(7))
+
+
+def test_matches_brute_force():
+    rng = random.Random(5)
+    for _ in range(150):
+        p = rng.randint(1, 4)
+        layers = rng.randint(p, 12)
+        speeds = [rng.choice([0.5, 1.0, 1.5, 2.0, 3.0]) for _ in range(p)]
+        extra = [rng.choice([0.0, 0.0, 0.7, 1.3]) for _ in range(p)]
+        mem = [rng.choice([2.0, 4.0, 6.0, 100.0]) for _ in range(p)] if rng.random() < 0.5 else None
+        caps = [int(m) if mem else layers for m in (mem or [0] * p)]
+        feasible = list(compositions(layers, p, caps))
+        kwargs = dict(layer_seconds=0.3, extra_seconds=extra, memory_bytes=mem, layer_bytes=1.0)
+        if not feasible:
+            with pytest.raises(ValueError, match="^memory_bytes:"):
+                split_layers(layers, speeds, **kwargs)
+            continue
+        best = min(
+            max(stage_time(n, v, 0.3, e) for n, v, e in zip(c, speeds, extra, strict=True))
+            for c in feasible
+        )
+        got = split_layers(layers, speeds, **kwargs)
+        assert sum(got) == layers and all(1 <= n <= c for n, c in zip(got, caps, strict=True))
+        # Same float expression on both sides: the optimum is reached exactly.
+        times = [stage_time(n, v, 0.3, e) for n, v, e in zip(got, speeds, extra, strict=True)]
+        assert max(times) == best
+
+
+def test_speed_proportional_when_divisible():
+    assert split_layers(12, [2.0, 1.0, 1.0]) == [6, 3, 3]
+    assert split_layers(12, [1.0, 0.5]) == [8, 4]
+    # The stage with the LM head (extra time) gets fewer layers.
+    assert split_layers(12, [1.0, 1.0], extra_seconds=[0.0, 2.0]) == [7, 5]
+
+
+def test_stage_speeds_layout():
+    # dp=2 x pp=2 x tp=2, rank (d*pp + s)*tp + t.
+    speeds = [1.0, 2.0, 4.0, 4.0, 1.0, 1.0, 3.0, 5.0]
+    assert stage_speeds(speeds, pp=2, tp=2, dp=2) == [2.0, 8.0]
+    with pytest.raises(ValueError, match="^cluster.speeds:"):
+        stage_speeds(speeds, pp=2, tp=2, dp=1)
+
+
+@pytest.mark.parametrize(
+    "split, match",
+    [([3, 3], "sums to 6"), ([8], "1 entries for 2"), ([0, 8], "needs a layer")],
+)
+def test_bad_explicit_split(split, match):
+    with pytest.raises(ValueError, match=f"^parallel.num_layers_per_stage: .*{match}"):
+        check_layers_per_stage(split, 8, 2)
+
+
+def test_bad_split_inputs():
+    with pytest.raises(ValueError, match="^num_layers:"):
+        split_layers(2, [1.0, 1.0, 1.0])
+    with pytest.raises(ValueError, match="^speeds:"):
+        split_layers(4, [1.0, 0.0])
+    check_layers_per_stage([4, 4], 8, 2)
+
+
+def brute_force_microbatches(costs: PipelineCosts, batch: int) -> tuple[int, int]:
+    p = len(costs.forward_s_per_sample)
+    best = None
+    for m, k in itertools.product(range(p, batch + 1), range(1, batch + 1)):
+        if batch % m or k > m:
+            continue
+        n = batch // m
+        peaks = [min(k * (p - s), m) for s in range(p)]
+        act = [n * a for a in costs.activation_bytes_per_sample]
+        if any(x * a > b for x, a, b in zip(peaks, act, costs.memory_budget_bytes, strict=True)):
+            continue
+        o = costs.pass_overhead_s
+        t = simulate(
+            [n * f + o for f in costs.forward_s_per_sample],
+            [n * b + o for b in costs.backward_s_per_sample],
+            [Trace.constant(n * c) for c in costs.link_s_per_sample],
+            m,
+            k,
+            latency_s=costs.latency_s or None,
+        ).step_time
+        if best is None or t < best[0] * (1 - 1e-9):
+            best = (t, m, k)
+    assert best is not None
+    return best[1], best[2]
+
+
+def test_microbatch_choice_matches_brute_force():
+    rng = random.Random(2)
+    for _ in range(12):
+        p = rng.randint(2, 3)
+        costs = PipelineCosts(
+            forward_s_per_sample=tuple(rng.uniform(0.5, 1.5) for _ in range(p)),
+            backward_s_per_sample=tuple(rng.uniform(1.0, 3.0) for _ in range(p)),
+            activation_bytes_per_sample=(1.0,) * p,
+            memory_budget_bytes=tuple(rng.uniform(12.0, 40.0) for _ in range(p)),
+            link_s_per_sample=tuple(rng.uniform(0.0, 0.5) for _ in range(p - 1)),
+            latency_s=tuple(rng.uniform(0.0, 4.0) for _ in range(p - 1)),
+            pass_overhead_s=rng.uniform(0.0, 2.0),
+        )
+        choice = choose_microbatches(costs, 12)
+        assert (choice.num_microbatches, choice.decision.k) == brute_force_microbatches(costs, 12)
+
+
+def test_microbatch_choice_extremes():
+    base = dict(
+        forward_s_per_sample=(1.0, 1.0),
+        backward_s_per_sample=(2.0, 2.0),
+        activation_bytes_per_sample=(1.0, 1.0),
+        memory_budget_bytes=(1e9, 1e9),
+        link_s_per_sample=(0.0,),
+    )
+    # No overhead: (m + p - 1) / m * B * (f + b) falls with m, so the most micro-batches win.
+    assert choose_microbatches(PipelineCosts(**base), 16).num_microbatches == 16
+    # Huge per-pass overhead: as few passes as Colossal-AI allows (m = p).
+    slow_passes = PipelineCosts(**base, pass_overhead_s=100.0)
+    assert choose_microbatches(slow_passes, 16).num_microbatches == 2
+    # Memory: stage 0 holds min(k * 2, m) micro-batches of 16 / m samples; a 10-byte budget
+    # rules out m = 2 (2 x 8 samples) and keeps m = 4 only with k = 1 (2 x 4 samples).
+    tight = dict(base, memory_budget_bytes=(10.0, 10.0))
+    choice = choose_microbatches(PipelineCosts(**tight, pass_overhead_s=100.0), 16)
+    assert choice.num_microbatches == 4 and choice.decision.k == 1
+    with pytest.raises(ValueError, match="^data.global_batch_size:"):
+        choose_microbatches(PipelineCosts(**dict(base, memory_budget_bytes=(0.5, 0.5))), 16)
