@@ -123,6 +123,8 @@ def test_mlm_masking(bert_data):
     assert bool((batch["token_type_ids"] == 0).all())
     masked = torch.cat([b["input_ids"] == MASK_ID for b in batches])
     labels = torch.cat([b["labels"] for b in batches])
+    # Seeded, so deterministic: 8 x 32 x 64 = 16384 draws have a binomial sd of 0.0028 at
+    # p = 0.15, so 0.02 is 7 sd and a rate off by 2 points fails.
     assert masked.float().mean().item() == pytest.approx(0.15, abs=0.02)
     assert bool(masked.any(dim=1).all())
     assert torch.equal(labels == IGNORE_INDEX, ~masked)
@@ -146,6 +148,8 @@ def test_digits_shapes_normalisation_and_split(digits_data):
     assert batch["pixel_values"].shape == (16, 1, 8, 8)
     assert batch["pixel_values"].dtype == torch.float32
     assert batch["labels"].shape == (16,) and batch["labels"].dtype == torch.long
+    # float32 reductions over ~1e5 pixels of magnitude ~1 (pairwise sums): error ~ log2(1e5) u
+    # ~ 1e-6, under 1e-5; a skipped normalisation is off by O(1).
     assert digits_data.train_pixels.mean().item() == pytest.approx(0.0, abs=1e-5)
     assert digits_data.train_pixels.std().item() == pytest.approx(1.0, abs=1e-5)
     labels = torch.cat([digits_data.train_labels, digits_data.val_labels])

@@ -9,6 +9,7 @@ import pytest
 
 from colossal_hetero.config.schema import LinkSpec, NetworkEmulationConfig, PreemptionSpec
 from colossal_hetero.emulation import NetworkModel
+from tests.tolerances import FLOAT64_FORMULA_RTOL
 
 GBPS = 1e9 / 8  # bytes/s per Gbit/s
 US = 1e-6
@@ -36,51 +37,75 @@ def test_disabled_model_costs_nothing() -> None:
 
 def test_link_uses_override_else_default_and_is_symmetric() -> None:
     model = _model(**SLOW_LINK)
-    assert model.link(0, 3, 0) == model.link(3, 0, 0) == pytest.approx((0.8 * GBPS, 50 * US))
-    assert model.link(1, 2, 0) == pytest.approx((8 * GBPS, 10 * US))
+    assert (
+        model.link(0, 3, 0)
+        == model.link(3, 0, 0)
+        == pytest.approx((0.8 * GBPS, 50 * US), rel=FLOAT64_FORMULA_RTOL)
+    )
+    assert model.link(1, 2, 0) == pytest.approx((8 * GBPS, 10 * US), rel=FLOAT64_FORMULA_RTOL)
     assert model.link(2, 2, 0) == (math.inf, 0.0)
 
 
 def test_links_without_default_bandwidth_leave_other_links_free() -> None:
     model = _model(latency_us=5.0, links=[LinkSpec(ranks=[0, 1], bandwidth_gbps=1.0)])
     assert model.enabled
-    assert model.p2p_time(1, 2, 10**9, 0) == pytest.approx(5 * US)
-    assert model.p2p_time(1, 0, 10**9, 0) == pytest.approx(10**9 / GBPS)
+    assert model.p2p_time(1, 2, 10**9, 0) == pytest.approx(5 * US, rel=FLOAT64_FORMULA_RTOL)
+    assert model.p2p_time(1, 0, 10**9, 0) == pytest.approx(10**9 / GBPS, rel=FLOAT64_FORMULA_RTOL)
 
 
 def test_ring_all_reduce_uses_ring_links_of_group_order() -> None:
     model = _model(**SLOW_LINK)
     nbytes = 10**8
     # Ring 0-1-2-3-0 closes over the slow link: 2*3/4 * B / 1e8 B/s + 6 * 50 us.
-    assert model.all_reduce_time([0, 1, 2, 3], nbytes, 0) == pytest.approx(1.5 + 6 * 50 * US)
+    assert model.all_reduce_time([0, 1, 2, 3], nbytes, 0) == pytest.approx(
+        1.5 + 6 * 50 * US, rel=FLOAT64_FORMULA_RTOL
+    )
     # Ring 0-1-3-2-0 avoids it: 2*3/4 * B / 1e9 B/s + 6 * 10 us.
-    assert model.all_reduce_time([0, 1, 3, 2], nbytes, 0) == pytest.approx(0.15 + 6 * 10 * US)
+    assert model.all_reduce_time([0, 1, 3, 2], nbytes, 0) == pytest.approx(
+        0.15 + 6 * 10 * US, rel=FLOAT64_FORMULA_RTOL
+    )
 
 
 def test_all_gather_and_reduce_scatter_use_the_full_tensor() -> None:
     model = _model(**SLOW_LINK)
     total = 4 * 10**8  # the gathered tensor, or the reduce-scatter input
     expected = 3 / 4 * total / (0.8 * GBPS) + 3 * 50 * US
-    assert model.all_gather_time([0, 1, 2, 3], total, 0) == pytest.approx(expected)
-    assert model.reduce_scatter_time([0, 1, 2, 3], total, 0) == pytest.approx(expected)
+    assert model.all_gather_time([0, 1, 2, 3], total, 0) == pytest.approx(
+        expected, rel=FLOAT64_FORMULA_RTOL
+    )
+    assert model.reduce_scatter_time([0, 1, 2, 3], total, 0) == pytest.approx(
+        expected, rel=FLOAT64_FORMULA_RTOL
+    )
 
 
 def test_all_to_all_uses_every_pair() -> None:
     model = _model(**SLOW_LINK)
     # Order 0-1-3-2 avoids the slow link on the ring, but all-to-all uses every pair.
     expected = 3 / 4 * 10**8 / (0.8 * GBPS) + 3 * 50 * US
-    assert model.all_to_all_time([0, 1, 3, 2], 10**8, 0) == pytest.approx(expected)
-    assert model.all_to_all_time([1, 2], 10**8, 0) == pytest.approx(0.5 * 0.1 + 10 * US)
+    assert model.all_to_all_time([0, 1, 3, 2], 10**8, 0) == pytest.approx(
+        expected, rel=FLOAT64_FORMULA_RTOL
+    )
+    assert model.all_to_all_time([1, 2], 10**8, 0) == pytest.approx(
+        0.5 * 0.1 + 10 * US, rel=FLOAT64_FORMULA_RTOL
+    )
 
 
 def test_broadcast_reduce_and_barrier() -> None:
     model = _model(**SLOW_LINK)
     # Three ranks: ceil(log2 3) = 2 latency hops; pair (0, 3) is the slowest.
     expected = 10**8 / (0.8 * GBPS) + 2 * 50 * US
-    assert model.broadcast_time([0, 2, 3], 10**8, 0) == pytest.approx(expected)
-    assert model.reduce_time([0, 2, 3], 10**8, 0) == pytest.approx(expected)
-    assert model.broadcast_time([1, 2], 10**8, 0) == pytest.approx(0.1 + 10 * US)
-    assert model.barrier_time([0, 1, 2, 3], 0) == pytest.approx(3 * 50 * US)
+    assert model.broadcast_time([0, 2, 3], 10**8, 0) == pytest.approx(
+        expected, rel=FLOAT64_FORMULA_RTOL
+    )
+    assert model.reduce_time([0, 2, 3], 10**8, 0) == pytest.approx(
+        expected, rel=FLOAT64_FORMULA_RTOL
+    )
+    assert model.broadcast_time([1, 2], 10**8, 0) == pytest.approx(
+        0.1 + 10 * US, rel=FLOAT64_FORMULA_RTOL
+    )
+    assert model.barrier_time([0, 1, 2, 3], 0) == pytest.approx(
+        3 * 50 * US, rel=FLOAT64_FORMULA_RTOL
+    )
 
 
 def test_gather_and_scatter_use_the_roots_links() -> None:
@@ -88,14 +113,18 @@ def test_gather_and_scatter_use_the_roots_links() -> None:
     total = 3 * 10**8
     fast = 2 / 3 * total / (8 * GBPS) + 2 * 10 * US
     slow = 2 / 3 * total / (0.8 * GBPS) + 2 * 50 * US
-    assert model.gather_time([1, 2, 3], 1, total, 0) == pytest.approx(fast)
-    assert model.scatter_time([0, 1, 3], 3, total, 0) == pytest.approx(slow)
+    assert model.gather_time([1, 2, 3], 1, total, 0) == pytest.approx(
+        fast, rel=FLOAT64_FORMULA_RTOL
+    )
+    assert model.scatter_time([0, 1, 3], 3, total, 0) == pytest.approx(
+        slow, rel=FLOAT64_FORMULA_RTOL
+    )
 
 
 def test_p2p_uses_the_direct_link() -> None:
     model = _model(**SLOW_LINK)
-    assert model.p2p_time(0, 3, 10**8, 0) == pytest.approx(1.0 + 50 * US)
-    assert model.p2p_time(2, 1, 10**8, 0) == pytest.approx(0.1 + 10 * US)
+    assert model.p2p_time(0, 3, 10**8, 0) == pytest.approx(1.0 + 50 * US, rel=FLOAT64_FORMULA_RTOL)
+    assert model.p2p_time(2, 1, 10**8, 0) == pytest.approx(0.1 + 10 * US, rel=FLOAT64_FORMULA_RTOL)
     assert model.p2p_time(2, 2, 10**8, 0) == 0.0
 
 
@@ -112,14 +141,16 @@ def test_preemption_window_scales_bandwidth_not_latency() -> None:
     base = 2 * 1 / 2 * 4e5 / 1e7  # 0.08 Gbit/s = 1e7 bytes/s
     latency = 2 * 100 * US
     times = [model.all_reduce_time([0, 1], 400_000, s) for s in (1, 2, 3, 4)]
-    assert times == pytest.approx([t + latency for t in (base, 2 * base, 2 * base, base)])
+    assert times == pytest.approx(
+        [t + latency for t in (base, 2 * base, 2 * base, base)], rel=FLOAT64_FORMULA_RTOL
+    )
 
 
 def test_preemption_of_listed_ranks_hits_only_their_links() -> None:
     model = _model(bandwidth_gbps=8.0, preemptions=[PreemptionSpec(factor=0.25, ranks=[1])])
-    assert model.link(0, 1, 0)[0] == pytest.approx(2 * GBPS)
-    assert model.link(1, 3, 0)[0] == pytest.approx(2 * GBPS)
-    assert model.link(0, 2, 0)[0] == pytest.approx(8 * GBPS)
+    assert model.link(0, 1, 0)[0] == pytest.approx(2 * GBPS, rel=FLOAT64_FORMULA_RTOL)
+    assert model.link(1, 3, 0)[0] == pytest.approx(2 * GBPS, rel=FLOAT64_FORMULA_RTOL)
+    assert model.link(0, 2, 0)[0] == pytest.approx(8 * GBPS, rel=FLOAT64_FORMULA_RTOL)
 
 
 def test_overlapping_preemptions_multiply() -> None:
@@ -130,10 +161,10 @@ def test_overlapping_preemptions_multiply() -> None:
             PreemptionSpec(factor=0.5, start_step=10, end_step=20, ranks=[2]),
         ],
     )
-    assert model.link(2, 3, 9)[0] == pytest.approx(4 * GBPS)
-    assert model.link(2, 3, 10)[0] == pytest.approx(2 * GBPS)
-    assert model.link(0, 1, 10)[0] == pytest.approx(4 * GBPS)
-    assert model.link(2, 3, 20)[0] == pytest.approx(4 * GBPS)
+    assert model.link(2, 3, 9)[0] == pytest.approx(4 * GBPS, rel=FLOAT64_FORMULA_RTOL)
+    assert model.link(2, 3, 10)[0] == pytest.approx(2 * GBPS, rel=FLOAT64_FORMULA_RTOL)
+    assert model.link(0, 1, 10)[0] == pytest.approx(4 * GBPS, rel=FLOAT64_FORMULA_RTOL)
+    assert model.link(2, 3, 20)[0] == pytest.approx(4 * GBPS, rel=FLOAT64_FORMULA_RTOL)
 
 
 @pytest.mark.parametrize(
