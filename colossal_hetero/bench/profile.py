@@ -11,59 +11,20 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from colossal_hetero.utils.device import synchronize
 
+# The micro-benchmarks live in utils/probe.py (the plugin calibrates with them too).
+from colossal_hetero.utils.probe import agree, measure_allreduce_gbps, measure_flops
 
-def measure_flops(
-    device: torch.device, size: int = 384, repeats: int = 7, dtype: torch.dtype = torch.float32
-) -> float:
-    """Median FLOP/s of a ``size`` x ``size`` matmul on ``device``.
-
-    Each timed matmul is followed by a barrier-free all_reduce of one number over the world
-    group when a process group exists, so that compute emulation (which stretches the time
-    between collectives) applies to it.
-    """
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-    token = torch.zeros(1, device=device)
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        (a @ b).sum()
-        if dist.is_initialized():
-            dist.all_reduce(token)  # the boundary at which emulation stretches the matmul
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return 2 * size**3 / statistics.median(times)
-
-
-def measure_allreduce_gbps(device: torch.device, nbytes: int = 4 << 20, repeats: int = 5) -> float:
-    """Bus bandwidth of a ring all_reduce over the world group, Gbit/s (median)."""
-    world = dist.get_world_size()
-    if world == 1:
-        return float("inf")
-    tensor = torch.zeros(nbytes // 4, device=device)
-    dist.all_reduce(tensor)  # warm the connections
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        synchronize(device)
-        start = time.perf_counter()
-        dist.all_reduce(tensor)
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    bus_bytes = 2 * (world - 1) / world * nbytes
-    return bus_bytes * 8 / statistics.median(times) / 1e9
-
-
-def agree(value: float, device: torch.device, op: str = "min") -> float:
-    """The same number on every rank (min or max over the world), so plans agree."""
-    tensor = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX)
-    return float(tensor)
+__all__ = [
+    "agree",
+    "calibrate_model",
+    "cluster_yaml",
+    "measure_allreduce_gbps",
+    "measure_flops",
+    "profile_rank",
+]
 
 
 def profile_rank(

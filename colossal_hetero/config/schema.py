@@ -365,8 +365,11 @@ class PlanConfig:
     max_iters: int = 10
     """Rounds of the search / LP loop."""
 
-    reference_tflops: float = 100.0
-    """Sustained TFLOP/s of a device with speed 1.0 (calibrate with `colossal-hetero profile`)."""
+    reference_tflops: float | None = None
+    """Sustained TFLOP/s of a device with speed 1.0 (`colossal-hetero profile` measures it).
+    null: the plugin measures the device model at configure (a matmul and all-reduce probe,
+    agreed over the ranks): this FLOP/s, layer_overhead_us, latency_us and a cap on each
+    device's bandwidth_gbps; `colossal-hetero plan` then assumes 100 (GPU class)."""
 
     latency_us: float = 10.0
     """Per-message link latency the cost model assumes, microseconds."""
@@ -396,7 +399,7 @@ class PlanConfig:
             f"must be >= 0, got {self.layer_overhead_us}",
         )
         _require(
-            self.reference_tflops > 0,
+            self.reference_tflops is None or self.reference_tflops > 0,
             "reference_tflops",
             f"must be > 0, got {self.reference_tflops}",
         )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -241,4 +241,63 @@ def format_plan(plan: Plan) -> str:
             f"{d:>6} {group:>5} {rank:>4} {flops / 1e12:>8.2f} {plan.group_samples[group]:>7} "
             f"{in_group}{busy * ms:>8.2f} {share:>6.1f}"
         )
+    return "\n".join(lines)
+
+
+# -- what runs, and the short table --------------------------------------------------------
+
+_WIDTH_KEY = {
+    "attention_qkv": "heads",
+    "attention_core": "heads",
+    "attention_out": "heads",
+    "mlp_up": "ffn",
+    "mlp_down": "ffn",
+    "embedding": "vocab",
+    "lm_head": "vocab",
+    "loss": "vocab",
+}
+
+
+def with_widths(plan: Plan, widths: dict[str, tuple[int, ...]]) -> Plan:
+    """``plan`` recording other per-rank ``widths`` (e.g. a user policy's), layers included.
+
+    A layer's widths follow its key (heads for attention, ffn for the MLP, vocab for the
+    embedding, head and loss) in its own units (heads * head_dim for attention). The predicted
+    times stay those of the planned widths. Keys the plan does not split are added as given.
+    """
+    new = {key: tuple(int(v) for v in counts) for key, counts in widths.items()}
+    layers = []
+    for layer in plan.layers:
+        key = _WIDTH_KEY.get(layer.kind)
+        old = plan.widths.get(key) if key else None
+        if layer.widths is None or key not in new or not old or sum(old) == 0:
+            layers.append(layer)
+            continue
+        unit = sum(layer.widths) // sum(old)  # head_dim for attention, 1 elsewhere
+        layers.append(replace(layer, widths=tuple(unit * c for c in new[key])))
+    return replace(plan, widths={**plan.widths, **new}, layers=tuple(layers))
+
+
+def format_plan_summary(plan: Plan) -> str:
+    """A compact table (under 80 columns): per device its TFLOP/s, widths, samples and
+    predicted busy time, with the predicted step and speedup over the even split."""
+    ms = 1e3
+    keys = [k for k in ("heads", "ffn", "vocab") if k in plan.widths]
+    head = (
+        f"plan: {plan.model}, tp {plan.tp_size} x dp {plan.dp_size}, batch "
+        f"{plan.batch_size} x {plan.seq_len} tokens"
+    )
+    lines = [
+        head,
+        f"{'rank':>4} {'TFLOP/s':>8} " + "".join(f"{k:>7} " for k in keys) + "samples  busy ms",
+    ]
+    for d, (flops, busy) in enumerate(zip(plan.device_flops, plan.device_times, strict=True)):
+        group, rank = divmod(d, plan.tp_size)
+        cells = "".join(f"{plan.widths[k][rank]:>7} " for k in keys)
+        samples = plan.group_samples[group]
+        lines.append(f"{d:>4} {flops / 1e12:>8.4g} {cells}{samples:>7} {busy * ms:>8.2f}")
+    lines.append(
+        f"predicted step {plan.step_time * ms:.2f} ms, even split "
+        f"{plan.even_step_time * ms:.2f} ms: {plan.speedup:.2f}x"
+    )
     return "\n".join(lines)

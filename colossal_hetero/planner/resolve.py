@@ -13,7 +13,7 @@ from typing import Any, TypedDict
 from colossal_hetero.config.loader import ConfigError
 from colossal_hetero.config.schema import ClusterConfig, HeteroConfig, PlanConfig, RunConfig
 from colossal_hetero.planner.plan import Plan, load_plan
-from colossal_hetero.planner.spec import ModelSpec
+from colossal_hetero.planner.spec import REFERENCE_FLOPS, ModelSpec
 
 
 def is_heterogeneous(cluster: ClusterConfig) -> bool:
@@ -28,6 +28,32 @@ def wants_plan(config: HeteroConfig) -> bool:
     if mode == "file":
         return True
     return mode == "auto" and is_heterogeneous(config.cluster) and config.parallel.pp == 1
+
+
+def needs_calibration(config: HeteroConfig) -> bool:
+    """Whether the plugin must measure the device model before planning (auto mode and no
+    ``plan.reference_tflops``): planning then waits for ``configure``."""
+    return config.plan.mode == "auto" and config.plan.reference_tflops is None
+
+
+def calibrated(config: HeteroConfig, probe: Any) -> HeteroConfig:
+    """``config`` with the device model a probe measured (``utils.probe.WorldProbe``).
+
+    The fastest rank's FLOP/s belongs to the fastest declared device, so speed 1.0 is
+    ``probe.flops / max(speed)``; the per-layer overhead and latency are taken as measured,
+    and no device's bandwidth may exceed the measured link. Pure: every rank that agreed on
+    ``probe`` gets the same config.
+    """
+    devices = config.cluster.devices
+    fastest = max((d.speed for d in devices), default=1.0)
+    capped = [replace(d, bandwidth_gbps=min(d.bandwidth_gbps, probe.gbps)) for d in devices]
+    plan = replace(
+        config.plan,
+        reference_tflops=probe.flops / fastest / 1e12,
+        layer_overhead_us=probe.layer_overhead_s * 1e6,
+        latency_us=probe.latency_s * 1e6,
+    )
+    return replace(config, plan=plan, cluster=replace(config.cluster, devices=capped))
 
 
 def unplanned_notice(config: HeteroConfig) -> str | None:
@@ -48,8 +74,8 @@ def resolve_plan(run: RunConfig, world_size: int) -> Plan | None:
             finds the layout infeasible (a device without memory for its shard, ...).
     """
     config = run.plugin_config()
-    if not wants_plan(config):
-        return None
+    if not wants_plan(config) or needs_calibration(config):
+        return None  # even split, or the plugin measures the devices and plans at configure
     if config.plan.mode == "file":
         plan = _load(config.plan.path)
     else:
@@ -133,8 +159,10 @@ class _DeviceModel(TypedDict):
 
 def _device_model(settings: PlanConfig) -> _DeviceModel:
     """``ClusterSpec`` link and compute settings from the plan config, in SI units."""
+    tflops = settings.reference_tflops
     return {
-        "reference_flops": settings.reference_tflops * 1e12,
+        # Unset (the plugin measures it at configure): the planner's GPU-class default.
+        "reference_flops": REFERENCE_FLOPS if tflops is None else tflops * 1e12,
         "latency_s": settings.latency_us * 1e-6,
         "grouped_efficiency": settings.grouped_efficiency,
         "layer_overhead_s": settings.layer_overhead_us * 1e-6,

@@ -35,10 +35,10 @@ from colossal_hetero.config.validate import validate_layout
 from colossal_hetero.emulation import CollectiveInterceptor, build_interceptor
 from colossal_hetero.emulation.ddp import route_ddp_through_interceptor
 from colossal_hetero.planner.plan import Plan
-from colossal_hetero.planner.resolve import plan_for_model, wants_plan
 from colossal_hetero.plugin.engine import build_engine
 from colossal_hetero.plugin.grad_sync import exclude_sfb_from_ddp, install_planned_sfb, planned_sfb
 from colossal_hetero.plugin.launch import prepare_device
+from colossal_hetero.plugin.planning import announce, plan_at_configure, plan_that_runs
 from colossal_hetero.plugin.resizing import resize_boosted
 from colossal_hetero.policies import ResizablePolicy, resizable_policy
 from colossal_hetero.utils.device import backend_for, resolve_device
@@ -53,8 +53,12 @@ class HeteroParallelPlugin(PipelinePluginBase):
             None and ``config.plan`` asks for one (mode auto on a heterogeneous cluster), the
             plugin plans at ``configure`` from the model's config and ``workload``.
         workload: ``(global_batch_size, seq_len)`` the plugin plans for when it plans itself;
-            default: 8 samples per data-parallel group at the model's maximum length.
-        policy: optional shardformer ``Policy`` replacing the stock one (overrides the plan's).
+            default: read from the dataloader given to ``boost`` (its batch size times dp, its
+            first sample's length), else 8 samples per data-parallel group at the model's
+            maximum length. With no ``plan.reference_tflops`` the plugin first measures the
+            devices (plugin/planning.py). Rank 0 prints the plan's table.
+        policy: optional shardformer ``Policy`` replacing the stock one (overrides the plan's;
+            ``plan`` then records a resizable policy's widths, or is None for another policy).
 
     Raises:
         ConfigError: the layout does not fit the world size, or the device does not fit the
@@ -142,13 +146,17 @@ class HeteroParallelPlugin(PipelinePluginBase):
     ) -> tuple:
         """Shard ``model`` and wrap ``optimizer`` for the layout (see HybridParallelPlugin)."""
         keep_gpt2_causal(model)
-        if self.plan is None and wants_plan(self.config):
-            self.plan = plan_for_model(self.config, model, self.world_size, self.workload)
+        if self.plan is None:  # measures the devices first when plan.reference_tflops is unset
+            self.plan = plan_at_configure(
+                self.config, model, self.world_size, self.device, self.workload, dataloader
+            )
         if self._policy is None and self.plan is not None and self.tp_size > 1:
             self.engine.custom_policy = resizable_policy(model, self.plan.widths)
         sfb = planned_sfb(self.plan, self.config.parallel, self.dp_size)
         exclude_sfb_from_ddp(model, sfb)  # SFB modules sync by gathered factors, not DDP
         boosted = self.engine.configure(model, optimizer, criterion, dataloader, lr_scheduler)
+        self.plan, note = plan_that_runs(self.plan, self._policy, self.tp_size)
+        announce(self.plan, note, self.rank)
         if isinstance(self.engine.custom_policy, ResizablePolicy):
             _drop_single_rank_ddp(boosted[0])
         self.grad_sync = install_planned_sfb(boosted[0], sfb)

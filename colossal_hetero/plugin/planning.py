@@ -1,0 +1,101 @@
+"""The plugin's planning at ``configure``: calibrate, plan, announce, and record what runs.
+
+Wiring only: the measurements are utils/probe.py's, the plan the planner's (planner/resolve.py),
+the table planner/plan.py's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from colossal_hetero.config.schema import HeteroConfig
+from colossal_hetero.planner.plan import Plan, format_plan_summary, with_widths
+from colossal_hetero.planner.resolve import (
+    calibrated,
+    needs_calibration,
+    plan_for_model,
+    wants_plan,
+)
+from colossal_hetero.utils.probe import probe_world
+
+
+def plan_at_configure(
+    config: HeteroConfig,
+    model: Any,
+    world_size: int,
+    device: torch.device,
+    workload: tuple[int, int] | None,
+    dataloader: Any = None,
+) -> Plan | None:
+    """The plan the plugin makes for ``model``, or None when the config wants none.
+
+    With ``plan.mode: auto`` and no ``plan.reference_tflops``, every rank first measures the
+    device model (``utils.probe.probe_world``: one all_reduce over the world group agrees the
+    numbers, so every rank plans the same). ``workload`` defaults to what ``dataloader``
+    tells without drawing a batch (``workload_of``), else to plan_for_model's default. Call
+    on every rank.
+    """
+    if not wants_plan(config):
+        return None
+    if needs_calibration(config):
+        config = calibrated(config, probe_world(device))
+    dp = world_size // (config.parallel.tp * config.parallel.pp)
+    if workload is None and dataloader is not None:
+        workload = workload_of(dataloader, dp)
+    return plan_for_model(config, model, world_size, workload)
+
+
+def workload_of(dataloader: Any, dp_size: int) -> tuple[int, int] | None:
+    """``(global batch, seq_len)`` from a per-rank dataloader, without drawing a batch.
+
+    The global batch is the loader's ``batch_size`` times the data-parallel size; the length
+    is the first sample's ``input_ids`` (a dict sample) or first tensor's last dimension.
+    None when either is unknown (an iterable dataset, a batch sampler, no such field):
+    reading a batch would advance the loader's shuffling and change the data order.
+    """
+    batch_size = getattr(dataloader, "batch_size", None)
+    dataset = getattr(dataloader, "dataset", None)
+    if not batch_size or dataset is None or not hasattr(dataset, "__getitem__"):
+        return None
+    try:
+        sample = dataset[0]
+    except Exception:  # any dataset may refuse indexing; the default workload then applies
+        return None
+    if isinstance(sample, dict):
+        sample = sample.get("input_ids")
+    elif isinstance(sample, tuple | list):
+        sample = sample[0] if sample else None
+    if not isinstance(sample, torch.Tensor) or sample.dim() == 0:
+        return None
+    return batch_size * dp_size, int(sample.shape[-1])
+
+
+def plan_that_runs(plan: Plan | None, policy: Any, tp_size: int) -> tuple[Plan | None, str]:
+    """The plan describing what a user ``policy=`` runs, and a note when it changed.
+
+    A resizable policy's resolved widths are recorded in the plan; any other policy shards
+    evenly, so a plan with uneven widths no longer describes the run and becomes None.
+    """
+    from colossal_hetero.policies import ResizablePolicy
+
+    if plan is None or policy is None or tp_size == 1:
+        return plan, ""
+    if isinstance(policy, ResizablePolicy):
+        if all(plan.widths.get(k) == tuple(v) for k, v in policy.widths.items()):
+            return plan, ""
+        note = f"policy= overrides the plan's widths: running {dict(policy.widths)}"
+        return with_widths(plan, dict(policy.widths)), note
+    note = "policy= is not resizable: its even split runs, so plugin.plan is None"
+    return None, note
+
+
+def announce(plan: Plan | None, note: str, rank: int) -> None:
+    """Print the plan's short table (and ``note``) on rank 0; quiet elsewhere."""
+    if rank != 0:
+        return
+    if note:
+        print(f"colossal-hetero: {note}")
+    if plan is not None:
+        print(format_plan_summary(plan))
