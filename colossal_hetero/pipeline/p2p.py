@@ -1,0 +1,131 @@
+"""Non-blocking point-to-point for pipeline stages: sends never wait, receives are posted early.
+
+Runtime half of the kFkB schedule (uses torch.distributed). One :class:`Outbox` per direction
+a stage sends in and one :class:`Inbox` per direction it receives from. Along one ordered pair of
+ranks only one kind of message flows (activations downstream, gradients upstream), and both
+sides issue their operations in the same order, so FIFO matching pairs every receive with the
+send meant for it.
+
+Wire format of one message (an object: a pytree of tensors, e.g. ``{"hidden_states": x}``):
+``[header int64[1]: payload length] [payload uint8: pickled P2PMetadata] [tensor_0 ...]``, where
+the header and payload travel only with a step's first message on the link (shapes do not change
+within a step: micro-batches have equal size) or with every message whose object carries
+non-tensor leaves. Metadata is not cached across steps, so a new batch size is always safe.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from colossalai.pipeline.p2p import P2PMetadata, create_send_metadata
+from torch.utils._pytree import tree_unflatten
+
+
+class Outbox:
+    """Sends objects to ``dst`` (global rank) on ``group`` without waiting for them to land.
+
+    Sent tensors stay referenced until :meth:`finish` (a send reads its buffer until it is done).
+    """
+
+    def __init__(self, dst: int, group: dist.ProcessGroup, device: torch.device) -> None:
+        self.dst, self.group, self.device = dst, group, device
+        self._pending: list[tuple[dist.Work, torch.Tensor]] = []
+        self._sent = 0
+        self._every_message_has_header = False
+
+    def send(self, obj: Any) -> None:
+        metadata, tensors = create_send_metadata(obj, strict=False, return_tensor=True)
+        has_objects = bool(metadata.non_tensor_obj_idx)
+        if self._sent == 0:
+            self._every_message_has_header = has_objects
+        # The receiver decides from the step's first message whether headers keep coming.
+        assert has_objects == self._every_message_has_header, "message structure changed"
+        if self._sent == 0 or has_objects:
+            raw = torch.frombuffer(bytearray(pickle.dumps(metadata)), dtype=torch.uint8)
+            payload = raw.to(self.device)
+            self._isend(torch.tensor([payload.numel()], dtype=torch.int64, device=self.device))
+            self._isend(payload)
+        for tensor in tensors:
+            self._isend(tensor.detach().contiguous())
+        self._sent += 1
+
+    def _isend(self, tensor: torch.Tensor) -> None:
+        work = dist.isend(tensor, dst=self.dst, group=self.group)
+        assert work is not None
+        self._pending.append((work, tensor))
+
+    def finish(self) -> None:
+        """Wait for every send of this step; the next step starts a fresh link state."""
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+        self._sent = 0
+
+
+class Inbox:
+    """Receives ``count`` objects from ``src`` (global rank) on ``group``, one receive ahead.
+
+    As soon as one message has been taken, the receive for the next is posted, so its transfer
+    overlaps whatever the stage computes meanwhile. Received tensors are fresh buffers with the
+    sender's ``requires_grad`` (the schedule's backward reads their ``.grad``).
+    """
+
+    def __init__(self, src: int, group: dist.ProcessGroup, device: torch.device) -> None:
+        self.src, self.group, self.device = src, group, device
+        self._count = self._taken = 0
+        self._metadata: P2PMetadata | None = None
+        self._header: tuple[dist.Work, torch.Tensor] | None = None
+        self._tensors: tuple[list[dist.Work], list[torch.Tensor]] | None = None
+
+    def start(self, count: int) -> None:
+        """Begin a step that will receive ``count`` messages: post the first receive now."""
+        assert self._header is None and self._tensors is None, "previous step left receives"
+        self._count, self._taken, self._metadata = count, 0, None
+        self._post_next()
+
+    def get(self) -> Any:
+        """The next object, waiting only for what has not landed yet."""
+        assert self._taken < self._count, "more receives than the step announced"
+        if self._header is not None:
+            work, header = self._header
+            work.wait()
+            payload = torch.empty(int(header[0]), dtype=torch.uint8, device=self.device)
+            dist.irecv(payload, src=self.src, group=self.group).wait()  # type: ignore[union-attr]
+            self._metadata = pickle.loads(payload.cpu().numpy().tobytes())
+            self._header = None
+            self._post_tensors()
+        assert self._tensors is not None and self._metadata is not None
+        works, buffers = self._tensors
+        for work in works:
+            work.wait()
+        meta = self._metadata
+        self._tensors = None
+        self._taken += 1
+        self._post_next()
+        leaves: list[Any] = list(buffers)
+        for idx, obj in zip(meta.non_tensor_obj_idx, meta.non_tensor_objs, strict=True):
+            leaves.insert(idx, obj)
+        return tree_unflatten(leaves, meta.tree_spec)
+
+    def _post_next(self) -> None:
+        if self._taken == self._count:
+            return
+        if self._metadata is None or self._metadata.non_tensor_obj_idx:
+            header = torch.zeros(1, dtype=torch.int64, device=self.device)
+            work = dist.irecv(header, src=self.src, group=self.group)
+            assert work is not None
+            self._header = (work, header)
+        else:
+            self._post_tensors()
+
+    def _post_tensors(self) -> None:
+        assert self._metadata is not None
+        buffers = [
+            torch.empty(m.shape, dtype=m.dtype, device=self.device, requires_grad=m.requires_grad)
+            for m in self._metadata.tensor_metadata
+        ]
+        works = [dist.irecv(b, src=self.src, group=self.group) for b in buffers]
+        self._tensors = ([w for w in works if w is not None], buffers)
