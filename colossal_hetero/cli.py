@@ -48,24 +48,29 @@ def launch(config_path: str | Path, nproc: int) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    config = load_config(args.config)
-    world_size = args.world_size or _world_size_of(config)
-    dp = validate_run(config, world_size)
+    from colossal_hetero.train import preflight
+
+    world_size = args.world_size or _world_size_of(load_config(args.config))
+    # Every check a launch makes before its first collective, the plan included.
+    config, _ = preflight(args.config, world_size, world_size)
     p = config.parallel
+    dp = world_size // (p.tp * p.pp)
     print(f"ok: {config.model.arch}, world size {world_size} = tp {p.tp} x pp {p.pp} x dp {dp}")
     return 0
 
 
 def _train(args: argparse.Namespace) -> int:
-    config = load_config(args.config)
-    nproc = args.nproc or _world_size_of(config)
-    validate_run(config, nproc)
+    from colossal_hetero.train import preflight
+
+    nproc = args.nproc or _world_size_of(load_config(args.config))
+    preflight(args.config, nproc, nproc)  # refuse here, before torchrun starts any rank
     return launch(args.config, nproc)
 
 
 def _plan(args: argparse.Namespace) -> int:
     import time
 
+    from colossal_hetero.config.validate import validate_launch
     from colossal_hetero.planner.plan import dump_plan, format_plan
     from colossal_hetero.planner.resolve import (
         check_plan,
@@ -76,7 +81,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     config = load_config(args.config)
     world_size = args.world_size or _world_size_of(config)
-    validate_run(config, world_size)
+    validate_launch(config, world_size, world_size)
     if config.plan.mode == "file":
         raise ConfigError("plan.mode: is file; `plan` makes a plan, set mode auto or even")
     # Plan even for identical devices: the table still shows the predicted times.
@@ -198,10 +203,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``colossal-hetero`` console script."""
+    from colossal_hetero.train import error_line
+    from colossal_hetero.utils.quiet import quiet_third_party_warnings
+
     args = build_parser().parse_args(argv)
+    quiet_third_party_warnings(pipeline=True)
     try:
         return int(args.handler(args))
-    except (ConfigError, FileNotFoundError) as error:
+    except ConfigError as error:
+        print(error_line(error), file=sys.stderr)
+        return 2
+    except FileNotFoundError as error:
         print(f"colossal-hetero: error: {error}", file=sys.stderr)
         return 2
 

@@ -31,13 +31,67 @@ def load_config(path: str | Path) -> RunConfig:
     """Read a YAML file into a validated ``RunConfig``.
 
     Raises:
-        ConfigError: the file is not a mapping, or a key or value is wrong (message names it).
+        ConfigError: the file is empty, not UTF-8, not valid YAML, repeats a key, is not a
+            mapping, a key or value is wrong (the message names the file or the field), or
+            the file cannot be read.
     """
-    text = Path(path).read_text()
-    data = yaml.safe_load(text) or {}
+    data = read_yaml(path)
+    if data is None:
+        raise ConfigError(f"{path}: the file holds no settings (an empty config is refused)")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
     return from_dict(RunConfig, data)
+
+
+def read_yaml(path: str | Path) -> Any:
+    """The plain data of a YAML file, read strictly: UTF-8, valid syntax, no repeated key.
+
+    Raises:
+        ConfigError: one line naming the file and the line, or the repeated key's path; or
+            the file cannot be read (missing, a folder, no permission).
+    """
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as error:
+        raise ConfigError(f"{path}: cannot read: {error.strerror or error}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte 0x{raw[error.start]:02x} at offset {error.start})"
+        ) from None
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        if node is not None:
+            _refuse_repeated_keys(node, "")
+        return yaml.safe_load(text)
+    except yaml.MarkedYAMLError as error:
+        mark, context = error.problem_mark or error.context_mark, error.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = error.problem or error.context or "unreadable"
+        if error.context and context and context is not mark:
+            problem += f" ({error.context} from line {context.line + 1})"
+        raise ConfigError(f"{path}: invalid YAML{where}: {problem}") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path}: invalid YAML: {' '.join(str(error).split())}") from None
+
+
+def _refuse_repeated_keys(node: yaml.Node, path: str) -> None:
+    """Walk a composed YAML tree; a mapping that names a key twice is an error (PyYAML would
+    silently keep the last value)."""
+    if isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _refuse_repeated_keys(item, f"{path}[{i}]")
+    elif isinstance(node, yaml.MappingNode):
+        seen: set[str] = set()
+        for key_node, value_node in node.value:
+            key = str(key_node.value)
+            key_path = _join(path, key)
+            if key in seen:
+                line = key_node.start_mark.line + 1
+                raise ConfigError(f"{key_path}: key given twice (again at line {line})")
+            seen.add(key)
+            _refuse_repeated_keys(value_node, key_path)
 
 
 def from_dict(cls: type[T], data: Any, path: str = "") -> T:
@@ -71,6 +125,9 @@ def _convert(hint: Any, value: Any, path: str) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
+        literals = [a for a in inner if typing.get_origin(a) is typing.Literal]
+        if isinstance(value, str) and literals:  # e.g. a list or the word from_cluster
+            return _convert(literals[0], value, path)
         return _convert(inner[0], value, path)
     if origin is typing.Literal:
         if value not in args:

@@ -123,6 +123,7 @@ class ParallelConfig:
             "zero_stage",
             "pipeline parallelism (pp > 1) supports ZeRO stage 0 or 1 only",
         )
+        _require(self.max_norm >= 0, "max_norm", f"must be >= 0 (0 = off), got {self.max_norm}")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -252,6 +253,14 @@ class NetworkEmulationConfig:
     preemptions: list[PreemptionSpec] = field(default_factory=list)
     """Time-varying bandwidth preemption trace."""
 
+    def __post_init__(self) -> None:
+        _require(
+            self.bandwidth_gbps is None or self.bandwidth_gbps > 0,
+            "bandwidth_gbps",
+            f"must be > 0 (null = no network model), got {self.bandwidth_gbps}",
+        )
+        _require(self.latency_us >= 0, "latency_us", f"must be >= 0, got {self.latency_us}")
+
     @property
     def enabled(self) -> bool:
         """Whether any link is modelled."""
@@ -318,6 +327,12 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _require(self.steps >= 1, "steps", f"must be >= 1, got {self.steps}")
         _require(self.eval_every >= 0, "eval_every", f"must be >= 0, got {self.eval_every}")
+        _require(
+            self.eval_batches >= 1 or self.eval_every == 0,
+            "eval_batches",
+            f"must be >= 1 when validating (eval_every {self.eval_every}), got "
+            f"{self.eval_batches}; eval_every: 0 disables validation",
+        )
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

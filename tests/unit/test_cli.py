@@ -33,7 +33,7 @@ def test_unknown_key_is_one_line_and_status_2(tmp_path, capsys):
     assert main(["check", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.strip() == (
-        "colossal-hetero: error: parallel.tp_sise: unknown key (did you mean 'tp'?)"
+        "colossal-hetero: config error: parallel.tp_sise: unknown key (did you mean 'tp'?)"
     )
 
 
