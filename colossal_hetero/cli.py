@@ -2,7 +2,8 @@
 
 colossal-hetero check CONFIG [--world-size N]   validate a run config without launching
 colossal-hetero train CONFIG [--nproc N]        launch `python -m colossal_hetero.train` on
-                                                this machine through torchrun
+                                                this machine through torchrun (or on shaped
+                                                links: emulation.network.mode shaped)
 colossal-hetero demo [--steps N] [--out DIR]    4 CPU ranks, one emulated 2x slower
 """
 
@@ -64,6 +65,11 @@ def _train(args: argparse.Namespace) -> int:
 
     nproc = args.nproc or _world_size_of(load_config(args.config))
     preflight(args.config, nproc, nproc)  # refuse here, before torchrun starts any rank
+    config = load_config(args.config)
+    if config.emulation.network.mode == "shaped":  # ranks in namespaces behind tc links
+        from colossal_hetero.emulation.shaped.launcher import launch_training
+
+        return launch_training(config, args.config, nproc)
     return launch(args.config, nproc)
 
 
@@ -186,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     profile.set_defaults(handler=_profile)
 
     bench = commands.add_parser("bench", help="run a benchmark against stock Colossal-AI")
-    bench.add_argument("name", choices=["static"])
+    bench.add_argument("name", choices=["static", "network"])
     bench.add_argument("--quick", action="store_true", help="fewer cases and steps")
     bench.add_argument("--json", default="", help="write results here")
     bench.add_argument(

@@ -20,6 +20,10 @@ def run_benchmark(name: str, *, quick: bool, json_path: str = "", only: str = ""
 
     ``only`` keeps the cases whose name contains it (all when empty).
     """
+    if name == "network":  # shaped links against the network model (no stock baseline)
+        from colossal_hetero.bench.network import run_network_benchmark
+
+        return run_network_benchmark(quick=quick, json_path=json_path)
     if name != "static":
         raise ValueError(f"bench: unknown benchmark {name!r}; known: static")
     from colossal_hetero.bench import static

@@ -204,7 +204,17 @@ class LinkSpec:
     latency_us: float = 0.0
     """One-way latency, microseconds."""
 
+    reverse_bandwidth_gbps: float | None = None
+    """Bandwidth from ranks[1] to ranks[0], Gbit/s, for an asymmetric link; null means the
+    same as `bandwidth_gbps`. Shaped mode shapes each direction; model mode's links are
+    symmetric and use `bandwidth_gbps` both ways."""
+
     def __post_init__(self) -> None:
+        _require(
+            self.reverse_bandwidth_gbps is None or self.reverse_bandwidth_gbps > 0,
+            "reverse_bandwidth_gbps",
+            f"must be > 0 or null, got {self.reverse_bandwidth_gbps}",
+        )
         _require(len(self.ranks) == 2, "ranks", f"must name two ranks, got {self.ranks}")
         _require(
             self.bandwidth_gbps > 0, "bandwidth_gbps", f"must be > 0, got {self.bandwidth_gbps}"
@@ -228,6 +238,13 @@ class PreemptionSpec:
     ranks: list[int] = field(default_factory=list)
     """Links touching any of these ranks are preempted; empty means every link."""
 
+    kind: Literal["rate", "tenant"] = "rate"
+    """rate: the links' bandwidth is scaled by `factor` (shaped mode: `tc change` when the job
+    reaches `start_step`, undone at `end_step`). tenant: in shaped mode a tenant process pushes
+    bulk TCP into these ranks (every rank when empty) through the same links over the steps,
+    with round((1 - factor) / factor) connections per rank so that TCP's fair share leaves
+    about `factor` to the job; model mode treats it as rate."""
+
     def __post_init__(self) -> None:
         _require(0 < self.factor <= 1, "factor", f"must be in (0, 1], got {self.factor}")
         _require(
@@ -239,7 +256,14 @@ class PreemptionSpec:
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class NetworkEmulationConfig:
-    """A modelled network: collectives take at least their modelled time on these links."""
+    """The network between ranks: modelled (collectives take at least their modelled time on
+    these links) or shaped (real links with these rates, see docs/cpu-and-emulation.md)."""
+
+    mode: Literal["model", "shaped"] = "model"
+    """model: the interceptor sleeps each collective's modelled time (no privileges needed).
+    shaped: `colossal-hetero train` runs each rank in its own network namespace behind a
+    tc-shaped link and the interceptor adds no network time; needs root and `ip`/`tc`, gloo
+    (CPU) ranks only."""
 
     bandwidth_gbps: float | None = None
     """Bandwidth of every link not listed in `links`; null means no network model."""

@@ -6,6 +6,7 @@ loss); rank 0 shows a progress bar and, at the end, plots loss and per-rank step
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from colossal_hetero.config.loader import dump_config
 from colossal_hetero.config.schema import RunConfig
 from colossal_hetero.data import build_data, shard_batch_by_shares, share_loss_scale
 from colossal_hetero.emulation import StepTiming
+from colossal_hetero.emulation.shaped.controller import STEP_DIR_ENV, report_step
 from colossal_hetero.metrics import (
     MetricsWriter,
     StepRecord,
@@ -103,7 +105,10 @@ def _train(
             config.train.steps, enabled=config.logging.progress and rank == 0, start_step=start_step
         ) as bar,
     ):
+        step_dir = os.environ.get(STEP_DIR_ENV)  # set by the shaped launcher
         for step in range(start_step, config.train.steps):
+            if step_dir:  # the launcher's controller applies step-scheduled preemptions
+                report_step(step_dir, rank, step)
             batch = to_device(shard_batch_by_shares(next(batches), shares, dp_rank), device)
             plugin.timer.begin_step(step)
             loss = train_step(
