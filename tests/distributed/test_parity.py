@@ -191,12 +191,14 @@ def _four_rank_layouts(rank, world_size, device):
     _check_layout(rank, GPT2, ParallelConfig(pp=2, dp=2, num_microbatches=2, batch_shares=[6, 2]))
 
 
+@pytest.mark.numerics
 @pytest.mark.dist
 @pytest.mark.timeout(600)
 def test_tp2_pp2_zero_dp2_match_reference():
     run_distributed(_two_rank_layouts, world_size=2)
 
 
+@pytest.mark.numerics
 @pytest.mark.dist
 @pytest.mark.timeout(600)
 def test_tp2_x_pp2_matches_reference():

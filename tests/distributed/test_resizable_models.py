@@ -351,6 +351,7 @@ def _models(rank, world_size, device, folder):
     _check_training(LLAMA, LLAMA_WIDTHS)
 
 
+@pytest.mark.numerics
 @pytest.mark.dist
 @pytest.mark.timeout(600)
 def test_uneven_models_parity_checkpoint_resize_and_training(tmp_path):
@@ -358,6 +359,7 @@ def test_uneven_models_parity_checkpoint_resize_and_training(tmp_path):
     run_distributed(_models, world_size=2, folder=str(tmp_path))
 
 
+@pytest.mark.numerics
 @pytest.mark.dist
 @pytest.mark.slow  # four ranks on two cores
 @pytest.mark.timeout(600)

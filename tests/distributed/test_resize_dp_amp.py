@@ -263,6 +263,7 @@ def _two_ranks(rank: int, world_size: int, device: torch.device) -> None:
     _check_refusals(rank)
 
 
+@pytest.mark.numerics
 @pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_resize_with_data_parallel_ddp_fp32_and_bf16():
@@ -270,6 +271,7 @@ def test_resize_with_data_parallel_ddp_fp32_and_bf16():
     run_distributed(_four_ranks, world_size=4)
 
 
+@pytest.mark.numerics
 @pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_resize_bf16_masters_and_refusals():

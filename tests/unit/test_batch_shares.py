@@ -50,6 +50,7 @@ def test_too_small_a_batch_is_an_error():
         batch_shares(_config([1, 1, 1], batch_split="speed"), 3, 3, 2)
 
 
+@pytest.mark.numerics
 def test_weighted_mean_of_scaled_losses_is_the_global_mean():
     torch.manual_seed(0)
     losses = torch.rand(10)
