@@ -8,7 +8,7 @@ gather == cat, its backward == reduce-scatter of the grads, reduce-scatter == su
 widths, zero-width shards and size-1 dims work).
 
 Tolerances: float64 data; gathers, slices and all-to-all move values exactly; sums over
-ranks may differ from the reference only in summation order (1e-12).
+ranks may differ from the reference only in summation order (sum_order_atol, ~1.6e-14).
 """
 
 from __future__ import annotations
@@ -28,8 +28,10 @@ from colossal_hetero.comm import (
     split_uneven,
 )
 from tests.dist_utils import run_distributed
+from tests.tolerances import sum_order_atol
 
-TOL = {"rtol": 1e-12, "atol": 1e-12}
+# float64 sums over <= 4 ranks of N(0, 1) draws (|x| < 6 in these seeded draws), in another order.
+TOL = {"rtol": 0.0, "atol": sum_order_atol(4, torch.float64, 4 * 6.0)}  # ~1.6e-14
 
 
 def _randn(shape, seed, device):
@@ -201,12 +203,14 @@ def _three_ranks(rank, world_size, device):
     dist.barrier()
 
 
+@pytest.mark.numerics
 @pytest.mark.dist
 @pytest.mark.timeout(120)
 def test_uneven_collectives_two_ranks():
     run_distributed(_two_ranks, world_size=2)
 
 
+@pytest.mark.numerics
 @pytest.mark.dist
 @pytest.mark.timeout(120)
 def test_uneven_collectives_three_ranks_and_subgroup():
