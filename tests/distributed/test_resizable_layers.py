@@ -259,14 +259,12 @@ def _three_ranks(rank, world_size, device):
     _check_all(rank, dist.group.WORLD, device, world_size, seed=10)
 
 
-@pytest.mark.numerics
 @pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_resizable_layers_match_dense_two_ranks():
     run_distributed(_two_ranks, world_size=2)
 
 
-@pytest.mark.numerics
 @pytest.mark.dist
 @pytest.mark.slow  # three processes importing colossalai on two cores: about a minute
 @pytest.mark.timeout(300)

@@ -203,14 +203,12 @@ def _three_ranks(rank, world_size, device):
     dist.barrier()
 
 
-@pytest.mark.numerics
 @pytest.mark.dist
 @pytest.mark.timeout(120)
 def test_uneven_collectives_two_ranks():
     run_distributed(_two_ranks, world_size=2)
 
 
-@pytest.mark.numerics
 @pytest.mark.dist
 @pytest.mark.timeout(120)
 def test_uneven_collectives_three_ranks_and_subgroup():
