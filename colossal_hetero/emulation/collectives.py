@@ -1,9 +1,10 @@
-"""The torch.distributed functions the interceptor wraps, and the modelled time of each call.
+"""The torch.distributed functions the interceptor wraps, and what each call moves.
 
 Each entry reads the call's own arguments (by name or position, per the wrapped function's
-signature) to find the bytes moved and the group's global ranks, then asks the
-``NetworkModel``. Object collectives have no cost of their own: the tensor collectives they
-call inside are modelled instead (see ``CollectiveInterceptor``).
+signature) to find the bytes this rank sends, the group's global ranks and, under a network
+model, the modelled time of the call on each direction of the rank's link. Object collectives
+have no entry of their own: the tensor collectives they call inside are counted instead (see
+``CollectiveInterceptor``).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def parameter_positions(fn: Callable[..., Any]) -> dict[str, int]:
 
 @dataclass(frozen=True, slots=True)
 class ModelContext:
-    """What a cost function needs besides the call: the model, this rank, the step."""
+    """What a time function needs besides the call: the model, this rank, the step."""
 
     network: NetworkModel
     rank: int
@@ -57,104 +58,221 @@ class ModelContext:
         return dist.get_process_group_ranks(group)
 
 
-# A cost function: (context, call arguments, the call's return value) -> seconds.
-CostFn = Callable[[ModelContext, CallArgs, Any], float]
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """What one call moves, as this rank sees it."""
+
+    sent: int = 0
+    """Payload bytes this rank hands the call to send (see ``StepTiming.bytes_by_kind``)."""
+
+    egress: float = 0.0
+    """Modelled seconds on the sending direction of this rank's link (0: unused)."""
+
+    ingress: float = 0.0
+    """Modelled seconds on the receiving direction (0: unused)."""
+
+    @property
+    def seconds(self) -> float:
+        """The call's modelled time: both directions run at once."""
+        return max(self.egress, self.ingress)
+
+    def __add__(self, other: Transfer) -> Transfer:
+        """Two calls made one after the other (an object collective's nested calls)."""
+        return Transfer(
+            self.sent + other.sent, self.egress + other.egress, self.ingress + other.ingress
+        )
+
+
+# (call arguments, this rank's global rank) -> payload bytes this rank sends.
+SentFn = Callable[[CallArgs, int], int]
+# (context, call arguments, the call's return value) -> (egress, ingress) modelled seconds.
+TimeFn = Callable[[ModelContext, CallArgs, Any], tuple[float, float]]
+
+
+@dataclass(frozen=True, slots=True)
+class Collective:
+    """One wrapped function: its metrics kind, and how to read what a call moves.
+
+    ``sent`` and ``time`` are None for object collectives, whose pickled sizes are unknown up
+    front: the tensor collectives they run inside are counted instead.
+    """
+
+    kind: str
+    sent: SentFn | None
+    time: TimeFn | None
+
+    def transfer(
+        self, call: CallArgs, result: Any, rank: int, ctx: ModelContext | None
+    ) -> Transfer:
+        """Bytes this rank sends in ``call``, and its modelled times when ``ctx`` is given."""
+        if self.sent is None or self.time is None:
+            return Transfer()
+        sent = self.sent(call, rank)
+        if ctx is None:
+            return Transfer(sent)
+        egress, ingress = self.time(ctx, call, result)
+        return Transfer(sent, egress, ingress)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _total(tensors: Sequence[torch.Tensor]) -> int:
-    return sum(_nbytes(t) for t in tensors)
+def _total(tensors: Sequence[torch.Tensor] | None) -> int:
+    return sum(_nbytes(t) for t in tensors or ())
 
 
-def _all_reduce(ctx: ModelContext, call: CallArgs, _: Any) -> float:
+# -- bytes sent -------------------------------------------------------------------------------
+
+
+def _sends(arg: str, list_arg: bool = False) -> SentFn:
+    """Every rank sends its argument ``arg`` (a tensor, or a list of them)."""
+
+    def sent(call: CallArgs, _: int) -> int:
+        value = call.get(arg)
+        return _total(value) if list_arg else _nbytes(value)
+
+    return sent
+
+
+def _root_sends(arg: str, root_arg: str, list_arg: bool = False) -> SentFn:
+    """Only the root (global rank ``root_arg``, default 0) sends ``arg``."""
+
+    def sent(call: CallArgs, rank: int) -> int:
+        if rank != call.get(root_arg, 0):
+            return 0
+        value = call.get(arg)
+        return _total(value) if list_arg else _nbytes(value)
+
+    return sent
+
+
+def _non_root_sends(root_arg: str) -> SentFn:
+    """Every rank but the root sends its ``tensor`` (reduce and gather towards the root)."""
+
+    def sent(call: CallArgs, rank: int) -> int:
+        return 0 if rank == call.get(root_arg, 0) else _nbytes(call.get("tensor"))
+
+    return sent
+
+
+def _sends_nothing(call: CallArgs, rank: int) -> int:
+    return 0
+
+
+def _batch_sent(call: CallArgs, _: int) -> int:
+    return sum(_nbytes(op.tensor) for op in call.get("p2p_op_list") if op.op is dist.isend)
+
+
+# -- modelled times ---------------------------------------------------------------------------
+
+
+def _both(seconds: float) -> tuple[float, float]:
+    """A collective sends and receives at once: both directions, for the whole time."""
+    return seconds, seconds
+
+
+def _all_reduce(ctx: ModelContext, call: CallArgs, _: Any) -> tuple[float, float]:
     ranks = ctx.ranks(call.get("group"))
-    return ctx.network.all_reduce_time(ranks, _nbytes(call.get("tensor")), ctx.step)
+    return _both(ctx.network.all_reduce_time(ranks, _nbytes(call.get("tensor")), ctx.step))
 
 
-def _gathered(arg: str, list_arg: bool) -> CostFn:
-    """All-gather / reduce-scatter cost from the full tensor (or list of pieces) ``arg``."""
+def _gathered(arg: str, list_arg: bool) -> TimeFn:
+    """All-gather / reduce-scatter time from the full tensor (or list of pieces) ``arg``."""
 
-    def cost(ctx: ModelContext, call: CallArgs, _: Any) -> float:
+    def time(ctx: ModelContext, call: CallArgs, _: Any) -> tuple[float, float]:
         full = call.get(arg)
         total = _total(full) if list_arg else _nbytes(full)
-        return ctx.network.all_gather_time(ctx.ranks(call.get("group")), total, ctx.step)
+        return _both(ctx.network.all_gather_time(ctx.ranks(call.get("group")), total, ctx.step))
 
-    return cost
+    return time
 
 
-def _all_to_all(arg: str, list_arg: bool) -> CostFn:
-    def cost(ctx: ModelContext, call: CallArgs, _: Any) -> float:
+def _all_to_all(arg: str, list_arg: bool) -> TimeFn:
+    def time(ctx: ModelContext, call: CallArgs, _: Any) -> tuple[float, float]:
         local = call.get(arg)
         nbytes = _total(local) if list_arg else _nbytes(local)
-        return ctx.network.all_to_all_time(ctx.ranks(call.get("group")), nbytes, ctx.step)
+        return _both(ctx.network.all_to_all_time(ctx.ranks(call.get("group")), nbytes, ctx.step))
 
-    return cost
+    return time
 
 
-def _tree(ctx: ModelContext, call: CallArgs, _: Any) -> float:
+def _tree(ctx: ModelContext, call: CallArgs, _: Any) -> tuple[float, float]:
     ranks = ctx.ranks(call.get("group"))
-    return ctx.network.broadcast_time(ranks, _nbytes(call.get("tensor")), ctx.step)
+    return _both(ctx.network.broadcast_time(ranks, _nbytes(call.get("tensor")), ctx.step))
 
 
-def _rooted(root_arg: str) -> CostFn:
+def _rooted(root_arg: str) -> TimeFn:
     """Gather to / scatter from a root: each rank holds ``tensor``, the root moves n of them."""
 
-    def cost(ctx: ModelContext, call: CallArgs, _: Any) -> float:
+    def time(ctx: ModelContext, call: CallArgs, _: Any) -> tuple[float, float]:
         ranks = ctx.ranks(call.get("group"))
         total = _nbytes(call.get("tensor")) * len(ranks)
-        return ctx.network.gather_time(ranks, call.get(root_arg, 0), total, ctx.step)
+        return _both(ctx.network.gather_time(ranks, call.get(root_arg, 0), total, ctx.step))
 
-    return cost
-
-
-def _send(ctx: ModelContext, call: CallArgs, _: Any) -> float:
-    return ctx.network.p2p_time(ctx.rank, call.get("dst"), _nbytes(call.get("tensor")), ctx.step)
+    return time
 
 
-def _recv(ctx: ModelContext, call: CallArgs, source: Any) -> float:
+def _send(ctx: ModelContext, call: CallArgs, _: Any) -> tuple[float, float]:
+    nbytes = _nbytes(call.get("tensor"))
+    return ctx.network.p2p_time(ctx.rank, call.get("dst"), nbytes, ctx.step), 0.0
+
+
+def _recv(ctx: ModelContext, call: CallArgs, source: Any) -> tuple[float, float]:
     # recv(src=None) receives from any rank and returns the sender's global rank.
     src = call.get("src")
     src = source if src is None else src
-    return ctx.network.p2p_time(src, ctx.rank, _nbytes(call.get("tensor")), ctx.step)
+    return 0.0, ctx.network.p2p_time(src, ctx.rank, _nbytes(call.get("tensor")), ctx.step)
 
 
-def _batch_p2p(ctx: ModelContext, call: CallArgs, _: Any) -> float:
+def _batch_p2p(ctx: ModelContext, call: CallArgs, _: Any) -> tuple[float, float]:
     """The ops of a batch run concurrently and links are full-duplex: bytes add up per
-    direction of a link, and the batch takes as long as its slowest direction."""
+    direction of each pair's link, and each direction of the rank's link is busy as long as
+    its slowest pair."""
     nbytes: dict[tuple[int, int], int] = defaultdict(int)
     for op in call.get("p2p_op_list"):
         pair = (ctx.rank, op.peer) if op.op is dist.isend else (op.peer, ctx.rank)
         nbytes[pair] += _nbytes(op.tensor)
-    return max((ctx.network.p2p_time(s, d, b, ctx.step) for (s, d), b in nbytes.items()), default=0)
+    egress = ingress = 0.0
+    for (src, dst), size in nbytes.items():
+        seconds = ctx.network.p2p_time(src, dst, size, ctx.step)
+        if src == ctx.rank:
+            egress = max(egress, seconds)
+        else:
+            ingress = max(ingress, seconds)
+    return egress, ingress
 
 
-def _barrier(ctx: ModelContext, call: CallArgs, _: Any) -> float:
-    return ctx.network.barrier_time(ctx.ranks(call.get("group")), ctx.step)
+def _barrier(ctx: ModelContext, call: CallArgs, _: Any) -> tuple[float, float]:
+    return _both(ctx.network.barrier_time(ctx.ranks(call.get("group")), ctx.step))
 
 
-COST_FNS: dict[str, CostFn | None] = {
-    "all_reduce": _all_reduce,
-    "all_gather": _gathered("tensor_list", list_arg=True),
-    "all_gather_into_tensor": _gathered("output_tensor", list_arg=False),
-    "reduce_scatter": _gathered("input_list", list_arg=True),
-    "reduce_scatter_tensor": _gathered("input", list_arg=False),
-    "all_to_all": _all_to_all("input_tensor_list", list_arg=True),
-    "all_to_all_single": _all_to_all("input", list_arg=False),
-    "broadcast": _tree,
-    "reduce": _tree,
-    "send": _send,
-    "recv": _recv,
-    "batch_isend_irecv": _batch_p2p,
-    "barrier": _barrier,
-    "gather": _rooted("dst"),
-    "scatter": _rooted("src"),
-    # Pickled sizes are unknown up front: the tensor collectives they run inside are modelled.
-    "all_gather_object": None,
-    "broadcast_object_list": None,
+COLLECTIVES: dict[str, Collective] = {
+    "all_reduce": Collective("all_reduce", _sends("tensor"), _all_reduce),
+    "all_gather": Collective("other", _sends("tensor"), _gathered("tensor_list", True)),
+    "all_gather_into_tensor": Collective(
+        "other", _sends("input_tensor"), _gathered("output_tensor", False)
+    ),
+    "reduce_scatter": Collective(
+        "other", _sends("input_list", True), _gathered("input_list", True)
+    ),
+    "reduce_scatter_tensor": Collective("other", _sends("input"), _gathered("input", False)),
+    "all_to_all": Collective(
+        "all_to_all", _sends("input_tensor_list", True), _all_to_all("input_tensor_list", True)
+    ),
+    "all_to_all_single": Collective("all_to_all", _sends("input"), _all_to_all("input", False)),
+    "broadcast": Collective("other", _root_sends("tensor", "src"), _tree),
+    "reduce": Collective("other", _non_root_sends("dst"), _tree),
+    "send": Collective("p2p", _sends("tensor"), _send),
+    "recv": Collective("p2p", _sends_nothing, _recv),
+    "batch_isend_irecv": Collective("p2p", _batch_sent, _batch_p2p),
+    "barrier": Collective("other", _sends_nothing, _barrier),
+    "gather": Collective("other", _non_root_sends("dst"), _rooted("dst")),
+    "scatter": Collective("other", _root_sends("scatter_list", "src", True), _rooted("src")),
+    # Pickled sizes are unknown up front: the tensor collectives they run inside count instead.
+    "all_gather_object": Collective("other", None, None),
+    "broadcast_object_list": Collective("other", None, None),
 }
-"""Every wrapped function name -> its cost function (None: cost of its nested calls)."""
+"""Every wrapped function name -> what its calls move and their metrics kind."""
 
-WRAPPED_NAMES: tuple[str, ...] = tuple(COST_FNS)
+WRAPPED_NAMES: tuple[str, ...] = tuple(COLLECTIVES)

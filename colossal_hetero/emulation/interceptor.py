@@ -7,12 +7,14 @@ Between two collectives a rank computes; at each collective the interceptor
       time on CPU ranks (ranks share the host's cores: time spent waiting for a core is not
       work, and stretching it would slow the rank for its neighbours' load) and wall time
       after a device sync on accelerators;
-  (b) runs the real collective and times it (communication wait);
-  (c) sleeps the network model's time for the call after it completes (communication);
+  (b) runs the real collective and times it (communication wait), by kind (``COMM_KINDS``),
+      counting the bytes it sends;
+  (c) books the call's modelled transfer on this rank's link (``LinkTimeline``: FIFO per
+      direction), from when the real call returned, and sleeps until the transfer completes;
   (d) starts the next compute interval.
-Async calls are timed at issue; their ``wait()`` is a boundary like a collective, and pays the
-modelled delay. With neither a slowdown nor a network model the interceptor only times: no
-sleeps and no cost model, just a clock read after a device sync on each side of a call.
+Async calls book their transfer at issue, so it runs while the rank computes; their ``wait()``
+is a boundary like a collective and sleeps only what remains of the transfer. With neither a
+slowdown nor a network model the interceptor only times and counts bytes: no sleeps, no model.
 """
 
 from __future__ import annotations
@@ -30,16 +32,18 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from colossal_hetero.emulation.collectives import (
-    COST_FNS,
+    COLLECTIVES,
     WRAPPED_NAMES,
     CallArgs,
-    CostFn,
+    Collective,
     ModelContext,
+    Transfer,
     parameter_positions,
 )
+from colossal_hetero.emulation.link_timeline import LinkTimeline
 from colossal_hetero.emulation.network import NetworkModel
 from colossal_hetero.emulation.schedule import SlowdownSchedule
-from colossal_hetero.emulation.timing import StepTiming
+from colossal_hetero.emulation.timing import COMM_KINDS, StepTiming, zero_by_kind
 from colossal_hetero.utils.device import synchronize
 
 # Colossal-AI calls `dist.X` at call time, and torch's own helpers (all_gather_object calling
@@ -54,8 +58,8 @@ class CollectiveInterceptor:
 
     Emulation and timing act only between ``begin_step`` and ``end_step`` and only in the thread
     that called ``install``; other calls run unchanged. Async calls (``async_op=True``,
-    ``batch_isend_irecv``) return proxies whose ``wait()`` is timed and applies the modelled
-    delay once; the proxies forward every other attribute to the real work.
+    ``batch_isend_irecv``) return proxies whose ``wait()`` is timed and sleeps what remains of
+    the modelled transfer; the proxies forward every other attribute to the real work.
     """
 
     def __init__(
@@ -65,8 +69,15 @@ class CollectiveInterceptor:
         slowdown: SlowdownSchedule | None = None,
         network: NetworkModel | None = None,
         device: torch.device | None = None,
+        *,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
+        """``sleep`` and ``clock`` are seams for tests: every emulated delay is one call of
+        ``sleep`` and every timing reads ``clock`` (the CPU work clock stays the thread's)."""
         self.rank, self.world_size = rank, world_size
+        self._sleep, self._clock = sleep, clock
+        self._link = LinkTimeline()  # this rank's link; kept across steps, as transfers are
         self.slowdown = slowdown if slowdown is not None and slowdown.enabled else None
         self.network = network if network is not None and network.enabled else None
         self.device = device if device is not None else torch.device("cpu")
@@ -74,9 +85,9 @@ class CollectiveInterceptor:
         self._originals: dict[tuple[ModuleType, str], Callable[..., Any]] = {}
         self._thread: int | None = None
         self._depth = 0  # > 0 while an intercepted collective runs: its nested calls pass through
-        self._nested_delay: float | None = None  # summed here for object collectives only
+        self._nested: Transfer | None = None  # summed here for object collectives only
         self._step: int | None = None  # None outside begin_step / end_step
-        self._reset(time.perf_counter())
+        self._reset(self._clock())
 
     # -- installation -------------------------------------------------------------------------
 
@@ -137,7 +148,7 @@ class CollectiveInterceptor:
         if self._step is not None:
             raise RuntimeError(f"begin_step({step}) while step {self._step} is still open")
         synchronize(self.device)
-        self._reset(time.perf_counter())
+        self._reset(self._clock())
         self._step = step
 
     def end_step(self) -> StepTiming:
@@ -158,6 +169,8 @@ class CollectiveInterceptor:
             stretch_time=self._stretch_time,
             network_delay=self._network_delay,
             num_collectives=self._num_collectives,
+            bytes_by_kind=self._bytes,
+            wait_by_kind=self._waits,
         )
         self._step = None
         return self.last_timing
@@ -174,7 +187,7 @@ class CollectiveInterceptor:
     # -- the wrappers -------------------------------------------------------------------------
 
     def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-        positions, cost = parameter_positions(original), COST_FNS[name]
+        positions, spec = parameter_positions(original), COLLECTIVES[name]
         returns_works = name == "batch_isend_irecv"  # always async: a list of works
 
         @functools.wraps(original)
@@ -182,53 +195,65 @@ class CollectiveInterceptor:
             if self._step is None or threading.get_ident() != self._thread:
                 return original(*args, **kwargs)
             if self._depth:
-                return self._run_nested(original, cost, CallArgs(positions, args, kwargs))
+                return self._run_nested(original, spec, CallArgs(positions, args, kwargs))
             call = CallArgs(positions, args, kwargs)
-            return self._run(original, cost, call, returns_works or call.get("async_op", False))
+            return self._run(original, spec, call, returns_works or call.get("async_op", False))
 
         return wrapper
 
     def _run(
-        self, original: Callable[..., Any], cost: CostFn | None, call: CallArgs, is_async: bool
+        self, original: Callable[..., Any], spec: Collective, call: CallArgs, is_async: bool
     ) -> Any:
-        """One outermost collective: stretch, run it timed, then the network delay."""
+        """One outermost collective: stretch, run it timed, book its transfer on the link and,
+        for a synchronous call, sleep until that transfer completes."""
         start = self._arrive()
-        self._nested_delay = 0.0 if cost is None and self.network is not None else None
+        self._nested = Transfer() if spec.sent is None else None
         self._depth += 1
         try:
             result = original(*call.args, **call.kwargs)
         finally:
             self._depth -= 1
-            nested_delay, self._nested_delay = self._nested_delay or 0.0, None
-        delay = nested_delay + self._model(cost, call, result)
+            nested, self._nested = self._nested or Transfer(), None
+        transfer = nested + self._transfer(spec, call, result)
         self._num_collectives += 1
+        self._bytes[spec.kind] += transfer.sent
         if is_async:
+            # Issued at `start`: it runs while the rank computes, behind what is already booked.
+            pending = _Pending(spec.kind, transfer.seconds, self._book(start, transfer))
             # No sync after issue: on a GPU it would wait for the collective and kill overlap.
-            self._finish_comm(start, sync=False)
-            return self._proxy(result, _PendingDelay(delay))
-        self._sleep_network(delay)
-        self._finish_comm(start, sync=True)
+            self._finish_comm(start, spec.kind, sync=False)
+            return self._proxy(result, pending)
+        if transfer.seconds > 0:
+            # The real call returned, so every participant has arrived: the transfer starts now.
+            synchronize(self.device)
+            self._sleep_until(self._book(self._clock(), transfer), accounted=True)
+        self._finish_comm(start, spec.kind, sync=True)
         return result
 
-    def _run_nested(self, original: Callable[..., Any], cost: CostFn | None, call: CallArgs) -> Any:
-        """A collective called by an intercepted one: only its modelled time is kept."""
+    def _run_nested(self, original: Callable[..., Any], spec: Collective, call: CallArgs) -> Any:
+        """A collective called by an intercepted one: what it moves is kept only when the outer
+        call (an object collective) counts its nested calls."""
         result = original(*call.args, **call.kwargs)
-        if self._nested_delay is not None:
-            self._nested_delay += self._model(cost, call, result)
+        if self._nested is not None:
+            self._nested += self._transfer(spec, call, result)
         return result
 
-    def _wait(self, work: Any, pending: _PendingDelay, args: Any, kwargs: Any) -> Any:
-        """``wait()`` of a proxy: a boundary like a collective, plus the deferred delay."""
-        if self._step is None or threading.get_ident() != self._thread or self._depth:
-            result = work.wait(*args, **kwargs)
-            delay = pending.take()
-            if delay > 0.0:  # still owed, but outside a step nothing is accounted
-                time.sleep(delay)
-            return result
-        start = self._arrive()
+    def _wait(self, work: Any, pending: _Pending, args: Any, kwargs: Any) -> Any:
+        """``wait()`` of a proxy: a boundary like a collective; sleeps what remains of the
+        transfer (outside a step too, but accounted only inside)."""
+        accounted = self._step is not None and threading.get_ident() == self._thread
+        accounted = accounted and not self._depth
+        start = self._arrive() if accounted else 0.0
+        done = pending.seconds == 0 or pending.settled or pending.all_done()
+        before = self._clock()
         result = work.wait(*args, **kwargs)
-        self._sleep_network(pending.take())
-        self._finish_comm(start, sync=True)
+        if pending.seconds > 0:
+            synchronize(self.device)
+            now = self._clock()
+            late = not done and pending.late(now - before)
+            self._sleep_until(pending.settle(now, late=late), accounted)
+        if accounted:
+            self._finish_comm(start, pending.kind, sync=True)
         return result
 
     # -- accounting ---------------------------------------------------------------------------
@@ -238,16 +263,18 @@ class CollectiveInterceptor:
         self._work_boundary = self._work_clock()
         self._comm_wait = self._stretch_time = self._network_delay = 0.0
         self._num_collectives = 0
+        self._bytes: dict[str, int] = dict.fromkeys(COMM_KINDS, 0)
+        self._waits = zero_by_kind()
 
     def _arrive(self) -> float:
         """Close the compute interval since the last boundary, stretched; returns the clock."""
         synchronize(self.device)
-        now = time.perf_counter()
+        now = self._clock()
         step = self._step if self._step is not None else 0
         factor = 1.0 if self.slowdown is None else self.slowdown.factor_at(step)
         if factor > 1.0:
-            time.sleep((factor - 1.0) * (self._work_clock() - self._work_boundary))
-            stretched = time.perf_counter()
+            self._sleep((factor - 1.0) * (self._work_clock() - self._work_boundary))
+            stretched = self._clock()
             self._stretch_time += stretched - now
             now = stretched
         return now
@@ -256,55 +283,92 @@ class CollectiveInterceptor:
         """Seconds of work this rank did: its thread's CPU time on a CPU device, where ranks
         share cores and wall time would count waiting for a core as work (and stretch it by the
         slowdown factor); wall time on an accelerator, after the device sync."""
-        return time.thread_time() if self.device.type == "cpu" else time.perf_counter()
+        return time.thread_time() if self.device.type == "cpu" else self._clock()
 
-    def _finish_comm(self, start: float, *, sync: bool) -> None:
+    def _finish_comm(self, start: float, kind: str, *, sync: bool) -> None:
         if sync:
             synchronize(self.device)
-        self._boundary = time.perf_counter()
+        self._boundary = self._clock()
         self._work_boundary = self._work_clock()
         self._comm_wait += self._boundary - start
+        self._waits[kind] += self._boundary - start
 
-    def _model(self, cost: CostFn | None, call: CallArgs, result: Any) -> float:
-        if self.network is None or cost is None:
-            return 0.0
-        step = self._step if self._step is not None else 0
-        ctx = ModelContext(self.network, self.rank, self.world_size, step)
-        return cost(ctx, call, result)
+    def _transfer(self, spec: Collective, call: CallArgs, result: Any) -> Transfer:
+        """What ``call`` moves: its bytes always, its modelled times under a network model."""
+        ctx = None
+        if self.network is not None:
+            step = self._step if self._step is not None else 0
+            ctx = ModelContext(self.network, self.rank, self.world_size, step)
+        return spec.transfer(call, result, self.rank, ctx)
 
-    def _sleep_network(self, delay: float) -> None:
-        if delay > 0.0:
-            before = time.perf_counter()
-            time.sleep(delay)
-            # What was really slept: on a loaded machine sleeps overrun, and that is link time.
-            self._network_delay += time.perf_counter() - before
+    def _book(self, issue: float, transfer: Transfer) -> float:
+        """Completion time of ``transfer`` issued at ``issue``, queued on this rank's link."""
+        return self._link.book(issue, transfer.egress, transfer.ingress)
 
-    def _proxy(self, result: Any, pending: _PendingDelay) -> Any:
-        if isinstance(result, list):  # batch_isend_irecv: one delay shared by the batch
-            return [_WorkProxy(self, work, pending) for work in result]
-        return None if result is None else _WorkProxy(self, result, pending)
+    def _sleep_until(self, deadline: float, accounted: bool) -> None:
+        """Sleep what remains until a transfer completes at ``deadline``; counted as network
+        delay as really slept (on a loaded machine sleeps overrun, and that is link time)."""
+        before = self._clock()
+        if deadline > before:
+            self._sleep(deadline - before)
+            if accounted:
+                self._network_delay += self._clock() - before
+
+    def _proxy(self, result: Any, pending: _Pending) -> Any:
+        if result is None:
+            return None
+        works = result if isinstance(result, list) else [result]
+        pending.works = tuple(works)  # batch_isend_irecv: one transfer shared by the batch
+        proxies = [_WorkProxy(self, work, pending) for work in works]
+        return proxies if isinstance(result, list) else proxies[0]
 
 
-class _PendingDelay:
-    """A modelled delay owed by an async call; the first wait that takes it pays it."""
+# A wait that blocks longer than this share of the transfer's modelled time (and this minimum)
+# found the real call still running (see ``_Pending.late``).
+_LATE_FRACTION = 0.1
+_LATE_MIN_S = 1e-3
 
-    __slots__ = ("seconds",)
 
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
+class _Pending:
+    """The transfer of one async call: its kind, modelled time and completion time."""
 
-    def take(self) -> float:
-        seconds, self.seconds = self.seconds, 0.0
-        return seconds
+    __slots__ = ("kind", "seconds", "deadline", "settled", "works")
+
+    def __init__(self, kind: str, seconds: float, deadline: float) -> None:
+        self.kind, self.seconds, self.deadline = kind, seconds, deadline
+        self.settled = False
+        self.works: tuple[Any, ...] = ()
+
+    def all_done(self) -> bool:
+        """Whether every real work of the call reports completion (gloo's send and recv works
+        never do before ``wait()``; a work that cannot tell is taken as done)."""
+        return all(getattr(work, "is_completed", lambda: True)() for work in self.works)
+
+    def late(self, blocked: float) -> bool:
+        """Whether a real ``wait()`` that blocked ``blocked`` s shows the call was still
+        running: longer than a tenth of the transfer's time (and 1 ms, above scheduling noise).
+        A peer that arrived within that margin is missed: the model is off by at most it."""
+        return blocked > max(_LATE_MIN_S, _LATE_FRACTION * self.seconds)
+
+    def settle(self, now: float, *, late: bool) -> float:
+        """The completion time, fixed at the first wait: the one booked at issue; but when the
+        real call was still running at that wait (``late``: a peer was late, or the bytes were),
+        the transfer could not have run since issue, so it completes ``seconds`` after ``now``
+        at the earliest, as a synchronous call would."""
+        if not self.settled:
+            self.settled = True
+            if late:
+                self.deadline = max(self.deadline, now + self.seconds)
+        return self.deadline
 
 
 class _WorkProxy:
-    """Stands in for a torch.distributed Work: ``wait()`` is timed and delayed, all else
-    forwards to the real work."""
+    """Stands in for a torch.distributed Work: ``wait()`` is timed and sleeps what remains of
+    the modelled transfer, all else forwards to the real work."""
 
     __slots__ = ("_owner", "_work", "_pending")
 
-    def __init__(self, owner: CollectiveInterceptor, work: Any, pending: _PendingDelay) -> None:
+    def __init__(self, owner: CollectiveInterceptor, work: Any, pending: _Pending) -> None:
         self._owner, self._work, self._pending = owner, work, pending
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:

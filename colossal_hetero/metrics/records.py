@@ -9,6 +9,10 @@ A line holds every required field (``loss`` as ``null`` where unknown) and only 
 fields that are set, e.g.::
 
     {"step":3,"rank":0,"step_time":0.21,"compute_time":0.12,"comm_wait":0.08,"loss":5.1,"lr":0.001}
+
+The per-kind communication fields are objects keyed by kind, e.g.
+``"wait_by_kind":{"all_reduce":0.05,"all_to_all":0.0,"p2p":0.03,"other":0.0}``; files written
+before they existed parse unchanged (the fields are then None).
 """
 
 from __future__ import annotations
@@ -53,6 +57,13 @@ class StepRecord:
 
     network_delay: float | None = None
     """Time added by network emulation (included in ``comm_wait``)."""
+
+    bytes_by_kind: dict[str, int] | None = None
+    """Communication kind (``all_reduce``, ``all_to_all``, ``p2p``, ``other``) -> payload bytes
+    this rank handed to that kind's calls to send in the step (``StepTiming.bytes_by_kind``)."""
+
+    wait_by_kind: dict[str, float] | None = None
+    """Kind -> part of ``comm_wait`` spent blocked in that kind's calls and waits."""
 
     lr: float | None = None
     """Learning rate used by the step."""
@@ -111,7 +122,10 @@ _REQUIRED = frozenset(("step", "rank", "step_time", "compute_time", "comm_wait",
 
 
 def _coerce(name: str, value: Any) -> Any:
-    """``value`` checked for field ``name``; numbers become float except step and rank."""
+    """``value`` checked for field ``name``; numbers become float except step and rank (and
+    the values of ``bytes_by_kind``, which stay integers)."""
+    if name in _BY_KIND and value is not None:
+        return _coerce_by_kind(name, value)
     if name in ("step", "rank"):
         if not isinstance(value, int) or isinstance(value, bool):
             raise ValueError(f"{name} must be an integer, got {value!r}")
@@ -121,6 +135,20 @@ def _coerce(name: str, value: Any) -> Any:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise ValueError(f"{name} must be a number, got {value!r}")
     return float(value)
+
+
+_BY_KIND = ("bytes_by_kind", "wait_by_kind")
+
+
+def _coerce_by_kind(name: str, value: Any) -> dict[str, Any]:
+    """A per-kind mapping checked: string keys; integer bytes, or numeric seconds as floats."""
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise ValueError(f"{name} must map kinds to numbers, got {value!r}")
+    number = int if name == "bytes_by_kind" else (int, float)
+    for kind, amount in value.items():
+        if not isinstance(amount, number) or isinstance(amount, bool) or amount < 0:
+            raise ValueError(f"{name}[{kind!r}] must be a number >= 0, got {amount!r}")
+    return {k: v if name == "bytes_by_kind" else float(v) for k, v in value.items()}
 
 
 class MetricsWriter:

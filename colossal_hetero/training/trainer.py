@@ -154,6 +154,8 @@ def _record(step: int, rank: int, loss: float | None, timing: StepTiming, lr: fl
         loss=loss,
         stretch_time=timing.stretch_time,
         network_delay=timing.network_delay,
+        bytes_by_kind=timing.bytes_by_kind,
+        wait_by_kind=timing.wait_by_kind,
         lr=lr,
     )
 
