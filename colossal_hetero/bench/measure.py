@@ -92,12 +92,16 @@ class TrainingRunner:
         self.dp_rank = dp_rank
         self.rows: list[list[float]] = []
 
-    def step(self, step: int, *, record: bool) -> None:
-        """One training step on a deterministic batch; keeps its timing when ``record``.
+    def step(
+        self, step: int, *, record: bool, batch: dict[str, torch.Tensor] | None = None
+    ) -> None:
+        """One training step on ``batch`` (the whole global batch; default: a deterministic
+        random one); keeps its timing when ``record``.
 
         Collectives: the model's own, then one all_gather of four numbers (outside the timing).
         """
-        batch = text_batch(self.batch_size, self.seq_len, step)
+        if batch is None:
+            batch = text_batch(self.batch_size, self.seq_len, step)
         batch = shard_batch_by_shares(batch, self.shares, self.dp_rank)
         batch = {k: v.to(self.device) for k, v in batch.items()}
         scale = share_loss_scale(self.shares, self.dp_rank)

@@ -19,13 +19,20 @@ from colossal_hetero.utils.device import synchronize
 
 
 def measure_flops(
-    device: torch.device, size: int = 384, repeats: int = 7, dtype: torch.dtype = torch.float32
+    device: torch.device,
+    size: int = 384,
+    repeats: int = 7,
+    dtype: torch.dtype = torch.float32,
+    *,
+    sync_each: bool = True,
 ) -> float:
     """Median FLOP/s of a ``size`` x ``size`` matmul on ``device``.
 
-    Each timed matmul is followed by a barrier-free all_reduce of one number over the world
-    group when a process group exists, so that compute emulation (which stretches the time
-    between collectives) applies to it inside a step.
+    With ``sync_each`` (and a process group), each timed matmul is followed by a barrier-free
+    all_reduce of one number over the world group, so that compute emulation (which stretches
+    the time between collectives) applies to it inside a step; the time then includes that
+    all_reduce, so read the compute time from the interceptor. Without it only the matmul is
+    timed.
     """
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
@@ -35,7 +42,7 @@ def measure_flops(
         synchronize(device)
         start = time.perf_counter()
         (a @ b).sum()
-        if dist.is_initialized():
+        if sync_each and dist.is_initialized():
             dist.all_reduce(token)  # the boundary at which emulation stretches the matmul
         synchronize(device)
         times.append(time.perf_counter() - start)
@@ -121,7 +128,7 @@ def probe_world(device: torch.device) -> WorldProbe:
     """Measure on every rank and agree: one all_reduce (MAX) over the world group of
     ``[flops, -overhead, 1/gbps, latency]``. Call on every rank; takes well under a second
     (a 384^3 matmul 7 times, 1 MiB all_reduces 3 times, tiny ones 9 times)."""
-    flops = measure_flops(device)
+    flops = measure_flops(device, sync_each=False)  # outside a step: nothing to stretch
     overhead = measure_layer_overhead_s(device)
     gbps = measure_allreduce_gbps(device, nbytes=1 << 20, repeats=3)
     latency = measure_latency_s(device)

@@ -24,7 +24,7 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 def test_check_reports_the_layout(capsys):
     assert main(["check", str(CONFIGS / "demo.yaml")]) == 0
-    assert "ok: gpt2, world size 4 = tp 2 x pp 2 x dp 1" in capsys.readouterr().out
+    assert "ok: gpt2, world size 2 = tp 2 x pp 1 x dp 1" in capsys.readouterr().out
 
 
 def test_unknown_key_is_one_line_and_status_2(tmp_path, capsys):
