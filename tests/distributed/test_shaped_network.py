@@ -1,0 +1,185 @@
+"""Shaped mode on real links: rates, contention, preemption, cleanup, and training parity.
+
+Each test builds its own namespaces (``chs-<hex>-``), sends traffic only between them, and
+checks that nothing of its run remains. They need root and iproute2; CI runs as root.
+
+Timing margins: the links run at 200 Mbit/s, so a 2 MiB transfer takes 84 ms on the wire, far
+above per-call overheads (a few ms on a loaded 2-core machine); every assertion compares a
+median of several repeats against the rate or against another median of the same launch.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from colossal_hetero.bench.network import phases, predictions, run_shaped_phase
+from colossal_hetero.cli import launch_command
+from colossal_hetero.emulation.shaped.netns import list_namespaces
+from colossal_hetero.emulation.shaped.topology import new_prefix
+from colossal_hetero.metrics import read_run
+
+
+def _shaped_unavailable() -> str:
+    if os.geteuid() != 0:
+        return "shaped mode needs root (network namespaces, tc)"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "shaped mode needs iproute2 (ip, tc)"
+    probe = subprocess.run(["ip", "netns", "list"], capture_output=True)
+    return "" if probe.returncode == 0 else "`ip netns` is unavailable here"
+
+
+pytestmark = [
+    pytest.mark.dist,
+    pytest.mark.skipif(bool(_shaped_unavailable()), reason=_shaped_unavailable() or "-"),
+]
+
+RATE_TOLERANCE = 0.15  # the issue's bound; measured 2-6% (TCP/IP headers are ~3-4% of a packet)
+
+
+def test_rates_and_all_to_all_behind_all_reduce():
+    phase = phases(quick=True)[0]  # 2 ranks, 3 repeats of every pattern
+    shaped, leftovers = run_shaped_phase(phase)
+    predicted = predictions(phase)
+    for name in ("allreduce", "p2p", "alltoall"):
+        error = abs(shaped[name] - predicted[name]) / predicted[name]
+        assert error <= RATE_TOLERANCE, (name, shaped[name], predicted[name])
+    # Queued behind the large all-reduce's data, the small all-to-all waits: the env notes
+    # measured 11x (57 ms vs 5 ms); this bed gives about 6-8x; the issue asks for > 3.
+    ratio = shaped["small_alltoall_behind"] / shaped["small_alltoall_alone"]
+    assert ratio > 3, (shaped["small_alltoall_behind"], shaped["small_alltoall_alone"])
+    assert leftovers == 0
+
+
+def test_rate_change_and_tenant_slow_only_the_targeted_rank():
+    phase = phases(quick=True)[1]  # 3 ranks; preempt rank 2 at step 1 (rate), step 2 (tenant)
+    shaped, leftovers = run_shaped_phase(phase)
+    # p2p 0 -> 2 (targeted) and 0 -> 1 (untouched) at each step, the same 2 MiB.
+    rate_target = shaped["rate_change_target"] / shaped["before_target"]
+    rate_other = shaped["rate_change_other"] / shaped["before_other"]
+    tenant_target = shaped["tenant_target"] / shaped["before_target"]
+    tenant_other = shaped["tenant_other"] / shaped["before_other"]
+    assert 1.7 < rate_target < 2.3, rate_target  # factor 0.5 halves the rate: 2x (measured 2.0)
+    assert tenant_target > 1.3, tenant_target  # TCP competition at a 50% share (measured 1.6)
+    for untouched in (rate_other, tenant_other):
+        assert untouched < 1.15, untouched  # same link rate: only noise (measured 1.00-1.03)
+    assert leftovers == 0
+
+
+_SLEEPER = (
+    "import os, pathlib, time\n"
+    "folder = pathlib.Path(os.environ['PID_DIR'])\n"
+    "(folder / f\"pid{os.environ['RANK']}\").write_text(str(os.getpid()))\n"
+    "time.sleep(120)\n"
+)
+
+
+def _start_launcher(prefix: str, folder: Path, *extra: str) -> subprocess.Popen[bytes]:
+    command = [sys.executable, "-m", "colossal_hetero.emulation.shaped", "--world", "2"]
+    command += ["--bandwidth-gbps", "0.2", "--prefix", prefix, *extra]
+    command += ["--", sys.executable, "-c", _SLEEPER]
+    env = {**os.environ, "PID_DIR": str(folder)}
+    return subprocess.Popen(command, env=env, stderr=subprocess.PIPE)
+
+
+def _rank_pids(folder: Path, timeout: float = 60) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        files = [folder / f"pid{r}" for r in range(2)]
+        if all(f.exists() and f.read_text() for f in files):
+            return [int(f.read_text()) for f in files]
+        time.sleep(0.1)
+    raise AssertionError("the ranks never started")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split()[2] != "Z"
+
+
+def _assert_nothing_left(prefix: str, pids: list[int]) -> None:
+    assert list_namespaces(prefix) == []
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    assert prefix not in links and "chs0" not in links  # no veth end reached the host
+    assert not any(_alive(pid) for pid in pids)
+
+
+@pytest.mark.parametrize("how", ["sigkill_rank", "sigint_launcher", "timeout"])
+def test_cleanup_after_crash_interrupt_and_timeout(tmp_path, how):
+    prefix = new_prefix()
+    extra = ("--timeout", "3") if how == "timeout" else ()
+    launcher = _start_launcher(prefix, tmp_path, *extra)
+    try:
+        pids = _rank_pids(tmp_path)
+        assert len(list_namespaces(prefix)) == 3  # switch + 2 ranks exist while running
+        if how == "sigkill_rank":
+            os.kill(pids[1], signal.SIGKILL)
+        elif how == "sigint_launcher":
+            launcher.send_signal(signal.SIGINT)
+        _, stderr = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    expected = {"sigkill_rank": 137, "sigint_launcher": 130, "timeout": 124}[how]
+    assert launcher.returncode == expected, stderr.decode()
+    if how == "sigkill_rank":
+        assert b"rank 1 exited with code 137" in stderr
+    _assert_nothing_left(prefix, pids)
+
+
+TINY_GPT2_TP2 = {
+    "model": {
+        "arch": "gpt2",
+        "hf": {"n_layer": 2, "n_embd": 32, "n_head": 4, "n_positions": 32},
+    },
+    "data": {"dataset": "pydoc_topics", "seq_len": 32, "global_batch_size": 4},
+    "parallel": {"tp": 2},
+    "cluster": {"device": "cpu"},
+    "optimizer": {"name": "adamw", "lr": 0.01},
+    "train": {"steps": 3, "eval_every": 0},
+    "logging": {"progress": False, "plot": False},
+}
+
+
+def _train(config: dict, folder: Path, shaped: bool) -> list[float]:
+    config = {**config, "logging": {**config["logging"], "dir": str(folder / "run")}}
+    if shaped:
+        network = {"mode": "shaped", "bandwidth_gbps": 0.2}
+        config["emulation"] = {"network": network}
+    path = folder / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    if shaped:
+        command = [sys.executable, "-m", "colossal_hetero.cli", "train", str(path)]
+    else:
+        command = launch_command(path, 2)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=400, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [r.loss for r in read_run(folder / "run") if r.rank == 0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_gpt2_tp2_training_under_shaped_links_matches_no_emulation(tmp_path):
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "shaped").mkdir()
+    plain = _train(TINY_GPT2_TP2, tmp_path / "plain", shaped=False)
+    before = set(list_namespaces())
+    shaped = _train(TINY_GPT2_TP2, tmp_path / "shaped", shaped=True)
+    assert len(plain) == 3 and all(isinstance(loss, float) for loss in plain)
+    # Shaping changes when bytes arrive, never which: the same gloo collectives in the same
+    # order give bitwise equal losses.
+    assert shaped == plain
+    assert set(list_namespaces()) <= before
