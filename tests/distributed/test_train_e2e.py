@@ -10,10 +10,19 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from colossal_hetero.cli import launch_command
 from colossal_hetero.metrics import read_run
+from tests.tolerances import chain_atol, transformer_depth
+
+# A loss computed at other TP widths from the same weights: the forward reduction chain of the
+# 2-layer model, sums of at most 256 terms (the byte vocabulary), relative to the loss.
+# Later steps are not compared across widths: Adam turns the rounding noise of near-zero
+# gradients into O(lr) weight differences (tests/tolerances.py); the same-widths resume above
+# checks every later step bitwise.
+FORWARD_RTOL = chain_atol(transformer_depth(2, backward=False), 256, torch.float32, 1.0)
 
 TINY_GPT2 = {
     "model": {
@@ -156,10 +165,10 @@ def test_planned_uneven_tp_trains_and_resumes_into_even_widths(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     again = {(r.step, r.rank): r for r in read_run(resumed_dir)}
     for record in records:
-        if record.step >= 4:
+        if record.step == 4:
             twin = again[(record.step, record.rank)]
-            # Weights and Adam moments re-shard exactly (observed bitwise equal on CPU).
-            assert twin.loss == pytest.approx(record.loss, rel=1e-6), (record.step, record.rank)
+            # The weights re-shard exactly; the even widths sum in another order.
+            assert abs(twin.loss - record.loss) <= FORWARD_RTOL * record.loss, record.rank
 
     # And into another TP size: one unsharded rank (tp 1) continues the same training.
     (checkpoints / "step_8" / "trainer.json").unlink(missing_ok=True)  # the even run's final
@@ -175,6 +184,6 @@ def test_planned_uneven_tp_trains_and_resumes_into_even_widths(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     alone = {r.step: r for r in read_run(single_dir)}
     for record in records:
-        if record.step >= 4 and record.rank == 0:
-            # Same math without the TP split: equal up to float summation order.
-            assert alone[record.step].loss == pytest.approx(record.loss, rel=1e-5), record.step
+        if record.step == 4 and record.rank == 0:
+            # Same weights without the TP split: equal up to float summation order.
+            assert abs(alone[4].loss - record.loss) <= FORWARD_RTOL * record.loss
