@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 from pathlib import Path
 
 from colossal_hetero.config import ConfigError, RunConfig, load_config
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_third_party_warnings(pipeline=config.parallel.pp > 1)
     notice = unplanned_notice(config.plugin_config())
     if notice and rank == 0:
-        print(f"colossal-hetero: {notice}", file=sys.stderr)
+        print(wrap(f"colossal-hetero: {notice}"), file=sys.stderr)
 
     import torch.distributed as dist
 
@@ -118,11 +119,28 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         dist.destroy_process_group()
     if rank == 0:
-        curve = ", ".join(f"{step + 1}: {loss:.4f}" for step, loss in result.val_losses)
-        print(f"validation loss by step: {curve}")
-        if result.val_accuracy is not None:
-            print(f"validation accuracy: {result.val_accuracy:.3f}")
+        print(format_results(result.val_losses, result.val_accuracy))
     return 0
+
+
+def wrap(text: str, width: int = 80) -> str:
+    """``text`` broken into lines of at most ``width`` columns (an 80-column terminal),
+    continuation lines indented."""
+    return textwrap.fill(text, width=width, subsequent_indent="  ", break_on_hyphens=False)
+
+
+def format_results(val_losses: list[tuple[int, float]], val_accuracy: float | None) -> str:
+    """The summary rank 0 prints at the end: the validation curve, wrapped at 80 columns."""
+    points = [f"{step + 1}: {loss:.4f}" for step, loss in val_losses] or ["none"]
+    lines = ["validation loss by step:"]
+    for i, point in enumerate(points):  # a line breaks between points, never inside one
+        text = point + ("," if i < len(points) - 1 else "")
+        if len(lines[-1]) + 1 + len(text) > 80:
+            lines.append(" ")
+        lines[-1] += " " + text
+    if val_accuracy is not None:
+        lines.append(f"validation accuracy: {val_accuracy:.3f}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

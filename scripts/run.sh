@@ -13,12 +13,14 @@ fi
 if [ ! -x .venv/bin/python ]; then
     "$python" -m venv .venv
 fi
-# Re-install only when the dependency declaration changed since the last install.
+# Re-install only when the dependency declaration or the pinned set changed since the last
+# install. constraints.txt pins every package to the versions CI tested, so installs do not
+# drift when a dependency releases.
 stamp=.venv/.colossal-hetero-installed
-want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+want=$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     .venv/bin/python -m pip install --quiet --upgrade pip
-    .venv/bin/python -m pip install --quiet -e '.[test]'
+    .venv/bin/python -m pip install --quiet -c constraints.txt -e '.[test]'
     echo "$want" > "$stamp"
 fi
 
