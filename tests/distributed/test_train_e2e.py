@@ -72,7 +72,9 @@ def _with(config: dict, **sections) -> dict:
     ],
 )
 def test_config_errors_reach_every_rank_without_hang(tmp_path, sections, message):
-    result = _launch(_with(TINY_GPT2, **sections), tmp_path, nproc=2, timeout=120)
+    # The timeout only catches a hang: 300 s, as the other launches, holds on a loaded machine
+    # (two ranks importing torch and Colossal-AI take over a minute when the cores are busy).
+    result = _launch(_with(TINY_GPT2, **sections), tmp_path, nproc=2, timeout=300)
     assert result.returncode != 0
     for rank in (0, 1):
         assert f"[rank {rank}] colossal-hetero: config error: {message}" in result.stderr

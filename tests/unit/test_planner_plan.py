@@ -151,10 +151,12 @@ def test_planning_48_layer_gpt_on_64_heterogeneous_devices_is_fast():
     model = model_spec_from_hf(gpt_xl, batch_size=256, seq_len=1024, dtype_bytes=2)
     speeds = np.random.default_rng(0).choice([1.0, 0.6, 0.35], size=64)
     cluster = ClusterSpec.from_relative(speeds, memory_gib=80, bandwidth_gbps=100)
-    start = time.perf_counter()
+    # CPU time of this process, not wall time: other processes loading the machine cannot
+    # inflate it (planning is pure computation, about 1 s of it).
+    start = time.process_time()
     plan = search_plan(cluster, model, tp_size=8, alignment=8)
-    elapsed = time.perf_counter() - start
-    assert elapsed <= 10.0, f"planning took {elapsed:.1f} s"
+    elapsed = time.process_time() - start
+    assert elapsed <= 10.0, f"planning took {elapsed:.1f} s of CPU"
     assert len(plan.layers) == len(model.layers) and plan.num_devices == 64
 
 
