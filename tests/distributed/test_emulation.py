@@ -1,9 +1,10 @@
 """Emulation on 2 gloo ranks: slow compute, modelled links, async proxies, uninstall.
 
-All checks share one spawn (each spawn costs seconds of imports). Tolerances are loose enough
-for a noisy 2-core machine but fail if the stretch or the delay is missing or doubled; the
-emulated sleeps are checked as requested (``_Sleeps``), since on a loaded machine what is
-really slept overruns by tens of ms.
+All checks share one spawn (each spawn costs seconds of imports). No check depends on machine
+load: the emulated sleeps are checked as requested (``_Sleeps``; on a loaded machine what is
+really slept overruns by tens of ms), work as this thread's CPU time, and wall-clock times
+only through inequalities that load cannot break (blocked at least the model) or margins of
+half the effect they detect.
 """
 
 from __future__ import annotations
@@ -132,35 +133,37 @@ def _check_slowdown(rank: int, world_size: int, device: torch.device) -> None:
     slowed = [s for a, b in SLOW_WINDOWS for s in range(a, b)]
     plain = [s for s in range(1, NUM_STEPS) if s not in slowed]  # step 0 warms up
 
-    # (i) At factor 3 the stretch asked for is twice the work really done; at factor 1 compute
-    # is the workload's own wall time. Normalising by the workload's own measures, and taking
-    # the stretch as requested (slept, it overruns on a loaded box), keeps the check valid when
-    # other processes load the machine.
+    # (i) At factor 3 the stretch asked for is twice the work really done (both CPU times of
+    # this thread, which other processes cannot inflate); it is really slept (at least what was
+    # asked). At factor 1 nothing is asked, and compute holds the workload's whole wall time
+    # (the workload runs outside collectives). Only load-independent quantities and
+    # inequalities: no upper bound on anything a loaded machine stretches.
     stretch_ratio = statistics.median(slow_rank[s][3] / slow_rank[s][2] for s in slowed)
-    plain_ratio = statistics.median(slow_rank[s][0].compute_time / slow_rank[s][1] for s in plain)
     assert 1.6 < stretch_ratio < 2.4, f"stretch / work {stretch_ratio:.2f} at factor 3"
-    assert 0.95 < plain_ratio < 1.2, f"compute / work {plain_ratio:.2f} at factor 1"
+    assert all(slow_rank[s][0].stretch_time >= slow_rank[s][3] for s in slowed)
+    assert all(record[3] == 0.0 for record in fast_rank + [slow_rank[s] for s in plain])
     assert all(slow_rank[s][0].stretch_time == 0.0 for s in plain)
+    # (1e-6: float rounding of differences of clock reads; both clocks are perf_counter)
+    assert all(timing.compute_time >= wall - 1e-6 for timing, wall, *_ in fast_rank + slow_rank)
     assert all(timing.stretch_time == 0.0 for timing, *_ in fast_rank)
     assert all(timing.num_collectives == 2 for timing, *_ in fast_rank + slow_rank)
 
-    # (ii) Communication is not stretched: the slow rank arrives late and barely waits, while
-    # the fast rank waits for the slow rank's work plus its stretch, less its own work. Sums
-    # over the factor-3 steps, because compute jitters by tens of ms on a loaded machine.
-    def total(records: list[Record], field: str | None) -> float:
-        return sum(
-            records[s][1] if field is None else getattr(records[s][0], field) for s in slowed
-        )
+    # (ii) The stretch is slept before the collective, so the slow rank arrives late: the fast
+    # rank waits for it (about the stretch plus the slow rank's extra work) and waits longer
+    # than the slow rank does. Sums over the factor-3 steps, against the stretch asked for;
+    # one-sided, with half the stretch as margin: scheduling delays of a loaded machine (tens
+    # of ms a step) shift who waits by less than that (~0.6 s of stretch), while a stretch
+    # slept after the collective, or not at all, leaves the fast rank barely waiting.
+    def total(records: list[Record], field: str) -> float:
+        return sum(getattr(records[s][0], field) for s in slowed)
 
-    stretch = total(slow_rank, "stretch_time")
+    stretch = sum(slow_rank[s][3] for s in slowed)
     slow_wait = total(slow_rank, "comm_wait") - total(slow_rank, "network_delay")
     fast_wait = total(fast_rank, "comm_wait") - total(fast_rank, "network_delay")
-    expected_wait = stretch + total(slow_rank, None) - total(fast_rank, None)
-    assert slow_wait < 0.3 * stretch, f"slow rank waited {slow_wait:.3f}, stretch {stretch:.3f}"
-    assert abs(fast_wait - expected_wait) < 0.25 * stretch, (
-        f"fast rank waited {fast_wait:.3f}, expected {expected_wait:.3f}, stretch {stretch:.3f}"
-    )
-    assert all(timing.comm_wait >= 2 * MODELLED_LATENCY for timing, *_ in slow_rank)
+    assert fast_wait > 0.5 * stretch, f"fast rank waited {fast_wait:.3f}, stretch {stretch:.3f}"
+    assert slow_wait < fast_wait, f"slow rank waited {slow_wait:.3f}, fast {fast_wait:.3f}"
+    # Every all-reduce blocks at least its modelled latency, counted as communication.
+    assert all(timing.comm_wait >= 2 * MODELLED_LATENCY for timing, *_ in fast_rank + slow_rank)
 
 
 def _check_network(rank: int, world_size: int, device: torch.device) -> None:
@@ -245,10 +248,10 @@ def _check_network(rank: int, world_size: int, device: torch.device) -> None:
             dist.all_reduce(tensor, group=singles[rank])
         _assert_delayed(ic.last_timing, MODELLED, sleeps)
 
-        # Outside a step, collectives run unchanged: this one would be modelled at 0.4 s.
-        start = time.perf_counter()
+        # Outside a step, collectives run unchanged: this one (modelled at 0.4 s) asks no sleep.
+        sleeps.clear()
         dist.all_reduce(torch.ones(10 * NUMEL, device=device))
-        assert time.perf_counter() - start < 5 * MODELLED
+        assert not sleeps.stretch and not sleeps.network
 
     # (iv) Uninstall restores the exact originals on both modules.
     assert all(getattr(m, n) is fn for (m, n), fn in originals.items())
@@ -276,8 +279,10 @@ def _check_ddp_routing(rank: int, world_size: int, device: torch.device) -> None
     assert timing.num_collectives >= 1
     # One bucket of 50 * 40 + 40 floats; a ring all-reduce of 2 ranks moves it once at 1e7 B/s.
     assert timing.network_delay >= (50 * 40 + 40) * 4 / 1e7
+    # Bitwise: over 2 ranks DDP's mean a/2 + b/2 and the hook's (a + b)/2 both round the exact
+    # mean once (halving is exact), whatever kernels summed a and b.
     for a, b in zip(plain.parameters(), routed.parameters(), strict=True):
-        torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-7)
+        assert torch.equal(b.grad, a.grad)
 
 
 def _check_emulation(rank: int, world_size: int, device: torch.device) -> None:
