@@ -111,6 +111,8 @@ def test_setup_stays_inside_the_runs_namespaces():
     )
     for c in cmds[len(created) :]:
         assert c[1] == "-n" and c[2] in created, c  # never the host's namespace
+    veths = [c for c in cmds if "veth" in c]
+    assert len(veths) == 4 and all(c.count("9000") == 2 for c in veths)  # jumbo frames, both ends
     addresses = [c[5] for c in cmds if "addr" in c]
     assert addresses == ["10.213.0.1/24", "10.213.0.2/24", "10.213.0.3/24", "10.213.0.250/24"]
 

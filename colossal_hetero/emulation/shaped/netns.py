@@ -24,6 +24,8 @@ from colossal_hetero.emulation.shaped.topology import (
 )
 
 _TIMEOUT_S = 30  # one ip/tc command; they take milliseconds
+MTU = 9000
+"""Jumbo frames, as in a cluster's fabric: TCP/IP headers cost 0.7% of the rate, not 4.5%."""
 
 
 def check_shaped_support(
@@ -70,7 +72,10 @@ def setup_commands(topology: Topology) -> list[list[str]]:
         hosts.append((topology.tenant_ns, "ptn", topology.tenant_address()))
     for ns, port, address in hosts:
         cmds += [
-            ["ip", "-n", sw, "link", "add", port, "type", "veth", "peer", "name", RANK_IFNAME],
+            [
+                *("ip", "-n", sw, "link", "add", port, "mtu", str(MTU), "type", "veth"),
+                *("peer", "name", RANK_IFNAME, "mtu", str(MTU)),
+            ],
             ["ip", "-n", sw, "link", "set", RANK_IFNAME, "netns", ns],
             ["ip", "-n", sw, "link", "set", port, "master", "br0"],
             ["ip", "-n", sw, "link", "set", port, "up"],
