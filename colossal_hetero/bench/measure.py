@@ -20,6 +20,7 @@ from colossal_hetero.data import shard_batch_by_shares, share_loss_scale
 from colossal_hetero.emulation import CollectiveInterceptor
 from colossal_hetero.emulation.ddp import route_ddp_through_interceptor
 from colossal_hetero.models import build_model, loss_from_outputs
+from colossal_hetero.plugin.seam import StepSeam
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,18 +52,20 @@ def text_batch(batch_size: int, seq_len: int, seed: int) -> dict[str, torch.Tens
 
 
 class TrainingRunner:
-    """One model boosted by one plugin, stepped on demand under its own timer.
+    """One model boosted by one plugin, stepped on demand, timed by a step seam.
 
-    Several runners can live side by side (each plugin has its own process groups); their
-    steps are interleaved so that every variant sees the same machine load. Each step installs
-    the runner's timer for its duration only (one interceptor may be installed at a time).
+    Several runners live side by side (each plugin has its own process groups and its own
+    interceptor; the interceptors share one wrapper layer); their steps are interleaved so
+    that every variant sees the same machine load. A HeteroParallelPlugin brings its seam;
+    for another plugin (stock Colossal-AI) the runner installs ``timer`` and builds one.
+    Call ``close()`` when done.
     """
 
     def __init__(
         self,
         model_cfg: ModelConfig,
         plugin: Any,
-        timer: CollectiveInterceptor,
+        timer: CollectiveInterceptor | None = None,
         *,
         batch_size: int,
         seq_len: int,
@@ -71,9 +74,7 @@ class TrainingRunner:
         dp_rank: int = 0,
         emulated: bool = False,
     ) -> None:
-        if timer.installed:
-            timer.uninstall()
-        self.timer, self.device = timer, device
+        self.device = device
         self.batch_size, self.seq_len = batch_size, seq_len
         model = build_model(model_cfg)
         # Stock Colossal-AI shards GPT-2 into non-causal SDPA attention (compat/attention.py);
@@ -86,6 +87,14 @@ class TrainingRunner:
         )
         if emulated:  # the stock plugin's DDP must meet the emulated link and ranks too
             route_ddp_through_interceptor(self.model)
+        seam: StepSeam | None = getattr(plugin, "seam", None)
+        self._owned: CollectiveInterceptor | None = None  # a timer this runner installed
+        if seam is None:
+            assert timer is not None, "a plugin without a seam needs a timer"
+            self._owned = timer.install()
+            seam = StepSeam(timer)
+            seam.attach(self.model, self.optimizer)  # steps close at optimizer.step(), as ours
+        self.seam = seam
         # Samples per data-parallel group: a plan's (made at boost) or the given ones.
         plan = getattr(plugin, "plan", None)
         self.shares = list(plan.group_samples) if plan is not None else shares or [batch_size]
@@ -105,17 +114,22 @@ class TrainingRunner:
         batch = shard_batch_by_shares(batch, self.shares, self.dp_rank)
         batch = {k: v.to(self.device) for k, v in batch.items()}
         scale = share_loss_scale(self.shares, self.dp_rank)
-        with self.timer:
-            self.timer.begin_step(step)
-            loss = self.criterion(self.model(**batch), batch)
-            self.booster.backward(loss * scale, self.optimizer)
-            self.optimizer.step()
-            self.optimizer.zero_grad()
-            timing = self.timer.end_step()
+        self.seam.begin_step(step)
+        loss = self.criterion(self.model(**batch), batch)
+        self.booster.backward(loss * scale, self.optimizer)
+        self.optimizer.step()  # closes the step
+        self.optimizer.zero_grad()
+        timing = self.seam.end_step()
         values = [timing.step_time, timing.compute_time, timing.comm_wait, float(loss)]
         gathered = _gather(values, self.device)
         if record:
             self.rows.append(gathered)
+
+    def close(self) -> None:
+        """Detach the timer the runner installed (a plugin's own is the plugin's to close)."""
+        if self._owned is not None:
+            self.seam.close()
+            self._owned.uninstall()
 
     def measurement(self) -> Measurement:
         """Medians over the recorded steps."""

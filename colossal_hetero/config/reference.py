@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import types
 import typing
 from typing import Any
 
@@ -64,10 +65,12 @@ def _section(cls: type, path: str, lines: list[str], seen: set[str]) -> None:
             f"| `{field.name}` | `{_type_name(hint)}` | `{_default(field)}` | "
             f"{docs.get(field.name, '')} |"
         )
-        for inner in (hint, *typing.get_args(hint)):
-            if dataclasses.is_dataclass(inner):
-                suffix = "[]" if typing.get_origin(hint) is list else ""
-                nested.append((inner, f"{path}.{field.name}{suffix}"))  # type: ignore[arg-type]
+        union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+        for option in typing.get_args(hint) if union else (hint,):  # list[X] | Literal[...]
+            for inner in (option, *typing.get_args(option)):
+                if dataclasses.is_dataclass(inner):
+                    suffix = "[]" if typing.get_origin(option) is list else ""
+                    nested.append((inner, f"{path}.{field.name}{suffix}"))  # type: ignore[arg-type]
     lines.append("")
     for inner, inner_path in nested:
         _section(inner, inner_path, lines, seen)

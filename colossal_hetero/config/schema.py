@@ -8,7 +8,7 @@ live in ``colossal_hetero.config.validate``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 Arch = Literal["gpt2", "llama", "bert", "vit"]
@@ -295,8 +295,11 @@ class NetworkEmulationConfig:
 class EmulationConfig:
     """Heterogeneity emulation on one machine. Off (and free) unless something is listed."""
 
-    compute: list[SlowdownSpec] = field(default_factory=list)
-    """Per-rank compute slowdowns, constant or on a step schedule."""
+    compute: list[SlowdownSpec] | Literal["from_cluster"] = field(default_factory=list)
+    """Per-rank compute slowdowns, constant or on a step schedule; or from_cluster: slow each
+    rank by fastest speed / its speed in cluster.devices (the fastest runs at the host's
+    speed; slowdowns cannot speed a rank up). The enclosing config resolves from_cluster into
+    the list, so a dumped config.yaml shows the factors."""
 
     network: NetworkEmulationConfig = field(default_factory=NetworkEmulationConfig)
     """Per-link bandwidth, latency and preemption trace."""
@@ -305,6 +308,35 @@ class EmulationConfig:
     def enabled(self) -> bool:
         """Whether any compute or network emulation is configured."""
         return bool(self.compute) or self.network.enabled
+
+    @property
+    def slowdowns(self) -> list[SlowdownSpec]:
+        """The compute slowdowns (``from_cluster`` resolved by HeteroConfig or RunConfig)."""
+        if isinstance(self.compute, str):
+            raise ValueError(
+                "emulation.compute: from_cluster is resolved against cluster.devices; use it "
+                "inside a HeteroConfig or RunConfig"
+            )
+        return self.compute
+
+
+def _emulation_for(emulation: EmulationConfig, cluster: ClusterConfig) -> EmulationConfig:
+    """``emulation`` with ``compute: from_cluster`` replaced by one slowdown per slower device:
+    factor ``max(speeds) / speed``, the fastest device unslowed."""
+    if emulation.compute != "from_cluster":
+        return emulation
+    _require(
+        bool(cluster.devices),
+        "emulation.compute",
+        "from_cluster needs cluster.devices (one device with its speed per rank)",
+    )
+    fastest = max(device.speed for device in cluster.devices)
+    slowdowns = [
+        SlowdownSpec(rank=rank, factor=fastest / device.speed)
+        for rank, device in enumerate(cluster.devices)
+        if device.speed < fastest
+    ]
+    return replace(emulation, compute=slowdowns)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -460,6 +492,9 @@ class HeteroConfig:
     plan: PlanConfig = field(default_factory=PlanConfig)
     """Planning of uneven shard widths and batch shares."""
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "emulation", _emulation_for(self.emulation, self.cluster))
+
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class RunConfig:
@@ -494,6 +529,9 @@ class RunConfig:
 
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpointing."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "emulation", _emulation_for(self.emulation, self.cluster))
 
     def plugin_config(self) -> HeteroConfig:
         """The part of the run the plugin consumes."""

@@ -45,7 +45,7 @@ def validate_layout(config: HeteroConfig, world_size: int) -> int:
 
 
 def _validate_emulation(emulation: EmulationConfig, world_size: int) -> None:
-    for i, slowdown in enumerate(emulation.compute):
+    for i, slowdown in enumerate(emulation.slowdowns):
         if slowdown.rank >= world_size:
             raise ConfigError(
                 f"emulation.compute[{i}].rank: rank {slowdown.rank} does not exist "

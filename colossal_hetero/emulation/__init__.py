@@ -47,10 +47,12 @@ def build_interceptor(
             "`colossal-hetero train` or `python -m colossal_hetero.emulation.shaped`), not "
             "torchrun; use mode: model under other launchers"
         )
-    return CollectiveInterceptor(
+    interceptor = CollectiveInterceptor(
         rank,
         world_size,
         slowdown=SlowdownSchedule.from_config(emulation, rank),
         network=None if shaped else NetworkModel.from_config(emulation.network, world_size),
         device=device,
     )
+    interceptor.emulation = emulation
+    return interceptor

@@ -24,16 +24,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from types import ModuleType
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
+from colossal_hetero.config.schema import EmulationConfig
 from colossal_hetero.emulation.collectives import (
     COLLECTIVES,
-    WRAPPED_NAMES,
     CallArgs,
     Collective,
     ModelContext,
@@ -42,14 +39,10 @@ from colossal_hetero.emulation.collectives import (
 )
 from colossal_hetero.emulation.link_timeline import LinkTimeline
 from colossal_hetero.emulation.network import NetworkModel
+from colossal_hetero.emulation.router import CollectiveRouter
 from colossal_hetero.emulation.schedule import SlowdownSchedule
 from colossal_hetero.emulation.timing import COMM_KINDS, StepTiming, zero_by_kind
 from colossal_hetero.utils.device import synchronize
-
-# Colossal-AI calls `dist.X` at call time, and torch's own helpers (all_gather_object calling
-# all_gather) resolve names in distributed_c10d: both modules must see the wrappers.
-_MODULES: tuple[ModuleType, ...] = (dist, c10d)
-_installed: CollectiveInterceptor | None = None  # at most one per process, or calls nest twice
 
 
 class CollectiveInterceptor:
@@ -60,6 +53,10 @@ class CollectiveInterceptor:
     that called ``install``; other calls run unchanged. Async calls (``async_op=True``,
     ``batch_isend_irecv``) return proxies whose ``wait()`` is timed and sleeps what remains of
     the modelled transfer; the proxies forward every other attribute to the real work.
+
+    Several interceptors may be installed at once (several plugins in one process): they share
+    one wrapper layer (``router.CollectiveRouter``), which hands each call to the interceptor
+    whose step is open in the calling thread.
     """
 
     def __init__(
@@ -82,7 +79,11 @@ class CollectiveInterceptor:
         self.network = network if network is not None and network.enabled else None
         self.device = device if device is not None else torch.device("cpu")
         self.last_timing: StepTiming | None = None
-        self._originals: dict[tuple[ModuleType, str], Callable[..., Any]] = {}
+        self._router: CollectiveRouter | None = None  # set while installed
+        # The whole world's emulation this was built from (build_interceptor sets it): the
+        # router compares it, not this rank's models, so that every rank refuses a conflict.
+        self.emulation: EmulationConfig | None = None
+        self._handlers: dict[int, Callable[..., Any]] = {}  # id(original) -> its wrapper
         self._thread: int | None = None
         self._depth = 0  # > 0 while an intercepted collective runs: its nested calls pass through
         self._nested: Transfer | None = None  # summed here for object collectives only
@@ -93,41 +94,53 @@ class CollectiveInterceptor:
 
     @property
     def installed(self) -> bool:
-        """Whether the wrappers are in place."""
-        return bool(self._originals)
+        """Whether this interceptor is attached to the wrappers on torch.distributed."""
+        return self._router is not None
 
     def install(self) -> CollectiveInterceptor:
-        """Put the wrappers on ``torch.distributed`` and ``distributed_c10d``; returns self.
+        """Attach to the process's wrappers on ``torch.distributed`` and ``distributed_c10d``
+        (installed with the first interceptor); returns self.
 
-        Raises RuntimeError if this or another interceptor is already installed.
+        Raises:
+            RuntimeError: this interceptor is installed already.
+            ValueError: another installed interceptor emulates a different cluster
+                (see ``router.compatible``); nothing is installed then.
         """
-        global _installed
-        if _installed is not None:
-            raise RuntimeError("a CollectiveInterceptor is already installed in this process")
-        wrappers: dict[int, Callable[..., Any]] = {}  # one wrapper per distinct original
-        for module in _MODULES:
-            for name in WRAPPED_NAMES:
-                original = getattr(module, name)
-                if id(original) not in wrappers:
-                    wrappers[id(original)] = self._wrap(name, original)
-                self._originals[(module, name)] = original
-                setattr(module, name, wrappers[id(original)])
+        router = CollectiveRouter.shared()
+        router.attach(self)
+        self._router = router
+        self._handlers = {
+            id(original): self._wrap(name, original)
+            for name, original in router.originals().items()
+        }
         self._thread = threading.get_ident()
-        _installed = self
         return self
 
     def uninstall(self) -> None:
-        """Restore the exact original functions; a no-op when not installed.
+        """Detach; the last interceptor to go restores the exact original functions. A no-op
+        when not installed.
 
         An open step is abandoned; wrappers that callers still hold then pass calls through.
         """
-        global _installed
         self._step = None
-        for (module, name), original in self._originals.items():
-            setattr(module, name, original)
-        self._originals.clear()
-        if _installed is self:
-            _installed = None
+        if self._router is not None:
+            self._router.detach(self)
+        self._router = None
+        self._handlers = {}
+
+    def stepping_here(self) -> bool:
+        """Whether a step is open in the calling thread (calls there are this interceptor's)."""
+        return self._step is not None and threading.get_ident() == self._thread
+
+    def intercept(
+        self, name: str, original: Callable[..., Any], args: tuple[Any, ...], kwargs: Any
+    ) -> Any:
+        """Run one call of ``original`` (torch.distributed's ``name``) under this interceptor;
+        the router calls it for calls made in this interceptor's open step."""
+        handler = self._handlers.get(id(original))
+        if handler is None:  # an original the router did not list: wrap it on first use
+            handler = self._handlers[id(original)] = self._wrap(name, original)
+        return handler(*args, **kwargs)
 
     def __enter__(self) -> CollectiveInterceptor:
         return self.install()
@@ -147,6 +160,8 @@ class CollectiveInterceptor:
             raise RuntimeError("install() the interceptor before begin_step()")
         if self._step is not None:
             raise RuntimeError(f"begin_step({step}) while step {self._step} is still open")
+        assert self._router is not None  # installed: checked above
+        self._router.check_free(self)  # one open step per thread, over all interceptors
         synchronize(self.device)
         self._reset(self._clock())
         self._step = step

@@ -25,7 +25,7 @@ class SlowdownSchedule:
     @classmethod
     def from_config(cls, emulation: EmulationConfig, rank: int) -> SlowdownSchedule:
         """The schedule of ``rank``: the specs of ``emulation.compute`` that name it."""
-        return cls(rank=rank, specs=tuple(s for s in emulation.compute if s.rank == rank))
+        return cls(rank=rank, specs=tuple(s for s in emulation.slowdowns if s.rank == rank))
 
     @property
     def enabled(self) -> bool:

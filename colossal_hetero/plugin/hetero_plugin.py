@@ -7,7 +7,11 @@ them together; no algorithm lives here. Parts and their seams:
   wrappers, pipeline schedule, checkpoint IO). Later parts replace its ``custom_policy``
   (resizable layers) and its ``scheduler`` (adaptive pipeline schedules).
 - ``timer``: the collective interceptor that times communication for the per-rank metrics and,
-  when configured, emulates slow devices and links.
+  when configured, emulates slow devices and links. Several plugins may live in one process;
+  their interceptors share one wrapper layer (emulation/router.py).
+- ``seam``: the step boundaries (plugin/seam.py), found from the boosted model's training
+  forwards and the boosted optimizer's ``step()``; the interceptor is its clock, and the
+  metrics writer (``metrics_dir``) and runtime controllers are its clients.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,6 +45,7 @@ from colossal_hetero.plugin.grad_sync import exclude_sfb_from_ddp, install_plann
 from colossal_hetero.plugin.launch import prepare_device
 from colossal_hetero.plugin.planning import announce, plan_at_configure, plan_that_runs
 from colossal_hetero.plugin.resizing import resize_boosted
+from colossal_hetero.plugin.seam import StepMetrics, StepSeam
 from colossal_hetero.policies import ResizablePolicy, resizable_policy
 from colossal_hetero.utils.device import backend_for, resolve_device
 
@@ -59,10 +65,19 @@ class HeteroParallelPlugin(PipelinePluginBase):
             devices (plugin/planning.py). Rank 0 prints the plan's table.
         policy: optional shardformer ``Policy`` replacing the stock one (overrides the plan's;
             ``plan`` then records a resizable policy's widths, or is None for another policy).
+        metrics_dir: a folder; when given, every step the seam closes appends one record to
+            ``metrics_rank{r}.jsonl`` there (metrics/records.py). A plugin argument, not a
+            config field: where a script's outputs go is the script's choice, and the trainer
+            writes its own richer records (loss, lr, validation) under ``logging.dir``.
+
+    Step boundaries are automatic (see plugin/seam.py): a plain Booster loop needs no timer
+    calls for emulation, metrics and controllers to act per step.
 
     Raises:
         ConfigError: the layout does not fit the world size, or the device does not fit the
             process group's backend. Raised identically on every rank, before any collective.
+        ValueError: another plugin in this process emulates a different cluster (field
+            ``emulation``); raised before this plugin creates any process group.
     """
 
     def __init__(
@@ -72,6 +87,7 @@ class HeteroParallelPlugin(PipelinePluginBase):
         plan: Plan | None = None,
         workload: tuple[int, int] | None = None,
         policy: Any = None,
+        metrics_dir: str | Path | None = None,
     ) -> None:
         super().__init__()
         if not dist.is_initialized():
@@ -83,14 +99,24 @@ class HeteroParallelPlugin(PipelinePluginBase):
         prepare_device(self.device)
         count_customized_shards_in_grad_norm()  # clipping norm of TP shards (all devices)
         self.plan, self.workload, self._policy = plan, workload, policy
-        self.engine = build_engine(config, self.device, policy)
+        # Installed before the engine makes its process groups: a conflicting emulation of
+        # another plugin in this process is refused first.
         self.timer: CollectiveInterceptor = build_interceptor(
             config.emulation, self.rank, self.world_size, self.device
-        )
-        self.timer.install()
+        ).install()
+        try:
+            self.engine = build_engine(config, self.device, policy)
+        except BaseException:
+            self.timer.uninstall()
+            raise
+        self.seam = StepSeam(self.timer)
+        if metrics_dir is not None:
+            self.seam.add(StepMetrics(self.seam, metrics_dir, self.rank))
 
     def close(self) -> None:
-        """Remove the collective interceptor. The plugin must not be used afterwards."""
+        """Close the seam (metrics file) and detach the collective interceptor. The plugin
+        must not be used afterwards."""
+        self.seam.close()
         self.timer.uninstall()
 
     # -- layout -----------------------------------------------------------------------------
@@ -162,6 +188,9 @@ class HeteroParallelPlugin(PipelinePluginBase):
         self.grad_sync = install_planned_sfb(boosted[0], sfb)
         if self.config.emulation.enabled:  # DDP's C++ all-reduces must meet the emulation too
             route_ddp_through_interceptor(boosted[0])
+        # Steps open at training forwards and close after optimizer.step(); under pipeline
+        # parallelism the loss comes from execute_pipeline, not from per-micro-batch backward.
+        self.seam.attach(boosted[0], boosted[1], note_losses=self.pp_size == 1)
         return boosted
 
     def resize(self, model: nn.Module, optimizer: Any, widths: dict[str, list[int]]) -> None:
@@ -211,10 +240,17 @@ class HeteroParallelPlugin(PipelinePluginBase):
         return_loss: bool = True,
         return_outputs: bool = False,
     ) -> dict:
-        """Forward and backward of one step's micro-batches through the pipeline."""
-        return self.engine.execute_pipeline(
+        """Forward and backward of one step's micro-batches through the pipeline.
+
+        Opens a step on the seam unless one is open: the step spans every micro-batch (and a
+        later stage's wait for activations) until the optimizer's ``step()`` closes it.
+        """
+        self.seam.ensure_open()
+        result = self.engine.execute_pipeline(
             data_iter, model, criterion, optimizer, return_loss, return_outputs
         )
+        self.seam.note_loss(result.get("loss"))
+        return result
 
     def forward_pipeline(
         self,

@@ -110,7 +110,7 @@ def _train(
             if step_dir:  # the launcher's controller applies step-scheduled preemptions
                 report_step(step_dir, rank, step)
             batch = to_device(shard_batch_by_shares(next(batches), shares, dp_rank), device)
-            plugin.timer.begin_step(step)
+            plugin.seam.begin_step(step)  # explicit, so resumed runs keep their step numbers
             loss = train_step(
                 booster,
                 model,
@@ -120,7 +120,7 @@ def _train(
                 use_pipeline=use_pipeline,
                 loss_scale=loss_scale,
             )
-            timing = plugin.timer.end_step()
+            timing = plugin.seam.end_step()  # closed by optimizer.step(); this fetches it
             lr_scheduler.step()
             record = _record(step, rank, loss, timing, lr_scheduler.get_last_lr()[0])
             if _is_eval_step(config, step):
@@ -213,5 +213,5 @@ def _maybe_resume(
 
 def _title(config: RunConfig) -> str:
     p = config.parallel
-    slow = ", ".join(f"rank {s.rank} x{s.factor:g}" for s in config.emulation.compute) or "none"
+    slow = ", ".join(f"rank {s.rank} x{s.factor:g}" for s in config.emulation.slowdowns) or "none"
     return f"{config.model.arch}  tp={p.tp} pp={p.pp}  slowdowns: {slow}"
