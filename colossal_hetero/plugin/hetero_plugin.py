@@ -76,8 +76,9 @@ class HeteroParallelPlugin(PipelinePluginBase):
     Raises:
         ConfigError: the layout does not fit the world size, or the device does not fit the
             process group's backend. Raised identically on every rank, before any collective.
-        ValueError: another plugin in this process emulates a different cluster (field
-            ``emulation``); raised before this plugin creates any process group.
+        ValueError: another plugin in this process emulates a different cluster (the message
+            names ``emulation.compute`` or ``emulation.network``); raised on every rank
+            before this plugin creates any process group.
     """
 
     def __init__(
