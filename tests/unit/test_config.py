@@ -140,3 +140,90 @@ def test_top_level_must_be_mapping(tmp_path):
     path.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="top level must be a mapping"):
         load_config(path)
+
+
+def _write(tmp_path, text: str, name: str = "run.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_repeated_key_inside_a_list_names_its_index(tmp_path):
+    path = _write(
+        tmp_path, "cluster:\n  devices:\n    - {speed: 1.0}\n    - {speed: 1, speed: 2}\n"
+    )
+    with pytest.raises(ConfigError, match=r"^cluster\.devices\[1\]\.speed: key given twice"):
+        load_config(path)
+
+
+def test_the_same_key_in_two_mappings_is_fine(tmp_path):
+    path = _write(tmp_path, "parallel: {tp: 2}\ncluster:\n  devices: [{speed: 1}, {speed: 1}]\n")
+    assert load_config(path).parallel.tp == 2
+
+
+def test_model_hf_values_are_type_checked_against_transformers_defaults():
+    from colossal_hetero.config.validate import checked_hf_config
+
+    def model(**hf):
+        return from_dict(RunConfig, {"model": {"arch": "llama", "hf": hf}}).model
+
+    # int for float, null for an optional size, and a bool where a bool belongs are accepted.
+    hf = checked_hf_config(model(rms_norm_eps=1, head_dim=None, tie_word_embeddings=True))
+    assert hf.rms_norm_eps == 1 and hf.tie_word_embeddings is True
+    for bad, message in [
+        ({"num_hidden_layers": 2.0}, r"^model\.hf\.num_hidden_layers: expected int, got float"),
+        ({"num_hidden_layers": True}, r"^model\.hf\.num_hidden_layers: expected int, got bool"),
+        ({"head_dim": "16"}, r"^model\.hf\.head_dim: expected int, got str '16'"),
+        ({"tie_word_embeddings": 1}, r"^model\.hf\.tie_word_embeddings: expected bool"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            checked_hf_config(model(**bad))
+
+
+def test_explicit_llama_head_dim_lifts_the_hidden_divisibility_rule():
+    sections = {
+        "model": {
+            "arch": "llama",
+            "hf": {
+                "hidden_size": 36,
+                "num_attention_heads": 8,
+                "head_dim": 8,
+                "num_hidden_layers": 1,
+                "intermediate_size": 64,
+            },
+        }
+    }
+    assert validate_run(_run(**sections), 1) == 1
+    sections["model"]["hf"].pop("head_dim")
+    with pytest.raises(ConfigError, match=r"^model\.hf\.num_attention_heads: 8 attention heads"):
+        validate_run(_run(**sections), 1)
+
+
+def test_even_memory_check_threshold_and_lower_bound():
+    """The check refuses exactly below the estimate it reports, and that estimate is at least
+    each rank's half of the weights, gradients and Adam moments (16 bytes per fp32 param)."""
+    import re
+
+    import torch
+
+    from colossal_hetero.models import build_model
+
+    hf = {"n_layer": 2, "n_embd": 64, "n_head": 4, "n_positions": 32}
+
+    def run(memory_gib: float) -> RunConfig:
+        return _run(
+            model={"arch": "gpt2", "hf": hf},
+            data={"seq_len": 32, "global_batch_size": 8},
+            parallel={"tp": 2},
+            cluster={"devices": [{"memory_gib": memory_gib}] * 2},
+        )
+
+    with pytest.raises(ConfigError, match=r"^cluster\.devices\[0\]\.memory_gib") as info:
+        validate_run(run(1e-6), 2)
+    need = float(re.search(r"needs about ([0-9.e+-]+) GiB", str(info.value)).group(1))
+    with torch.device("meta"):
+        params = sum(p.numel() for p in build_model(run(1.0).model).parameters())
+    assert need >= params * 16 / 2 / 2**30 * 0.99  # 3 significant digits in the message
+    validate_run(run(need * 1.01), 2)
+    with pytest.raises(ConfigError, match=r"memory_gib"):
+        validate_run(run(need * 0.98), 2)
