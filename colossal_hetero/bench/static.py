@@ -8,18 +8,25 @@ Per case (model, TP size, emulated speeds), one spawned world times three varian
 
 ideal = T_homo - C_homo + C_homo * n / sum(speeds): compute spread exactly in proportion to
 speed, communication as measured. speedup = stock / planned; efficiency = ideal / planned.
+
+The variants run one training step each per round (``bench.rounds``), until both ratios'
+95% intervals are within +-3% or the case's time budget is spent. Each round gives one
+speedup and one efficiency from its own three steps; a ratio's value is their median over
+rounds, with a bootstrap interval over rounds (``bench.stats``).
 """
 
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from colossal_hetero.bench.measure import Measurement, TrainingRunner, run_interleaved
+from colossal_hetero.bench.measure import TrainingRunner
 from colossal_hetero.bench.profile import agree, calibrate_model, measure_allreduce_gbps
+from colossal_hetero.bench.rounds import Figure, RoundsPolicy, Variant, rank0_decides, run_rounds
 from colossal_hetero.config.schema import (
     ClusterConfig,
     DeviceKind,
@@ -45,8 +52,12 @@ class Case:
     name: str
     model: ModelConfig
     speeds: tuple[float, ...]
-    steps: int = 8
     warmup: int = 2
+    """Unrecorded rounds first."""
+    min_rounds: int = 10
+    """Recorded rounds before the driver may stop (see ``RoundsPolicy``)."""
+    budget_s: float = 60.0
+    """Wall seconds for the rounds (``run_benchmark`` sets it from the run's total budget)."""
     tp: int = 0
     """Tensor-parallel size; 0: every rank (no data parallelism)."""
     batch_size: int = BATCH_SIZE
@@ -102,8 +113,8 @@ def _llama(width: int = 384, heads: int = 12, layers: int = 2) -> ModelConfig:
 def cases(quick: bool) -> list[Case]:
     """The benchmark's cases; ``quick`` keeps one of each kind.
 
-    Equal-speed cases compare identical work (no plan applies), so their ratio is all noise
-    and overhead: they run more steps, which are cheap without slow ranks.
+    Every case runs rounds until its ratios are known to +-3% or its budget is spent, so
+    equal-speed cases (whose ratio is all noise and overhead) need no extra steps of their own.
     """
     selected = [
         Case("gpt2-tp2-[1,0.5]", _gpt2(), (1.0, 0.5)),
@@ -128,8 +139,7 @@ def cases(quick: bool) -> list[Case]:
                 link_gbps=0.5,
             ),
         ]
-    steps, warmup = (8, 2) if quick else (15, 3)
-    return [replace(c, steps=3 * steps if c.equal else steps, warmup=warmup) for c in selected]
+    return [replace(c, warmup=2 if quick else 3) for c in selected]
 
 
 def _emulation(case: Case, *, slow_ranks: bool) -> EmulationConfig:
@@ -149,11 +159,7 @@ def _kind(device: torch.device) -> DeviceKind:
 
 def run_case(rank: int, world_size: int, device: torch.device, case: Case) -> dict[str, Any]:
     """Spawned on every rank: profile, plan, and time the three variants."""
-    from colossalai.booster.plugin import HybridParallelPlugin
-
-    from colossal_hetero.emulation import build_interceptor
     from colossal_hetero.plugin import HeteroParallelPlugin, prepare_device
-    from colossal_hetero.plugin.engine import engine_kwargs
 
     prepare_device(device)
     # The planner's device model, calibrated on this machine: the model's own FLOP rate and
@@ -176,22 +182,43 @@ def run_case(rank: int, world_size: int, device: torch.device, case: Case) -> di
         cluster=ClusterConfig(device=_kind(device)),
         emulation=_emulation(case, slow_ranks=False),
     )
-    dp_size = case.world // case.tp_size
-    dp_rank = rank // case.tp_size
-    even_shares = batch_shares(even, world_size, dp_size, case.batch_size)
     shape: dict[str, Any] = {
         "batch_size": case.batch_size,
         "seq_len": case.seq_len,
         "device": device,
-        "dp_rank": dp_rank,
+        "dp_rank": rank // case.tp_size,
     }
     results: dict[str, Any] = {
         "reference_tflops": tflops,
         "allreduce_gbps": gbps,
         "layer_overhead_s": overhead,
     }
-
+    # Three plugins live side by side in this process; their interceptors share one wrapper
+    # layer, and the planned one's emulation equals the stock one's (a conflict is refused).
     hetero = HeteroParallelPlugin(config, workload=(case.batch_size, case.seq_len))
+    try:
+        return _time_variants(case, config, even, hetero, results, shape)
+    finally:
+        hetero.close()
+
+
+def _time_variants(
+    case: Case,
+    config: HeteroConfig,
+    even: HeteroConfig,
+    hetero: Any,
+    results: dict[str, Any],
+    shape: dict[str, Any],
+) -> dict[str, Any]:
+    """Time the three variants interleaved; ``results`` gains their measurements and plan."""
+    import torch.distributed as dist
+    from colossalai.booster.plugin import HybridParallelPlugin
+
+    from colossal_hetero.emulation import build_interceptor
+    from colossal_hetero.plugin.engine import engine_kwargs
+
+    rank, world_size, device = dist.get_rank(), dist.get_world_size(), shape["device"]
+    even_shares = batch_shares(even, world_size, case.world // case.tp_size, case.batch_size)
     runners = {
         "homogeneous": TrainingRunner(
             case.model,
@@ -211,10 +238,15 @@ def run_case(rank: int, world_size: int, device: torch.device, case: Case) -> di
         ),
     }
     # The plugin plans at boost time; the runner then takes the plan's batch shares.
-    runners["planned"] = TrainingRunner(
-        case.model, hetero, hetero.timer, shares=even_shares, **shape
-    )
-    run_interleaved(list(runners.values()), warmup=case.warmup, steps=case.steps)
+    runners["planned"] = TrainingRunner(case.model, hetero, shares=even_shares, **shape)
+    policy = RoundsPolicy(warmup=case.warmup, min_rounds=case.min_rounds, budget_s=case.budget_s)
+    variants = {name: _one_step(runner, world_size) for name, runner in runners.items()}
+    try:
+        rounds = run_rounds(variants, _figures(case), policy, decide=rank0_decides(device))
+    finally:
+        for runner in runners.values():
+            runner.close()
+    results["rounds"] = rounds.to_dict()
     for name, runner in runners.items():
         results[name] = runner.measurement().to_dict()
     plan = hetero.plan
@@ -227,33 +259,100 @@ def run_case(rank: int, world_size: int, device: torch.device, case: Case) -> di
     return results
 
 
-def summarise(case: Case, result: dict[str, Any]) -> dict[str, Any]:
-    """Ratios and the ideal bound of one case (see the module docstring)."""
-    homo, stock, planned = (Measurement(**result[k]) for k in ("homogeneous", "stock", "planned"))
-    n = case.world
-    speeds = [s / max(case.speeds) for s in case.speeds]
-    c_homo = sum(homo.compute_time) / n
-    ideal = homo.step_time - c_homo + c_homo * n / sum(speeds)
+def _one_step(runner: TrainingRunner, world_size: int) -> Variant:
+    """A round of one variant: one training step; the slowest rank's step time (``step``) and
+    the ranks' mean compute time (``compute``), both from the runner's all_gather, so every
+    rank returns the same numbers.
+    """
+
+    def step(index: int, *, warmup: bool) -> dict[str, float] | None:
+        runner.step(index, record=not warmup)
+        if warmup:
+            return None
+        row = runner.rows[-1]  # per rank: step time, compute time, comm wait, loss
+        width = len(row) // world_size
+        ranks = range(world_size)
+        return {
+            "step": max(row[r * width] for r in ranks),
+            "compute": sum(row[r * width + 1] for r in ranks) / world_size,
+        }
+
+    return step
+
+
+def _figures(case: Case) -> dict[str, Figure]:
+    """Per-round speedup and efficiency (see the module docstring) from one round's series."""
+    scale = case.world / sum(s / max(case.speeds) for s in case.speeds)
+
+    def ideal(v: Any) -> float:
+        c_homo = v["homogeneous.compute"]
+        return v["homogeneous.step"] - c_homo + c_homo * scale
+
     return {
+        "speedup": lambda v: v["stock.step"] / v["planned.step"],
+        "efficiency": lambda v: ideal(v) / v["planned.step"],
+    }
+
+
+def summarise(case: Case, result: dict[str, Any]) -> dict[str, Any]:
+    """One case's medians, ratios and their 95% intervals (``*_ci``: ``[low, high]``).
+
+    Step times are medians over rounds; ``ideal_step_time`` is the bound computed from the
+    homogeneous medians; ``speedup`` and ``efficiency`` are medians of per-round ratios.
+    """
+    rounds = result["rounds"]
+    medians, figures = rounds["medians"], rounds["figures"]
+    scale = case.world / sum(s / max(case.speeds) for s in case.speeds)
+    homo, c_homo = medians["homogeneous.step"]["value"], medians["homogeneous.compute"]["value"]
+    row: dict[str, Any] = {
         "case": case.name,
         "tp": case.tp_size,
         "dp": case.world // case.tp_size,
         "link_gbps": case.link_gbps,
         "speeds": list(case.speeds),
         "arch": case.model.arch,
-        "stock_step_time": stock.step_time,
-        "planned_step_time": planned.step_time,
-        "homogeneous_step_time": homo.step_time,
-        "homogeneous_compute_time": c_homo,
-        "ideal_step_time": ideal,
-        "speedup": stock.step_time / planned.step_time,
-        "efficiency": ideal / planned.step_time,
-        "plan": result["plan"],
-        "per_rank": {k: result[k] for k in ("homogeneous", "stock", "planned")},
-        "reference_tflops": result["reference_tflops"],
-        "layer_overhead_s": result["layer_overhead_s"],
-        "allreduce_gbps": result["allreduce_gbps"],
     }
+    for variant in ("stock", "planned", "homogeneous"):
+        row[f"{variant}_step_time"] = medians[f"{variant}.step"]["value"]
+        row[f"{variant}_step_time_ci"] = medians[f"{variant}.step"]["ci"]
+    row["homogeneous_compute_time"] = c_homo
+    row["ideal_step_time"] = homo - c_homo + c_homo * scale
+    for figure in ("speedup", "efficiency"):
+        row[figure] = figures[figure]["value"]
+        row[f"{figure}_ci"] = figures[figure]["ci"]
+    row.update(
+        rounds=rounds,
+        plan=result["plan"],
+        per_rank={k: result[k] for k in ("homogeneous", "stock", "planned")},
+        reference_tflops=result["reference_tflops"],
+        layer_overhead_s=result["layer_overhead_s"],
+        allreduce_gbps=result["allreduce_gbps"],
+    )
+    return row
+
+
+def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The figures the targets name, each with its 95% interval and the case it comes from.
+
+    ``worst_efficiency``: the lowest efficiency among cases with unequal speeds;
+    ``equal_speed_ratio``: the lowest speedup among equal-speed cases (planned vs stock doing
+    identical work). A key is absent when no selected case has that kind. ``converged``:
+    every ratio of every case reached +-3%; ``max_half_width``: the widest one reached.
+    """
+    out: dict[str, Any] = {}
+    picks = (
+        ("worst_efficiency", "efficiency", [r for r in rows if len(set(r["speeds"])) > 1]),
+        ("equal_speed_ratio", "speedup", [r for r in rows if len(set(r["speeds"])) == 1]),
+    )
+    for key, figure, candidates in picks:
+        if candidates:
+            worst = min(candidates, key=operator.itemgetter(figure))
+            out[key] = worst[figure]
+            out[f"{key}_ci"] = worst[f"{figure}_ci"]
+            out[f"{key}_case"] = worst["case"]
+    out["converged"] = all(r["rounds"]["converged"] for r in rows)
+    out["max_half_width"] = max(r["rounds"]["max_half_width"] for r in rows)
+    return out
 
 
 def planning_time_1p5b() -> float:

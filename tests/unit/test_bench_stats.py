@@ -155,3 +155,57 @@ def test_decide_is_asked_once_per_round_and_has_the_last_word():
     # asked after rounds 4..8, one question per round (the collective count is fixed).
     assert asked == [True] * 5 and result.rounds == 8
     assert result.figures["b_over_a"] == Interval(1.0, 1.0, 1.0)
+
+
+def _static_case_result(case, stock, planned):
+    """What run_case returns for ``case`` when every round measures the same times."""
+    from colossal_hetero.bench import static
+
+    def const(step, compute):
+        return lambda i, warmup: {"step": step, "compute": compute}
+
+    variants = {
+        "homogeneous": const(1.0, 0.8),
+        "stock": const(stock, 0.5),
+        "planned": const(planned, 0.5),
+    }
+    policy = RoundsPolicy(warmup=0, min_rounds=3, budget_s=1e9)
+    rounds = run_rounds(variants, static._figures(case), policy).to_dict()
+    per_rank = {"step_time": 0.0, "compute_time": [], "comm_wait": [], "losses": []}
+    return {
+        "rounds": rounds,
+        "plan": {"widths": None},
+        "reference_tflops": 1.0,
+        "layer_overhead_s": 0.0,
+        "allreduce_gbps": 1.0,
+        **{k: per_rank for k in ("homogeneous", "stock", "planned")},
+    }
+
+
+def test_static_figures_and_summary_keys():
+    from colossal_hetero.bench import static
+
+    by_name = {case.name: case for case in static.cases(quick=True)}
+    hetero, other, equal = (
+        by_name[n] for n in ("gpt2-tp2-[1,0.5]", "llama-tp2-[1,0.5]", "gpt2-tp2-equal")
+    )
+    rows = [
+        static.summarise(hetero, _static_case_result(hetero, stock=2.0, planned=1.25)),
+        static.summarise(other, _static_case_result(other, stock=2.0, planned=1.5)),
+        static.summarise(equal, _static_case_result(equal, stock=1.0, planned=1.02)),
+    ]
+    # Hand-computed: speeds (1, 0.5) give n / sum(speeds) = 4/3, so
+    # ideal = 1.0 - 0.8 + 0.8 * 4/3 = 19/15; equal speeds give ideal = T_homo = 1.0.
+    ideal = 19 / 15
+    assert rows[0]["ideal_step_time"] == pytest.approx(ideal, rel=1e-12)  # a few float ops
+    assert rows[0]["speedup"] == pytest.approx(2.0 / 1.25, rel=1e-12)
+    assert rows[0]["efficiency"] == pytest.approx(ideal / 1.25, rel=1e-12)
+    assert rows[0]["efficiency_ci"] == [rows[0]["efficiency"]] * 2  # constant rounds
+    summary = static.summary(rows)
+    assert summary["worst_efficiency"] == pytest.approx(ideal / 1.5, rel=1e-12)
+    assert summary["worst_efficiency_case"] == "llama-tp2-[1,0.5]"
+    assert summary["worst_efficiency_ci"] == rows[1]["efficiency_ci"]
+    assert summary["equal_speed_ratio"] == pytest.approx(1.0 / 1.02, rel=1e-12)
+    assert summary["equal_speed_ratio_case"] == "gpt2-tp2-equal"
+    assert summary["converged"] is True and summary["max_half_width"] == 0.0
+    assert "equal_speed_ratio" not in static.summary(rows[:2])  # no equal-speed case run
