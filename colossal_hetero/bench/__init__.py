@@ -34,7 +34,7 @@ def run_benchmark(name: str, *, quick: bool, json_path: str = "", only: str = ""
 
         return run_network_benchmark(quick=quick, json_path=json_path)
     if name != "static":
-        raise ValueError(f"bench: unknown benchmark {name!r}; known: static")
+        raise ValueError(f"bench: unknown benchmark {name!r}; known: static, network")
     from colossal_hetero.bench import static
     from colossal_hetero.bench.spawn import spawn_ranks
 
