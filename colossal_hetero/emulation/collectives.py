@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +71,10 @@ class Transfer:
     ingress: float = 0.0
     """Modelled seconds on the receiving direction (0: unused)."""
 
+    stream: Hashable = None
+    """The connection it travels on: its process group (``"world"`` for the default one), whose
+    transfers the link delivers in order (see ``link_timeline``)."""
+
     @property
     def seconds(self) -> float:
         """The call's modelled time: both directions run at once."""
@@ -79,7 +83,10 @@ class Transfer:
     def __add__(self, other: Transfer) -> Transfer:
         """Two calls made one after the other (an object collective's nested calls)."""
         return Transfer(
-            self.sent + other.sent, self.egress + other.egress, self.ingress + other.ingress
+            self.sent + other.sent,
+            self.egress + other.egress,
+            self.ingress + other.ingress,
+            self.stream if self.stream is not None else other.stream,
         )
 
 
@@ -111,7 +118,15 @@ class Collective:
         if ctx is None:
             return Transfer(sent)
         egress, ingress = self.time(ctx, call, result)
-        return Transfer(sent, egress, ingress)
+        return Transfer(sent, egress, ingress, _stream(call))
+
+
+def _stream(call: CallArgs) -> Hashable:
+    """The process group a call runs on (a batch: its first op's), ``"world"`` for the default:
+    gloo gives each group its own connections, and each delivers its bytes in order."""
+    ops = call.get("p2p_op_list")
+    group = ops[0].group if ops else call.get("group")
+    return "world" if group is None or group is dist.GroupMember.WORLD else group
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

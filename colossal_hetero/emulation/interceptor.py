@@ -20,6 +20,7 @@ slowdown nor a network model the interceptor only times and counts bytes: no sle
 from __future__ import annotations
 
 import functools
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -37,7 +38,7 @@ from colossal_hetero.emulation.collectives import (
     Transfer,
     parameter_positions,
 )
-from colossal_hetero.emulation.link_timeline import LinkTimeline
+from colossal_hetero.emulation.link_timeline import Booking, LinkTimeline
 from colossal_hetero.emulation.network import NetworkModel
 from colossal_hetero.emulation.router import CollectiveRouter
 from colossal_hetero.emulation.schedule import SlowdownSchedule
@@ -74,7 +75,8 @@ class CollectiveInterceptor:
         ``sleep`` and every timing reads ``clock`` (the CPU work clock stays the thread's)."""
         self.rank, self.world_size = rank, world_size
         self._sleep, self._clock = sleep, clock
-        self._link = LinkTimeline()  # this rank's link; kept across steps, as transfers are
+        # This rank's link, kept across steps as transfers are.
+        self._link = LinkTimeline(network.queue if network is not None else math.inf)
         self.slowdown = slowdown if slowdown is not None and slowdown.enabled else None
         self.network = network if network is not None and network.enabled else None
         self.device = device if device is not None else torch.device("cpu")
@@ -241,7 +243,7 @@ class CollectiveInterceptor:
         if transfer.seconds > 0:
             # The real call returned, so every participant has arrived: the transfer starts now.
             synchronize(self.device)
-            self._sleep_until(self._book(self._clock(), transfer), accounted=True)
+            self._sleep_until(self._book(self._clock(), transfer).completion, accounted=True)
         self._finish_comm(start, spec.kind, sync=True)
         return result
 
@@ -316,9 +318,9 @@ class CollectiveInterceptor:
             ctx = ModelContext(self.network, self.rank, self.world_size, step)
         return spec.transfer(call, result, self.rank, ctx)
 
-    def _book(self, issue: float, transfer: Transfer) -> float:
-        """Completion time of ``transfer`` issued at ``issue``, queued on this rank's link."""
-        return self._link.book(issue, transfer.egress, transfer.ingress)
+    def _book(self, issue: float, transfer: Transfer) -> Booking:
+        """``transfer`` issued at ``issue``, booked on this rank's link."""
+        return self._link.book(issue, transfer.egress, transfer.ingress, transfer.stream)
 
     def _sleep_until(self, deadline: float, accounted: bool) -> None:
         """Sleep what remains until a transfer completes at ``deadline``; counted as network
@@ -345,12 +347,13 @@ _LATE_MIN_S = 1e-3
 
 
 class _Pending:
-    """The transfer of one async call: its kind, modelled time and completion time."""
+    """The transfer of one async call: its kind, modelled time and booking on the link."""
 
-    __slots__ = ("kind", "seconds", "deadline", "settled", "works")
+    __slots__ = ("kind", "seconds", "booking", "deadline", "settled", "works")
 
-    def __init__(self, kind: str, seconds: float, deadline: float) -> None:
-        self.kind, self.seconds, self.deadline = kind, seconds, deadline
+    def __init__(self, kind: str, seconds: float, booking: Booking) -> None:
+        self.kind, self.seconds, self.booking = kind, seconds, booking
+        self.deadline = booking.completion
         self.settled = False
         self.works: tuple[Any, ...] = ()
 
@@ -366,12 +369,14 @@ class _Pending:
         return blocked > max(_LATE_MIN_S, _LATE_FRACTION * self.seconds)
 
     def settle(self, now: float, *, late: bool) -> float:
-        """The completion time, fixed at the first wait: the one booked at issue; but when the
-        real call was still running at that wait (``late``: a peer was late, or the bytes were),
-        the transfer could not have run since issue, so it completes ``seconds`` after ``now``
-        at the earliest, as a synchronous call would."""
+        """The completion time, fixed at the first wait: the booking's (later transfers that
+        went ahead of it may have moved it since issue); but when the real call was still
+        running at that wait (``late``: a peer was late, or the bytes were), the transfer could
+        not have run since issue, so it completes ``seconds`` after ``now`` at the earliest, as
+        a synchronous call would."""
         if not self.settled:
             self.settled = True
+            self.deadline = self.booking.completion
             if late:
                 self.deadline = max(self.deadline, now + self.seconds)
         return self.deadline

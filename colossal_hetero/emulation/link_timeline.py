@@ -3,55 +3,104 @@
 Pure: no clocks, no torch. Times are seconds on any one monotonic clock; durations are the
 network model's times for each transfer.
 
-Semantics, first-in first-out on a full-duplex link. The link has two directions, egress
-(what the rank sends) and ingress (what it receives), each carrying one transfer at a time in
-the order transfers were booked. A transfer uses one or both directions for its own duration
-in each. It starts when it is issued and every direction it uses is free, holds each of them
-for its duration there, and completes when the longer of the two ends::
+Semantics: a full-duplex link whose two directions, egress (what the rank sends) and ingress
+(what it receives), each drain a first-in first-out queue holding at most ``queue`` seconds
+of traffic, as a switch port's buffer does. Transfers travel on streams (one connection, e.g.
+one process group's sockets), and a stream delivers its bytes in order. A transfer uses one or
+both directions, for its own duration on each:
 
-    start      = max(issue, busy_until[d] for each direction d it uses)
-    busy_until[d] = start + seconds[d]
-    completion = start + max(seconds[d])
+- it waits for the earlier transfers of its own stream, and behind other streams' traffic for
+  at most ``queue`` seconds:
+  ``start = issue + max over its directions d of max(min(backlog[d], queue), own[d])``, where
+  ``backlog[d]`` is how long ``d`` stays busy after ``issue`` and ``own[d]`` how long the
+  stream's own earlier transfers still run on it;
+- it then holds each direction for its duration there and completes when the longer ends:
+  ``completion = start + max(seconds[d])``;
+- the link conserves work: a transfer that starts ahead of other streams' remaining bytes
+  delays every booked transfer still running on that direction by its own duration there, so
+  the direction is busy for the same total.
 
-So two transfers issued together on one direction complete at the first's time and at the
-sum of both (the second waits behind the first), and a send overlaps a receive. FIFO rather
-than fair sharing because a link, and the one gloo connection per peer pair, drains bytes in
-the order they were queued: a small transfer queued behind a large one waits for it, which is
-the head-of-line blocking that chunking and prioritising collectives avoid. A transfer of zero
-seconds (nothing modelled) uses no direction and completes at its issue time.
+So two transfers of one stream issued together complete at the first's time and at the sum of
+both (FIFO); on two streams, the second waits for the queue (or for the first, if shorter),
+and the first then ends that much later; either way the two together take the sum of their
+times. With ``queue = inf`` every stream is FIFO behind all traffic. Why bounded: a bulk TCP
+transfer through a shaper keeps the shaper's queue full, not its whole payload queued (the
+rest waits in the sender's socket), so another connection's bytes wait behind the queue's
+backlog only. A transfer of zero seconds (nothing modelled) uses no direction and completes at
+its issue time.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+EGRESS, INGRESS = 0, 1
+"""Indices of the two directions in ``Booking.ends`` and ``LinkTimeline.busy_until``."""
+
+
+@dataclass(slots=True)
+class Booking:
+    """One booked transfer. Its ends move later when another stream's transfer, booked after
+    it, starts ahead of its remaining bytes (work conservation)."""
+
+    stream: Hashable
+    """The connection it travels on."""
+
+    start: float
+    """When its bytes start to move (after waiting behind the queue)."""
+
+    ends: list[float] = field(default_factory=lambda: [-math.inf, -math.inf])
+    """When it stops using each direction (``EGRESS``, ``INGRESS``); -inf if it does not."""
+
+    @property
+    def completion(self) -> float:
+        """When the transfer completes: its later end (its start if it uses no direction)."""
+        return max(self.start, *self.ends)
 
 
 @dataclass(slots=True)
 class LinkTimeline:
-    """When each direction of one rank's link is next free; ``book`` advances it."""
+    """The bookings of one rank's link; ``book`` adds one and returns it."""
 
-    egress_busy_until: float = -math.inf
-    """End of the last transfer booked on the sending direction."""
+    queue: float = math.inf
+    """Seconds of traffic a direction's queue holds: the longest a transfer waits behind
+    other streams (inf: FIFO behind everything)."""
 
-    ingress_busy_until: float = -math.inf
-    """End of the last transfer booked on the receiving direction."""
+    busy_until: list[float] = field(default_factory=lambda: [-math.inf, -math.inf])
+    """When each direction drains everything booked on it."""
 
-    def book(self, issue: float, egress: float = 0.0, ingress: float = 0.0) -> float:
-        """Book a transfer issued at ``issue`` that needs ``egress`` seconds of sending and
-        ``ingress`` seconds of receiving; returns its completion time (>= ``issue``).
+    running: list[Booking] = field(default_factory=list)
+    """Bookings not complete at the last issue, which later ones may still delay (issues come
+    in clock order, so a booking complete then stays complete)."""
+
+    def book(
+        self, issue: float, egress: float = 0.0, ingress: float = 0.0, stream: Hashable = None
+    ) -> Booking:
+        """Book a transfer on ``stream`` issued at ``issue`` needing ``egress`` seconds of
+        sending and ``ingress`` seconds of receiving; returns its booking
+        (``completion >= issue``).
 
         Raises ValueError for a negative duration (an internal error: model times are >= 0).
         """
-        if egress < 0 or ingress < 0:
-            raise ValueError(f"transfer durations must be >= 0, got {egress} and {ingress}")
+        seconds = (egress, ingress)
+        if min(seconds) < 0 or self.queue < 0:
+            raise ValueError(f"durations must be >= 0, got {egress}, {ingress}, {self.queue}")
+        used = [d for d in (EGRESS, INGRESS) if seconds[d] > 0]
+        self.running = [b for b in self.running if b.completion > issue]
         start = issue
-        if egress > 0:
-            start = max(start, self.egress_busy_until)
-        if ingress > 0:
-            start = max(start, self.ingress_busy_until)
-        if egress > 0:
-            self.egress_busy_until = start + egress
-        if ingress > 0:
-            self.ingress_busy_until = start + ingress
-        return start + max(egress, ingress)
+        for d in used:
+            queued = min(max(0.0, self.busy_until[d] - issue), self.queue)
+            own = max((b.ends[d] for b in self.running if b.stream == stream), default=issue)
+            start = max(start, issue + queued, own)
+        booking = Booking(stream, start)
+        for d in used:
+            for other in self.running:  # it goes ahead of their remaining bytes: delay them
+                if other.stream != stream and other.ends[d] > start:
+                    other.ends[d] += seconds[d]
+            self.busy_until[d] = max(self.busy_until[d], start) + seconds[d]
+            booking.ends[d] = start + seconds[d]
+        if used:
+            self.running.append(booking)
+        return booking

@@ -19,6 +19,10 @@ from colossal_hetero.config.schema import NetworkEmulationConfig, PreemptionSpec
 _BYTES_PER_GBIT = 1e9 / 8
 _SECONDS_PER_US = 1e-6
 
+LINK_QUEUE_S = 0.02
+"""Seconds of traffic each direction of a rank's link queues, as a switch port's buffer: the
+longest a transfer waits behind another connection's traffic (see ``link_timeline``)."""
+
 Pair = tuple[int, int]
 
 
@@ -49,6 +53,9 @@ class NetworkModel:
     """(low rank, high rank) -> (bytes/s, seconds) for listed links."""
 
     preemptions: tuple[PreemptionSpec, ...] = ()
+
+    queue: float = LINK_QUEUE_S
+    """Seconds of traffic a rank's link queues per direction (``LINK_QUEUE_S``)."""
 
     @classmethod
     def from_config(cls, net: NetworkEmulationConfig, world_size: int) -> NetworkModel:

@@ -130,8 +130,10 @@ def rig(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[FakeClock, Fakes]]:
     yield clock, fakes
 
 
-def _interceptor(clock: FakeClock, modelled: bool = True) -> CollectiveInterceptor:
-    network = NetworkModel(world_size=2, enabled=True, default_bandwidth=BANDWIDTH)
+def _interceptor(
+    clock: FakeClock, modelled: bool = True, queue: float = 2 / 64
+) -> CollectiveInterceptor:
+    network = NetworkModel(world_size=2, enabled=True, default_bandwidth=BANDWIDTH, queue=queue)
     return CollectiveInterceptor(
         0, 2, network=network if modelled else None, sleep=clock.sleep, clock=clock
     )
@@ -229,6 +231,28 @@ def test_a_sync_call_queues_behind_an_async_one_in_flight(rig: Any) -> None:
     timing = ic.last_timing
     assert timing.wait_by_kind["all_to_all"] == 10 / 64 and timing.wait_by_kind["all_reduce"] == 0
     assert timing.comm_wait == 10 / 64
+
+
+def test_another_group_waits_for_the_queue_not_for_the_whole_transfer(
+    rig: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two process groups are two connections: the all-to-all waits behind the link's queue
+    (2/64 s of traffic), not behind the whole all-reduce, which then ends that much later."""
+    clock, fakes = rig
+    monkeypatch.setattr(dist, "get_process_group_ranks", lambda group: [0, 1])
+    gradients, experts = object(), object()  # stand-ins for two process groups of ranks 0, 1
+    fakes.cost["all_to_all_single"] = 1 / 64
+    with _interceptor(clock) as ic, ic.step(0):
+        work = dist.all_reduce(_floats(8), group=gradients, async_op=True)  # 8/64 s
+        dist.all_to_all_single(torch.empty(0), _floats(4), group=experts)  # 2/64 s
+        work.wait()
+    # The all-to-all is booked at 1/64, waits the queue's 2/64 and moves for 2/64: done at 5/64
+    # (sleeps 4/64); the all-reduce then ends at 8/64 + 2/64 (sleeps 10/64 - 5/64).
+    assert clock.sleeps == [4 / 64, 5 / 64]
+    timing = ic.last_timing
+    assert (
+        timing.wait_by_kind["all_to_all"] == 5 / 64 and timing.wait_by_kind["all_reduce"] == 5 / 64
+    )
 
 
 def test_transfers_stay_booked_across_steps_and_waits_outside_steps_are_not_counted(
