@@ -68,7 +68,9 @@ def test_timing_only_adds_no_sleep() -> None:
     assert timing is not None and timing.step == 3
     assert timing.stretch_time == timing.network_delay == timing.comm_wait == 0.0
     assert timing.num_collectives == 0
-    assert 0.01 <= timing.compute_time == timing.step_time < 0.1
+    # 10 ms of this thread's CPU time take at least 10 ms of wall time; no upper bound, which a
+    # loaded machine stretches (no sleep is checked by the accounting above).
+    assert timing.compute_time == timing.step_time >= 0.01
 
 
 def test_end_step_stretches_compute_without_collectives() -> None:
