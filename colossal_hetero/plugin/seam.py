@@ -179,20 +179,25 @@ class StepMetrics:
         self.writer = MetricsWriter(rank_metrics_path(folder, rank))
 
     def on_step_end(self, step: int, timing: StepTiming) -> None:
-        self.writer.write(
-            StepRecord(
-                step=step,
-                rank=self.rank,
-                step_time=timing.step_time,
-                compute_time=timing.compute_time,
-                comm_wait=timing.comm_wait,
-                loss=self.seam.loss,
-                stretch_time=timing.stretch_time,
-                network_delay=timing.network_delay,
-                bytes_by_kind=timing.bytes_by_kind,
-                wait_by_kind=timing.wait_by_kind,
-            )
-        )
+        self.writer.write(step_record(timing, self.rank, self.seam.loss))
 
     def close(self) -> None:
         self.writer.close()
+
+
+def step_record(timing: StepTiming, rank: int, loss: float | None, **extra: Any) -> StepRecord:
+    """The metrics record of one step's ``timing`` on ``rank``; ``extra`` sets optional fields
+    (``lr``, ``val_loss``, ...). Shared by the seam's writer and the trainer."""
+    return StepRecord(
+        step=timing.step,
+        rank=rank,
+        step_time=timing.step_time,
+        compute_time=timing.compute_time,
+        comm_wait=timing.comm_wait,
+        loss=loss,
+        stretch_time=timing.stretch_time,
+        network_delay=timing.network_delay,
+        bytes_by_kind=timing.bytes_by_kind,
+        wait_by_kind=timing.wait_by_kind,
+        **extra,
+    )

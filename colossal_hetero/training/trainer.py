@@ -18,7 +18,6 @@ from colossalai.booster import Booster
 from colossal_hetero.config.loader import dump_config
 from colossal_hetero.config.schema import RunConfig
 from colossal_hetero.data import build_data, shard_batch_by_shares, share_loss_scale
-from colossal_hetero.emulation import StepTiming
 from colossal_hetero.emulation.shaped.controller import STEP_DIR_ENV, report_step
 from colossal_hetero.metrics import (
     MetricsWriter,
@@ -32,6 +31,7 @@ from colossal_hetero.models import build_model, loss_from_outputs
 from colossal_hetero.planner.batch_shares import batch_shares
 from colossal_hetero.planner.plan import Plan, dump_plan
 from colossal_hetero.plugin import HeteroParallelPlugin
+from colossal_hetero.plugin.seam import step_record
 from colossal_hetero.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from colossal_hetero.training.optim import build_lr_scheduler, build_optimizer
 from colossal_hetero.training.steps import evaluate, to_device, train_step
@@ -122,7 +122,7 @@ def _train(
             )
             timing = plugin.seam.end_step()  # closed by optimizer.step(); this fetches it
             lr_scheduler.step()
-            record = _record(step, rank, loss, timing, lr_scheduler.get_last_lr()[0])
+            record = step_record(timing, rank, loss, lr=lr_scheduler.get_last_lr()[0])
             if _is_eval_step(config, step):
                 result = evaluate(
                     booster, model, criterion, val_batches, use_pipeline=use_pipeline, device=device
@@ -142,22 +142,6 @@ def _train(
     if rank == 0 and config.logging.plot:
         plot_run(read_run(out_dir), out_dir / "plot.png", title=_title(config))
     return RunResult(final_step=config.train.steps, val_losses=val_losses, val_accuracy=accuracy)
-
-
-def _record(step: int, rank: int, loss: float | None, timing: StepTiming, lr: float) -> StepRecord:
-    return StepRecord(
-        step=step,
-        rank=rank,
-        step_time=timing.step_time,
-        compute_time=timing.compute_time,
-        comm_wait=timing.comm_wait,
-        loss=loss,
-        stretch_time=timing.stretch_time,
-        network_delay=timing.network_delay,
-        bytes_by_kind=timing.bytes_by_kind,
-        wait_by_kind=timing.wait_by_kind,
-        lr=lr,
-    )
 
 
 def _show_progress(
