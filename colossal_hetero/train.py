@@ -116,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     device = init_distributed(config.cluster, seed=config.train.seed)
     try:
         result = run_training(config, device, plan)
+    except ConfigError as error:  # found by the plugin at configure: same on every rank
+        sys.stderr.write(error_line(error, rank) + "\n")
+        return 2
     finally:
         dist.destroy_process_group()
     if rank == 0:

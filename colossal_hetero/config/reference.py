@@ -84,7 +84,12 @@ def render_config_reference() -> str:
         "Generated from `colossal_hetero/config/schema.py` by "
         "`python -m colossal_hetero.config.reference`; a test keeps it current.",
         "A YAML run file has the top-level sections below. Unknown keys are errors that name",
-        "their path; values are type-checked.",
+        "their path; values are type-checked (`model.hf` values against the transformers",
+        "config's defaults). A file must be UTF-8 and hold settings; a key given twice is an",
+        "error. `colossal-hetero check CONFIG` runs every check a launch makes before its",
+        "first collective (the model's shape from its transformers config, no weights; the",
+        "memory of listed identical devices; the device kind; the output folders; the plan),",
+        "and reports a mistake as one line naming the field, as `train` and each rank do.",
         "",
     ]
     seen: set[str] = set()
