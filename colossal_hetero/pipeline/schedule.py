@@ -17,6 +17,11 @@ exactly as in 1F1B, so parameter gradients accumulate in the same order: with ``
 
 ``k`` may change between steps (:meth:`KFKBSchedule.set_k`), never within one; every rank of the
 pipeline must use the same ``k`` in a step (the Ada tuner's decision is identical on every rank).
+
+Backends: gloo only. NCCL runs all point-to-point operations between a pair of ranks on one
+stream, in issue order, each blocking until matched; an early-posted receive would then hold
+back the send its peer is waiting for. A NCCL version needs Colossal-AI-style fused
+``batch_isend_irecv`` pairs; the constructor refuses NCCL groups rather than hang.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from colossalai.interface import ModelWrapper, OptimizerWrapper
 from colossalai.pipeline.schedule import OneForwardOneBackwardSchedule
 from colossalai.pipeline.schedule._utils import merge_batch
@@ -62,6 +68,11 @@ class KFKBSchedule(OneForwardOneBackwardSchedule):
         self.peak_saved = 0
         device = get_current_device()
         group = stage_manager.get_p2p_process_group()
+        if dist.get_backend(group) != "gloo":
+            raise ValueError(
+                "parallel.pp_schedule: kfkb runs on gloo process groups only (see "
+                "colossal_hetero/pipeline/schedule.py for why NCCL would hang)"
+            )
         first, last = stage_manager.is_first_stage(), stage_manager.is_last_stage()
         prev, nxt = stage_manager.get_prev_rank(), stage_manager.get_next_rank()
         self._to_next = None if last else Outbox(nxt, group, device)

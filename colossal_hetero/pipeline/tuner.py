@@ -140,6 +140,11 @@ class LocalMeasurement:
 ROW_WIDTH = len(fields(LocalMeasurement))
 
 
+def stage_of_rank(pp: int, tp: int, dp: int) -> list[int]:
+    """Pipeline stage of every global rank in Colossal-AI's dp-outer layout (dp, pp, tp)."""
+    return [(r // tp) % pp for r in range(dp * pp * tp)]
+
+
 def agree_profile(
     rows: Sequence[Sequence[float]], stage_of_rank: Sequence[int], num_stages: int
 ) -> PipelineProfile:

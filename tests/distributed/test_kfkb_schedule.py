@@ -1,4 +1,6 @@
-"""KFKBSchedule on 2 gloo ranks (PP=2, tiny GPT-2): loss and gradients equal Colossal-AI's 1F1B.
+"""KFKBSchedule on gloo ranks, tiny GPT-2: loss and gradients equal Colossal-AI's 1F1B.
+
+2 ranks (PP=2) by default; 4 ranks (PP=4, and PP=2 x uneven planned TP=2) marked slow.
 
 Exact equality in fp32: kFkB runs the same forward_step/backward_step as 1F1B, and on every stage
 forwards and backwards each run in increasing micro-batch order, so the last stage sums the loss
@@ -16,6 +18,7 @@ from colossal_hetero.config import HeteroConfig, ModelConfig, ParallelConfig
 from colossal_hetero.models import build_model, loss_from_outputs
 from colossal_hetero.pipeline.schedule import KFKBSchedule
 from colossal_hetero.plugin import HeteroParallelPlugin
+from colossal_hetero.policies import resizable_policy
 from tests.dist_utils import run_distributed
 
 GPT2 = ModelConfig(
@@ -58,42 +61,71 @@ def _assert_same(got, want, what):
         assert torch.equal(g, want_grads[name]), f"{what}: gradient of {name} differs"
 
 
-def _check(rank, world_size, device):
-    cases = [(4, [1, 2, 4, 3])]  # (micro-batches, ks); k=3 leaves a short last group
-    for m, ks in cases:
-        parallel = ParallelConfig(pp=2, num_microbatches=m)
-        plugin = HeteroParallelPlugin(HeteroConfig(parallel=parallel))
-        try:
-            engine = plugin.engine
-            assert type(engine.scheduler) is OneForwardOneBackwardSchedule
-            torch.manual_seed(0)
-            model = build_model(GPT2)
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-            booster = Booster(plugin=plugin)
-            model, optimizer, criterion, _, _ = booster.boost(model, optimizer, loss_from_outputs)
-            batch = _batch(2 * m)
-            reference = _step(booster, model, optimizer, criterion, batch)
-            stage, p = engine.stage_manager.stage, engine.stage_manager.num_stages
-            schedule = KFKBSchedule(engine.stage_manager, num_microbatches=m, k=ks[0])
-            engine.scheduler = schedule
-            for k in ks:  # one schedule, k changed between steps
-                schedule.set_k(k)
-                got = _step(booster, model, optimizer, criterion, batch)
-                _assert_same(got, reference, f"m={m} k={k} rank={rank}")
-                assert schedule.peak_saved == min(k * (p - stage), m)
-            with pytest.raises(ValueError, match="^k:"):
-                schedule.set_k(m + 1)
-            # Forward only (no grad): Colossal-AI's own path, through the same object.
-            with torch.no_grad():
-                out = schedule.forward_backward_step(
-                    model, iter([batch]), criterion, return_loss=True
-                )
-            if engine.stage_manager.is_last_stage():
-                assert torch.equal(out["loss"], reference[0])
-        finally:
-            plugin.close()
+def _check_layout(rank, config: HeteroConfig, ks: list[int], policy=None) -> dict[str, int]:
+    """1F1B once, then KFKBSchedule with each k in turn (one object), all on the same batch.
+
+    Returns the number of elements of each parameter this rank holds.
+    """
+    m = config.parallel.num_microbatches
+    plugin = HeteroParallelPlugin(config, policy=policy)
+    try:
+        engine = plugin.engine
+        assert type(engine.scheduler) is OneForwardOneBackwardSchedule
+        torch.manual_seed(0)
+        model = build_model(GPT2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        booster = Booster(plugin=plugin)
+        model, optimizer, criterion, _, _ = booster.boost(model, optimizer, loss_from_outputs)
+        batch = _batch(2 * m)
+        reference = _step(booster, model, optimizer, criterion, batch)
+        stage, p = engine.stage_manager.stage, engine.stage_manager.num_stages
+        schedule = KFKBSchedule(engine.stage_manager, num_microbatches=m, k=ks[0])
+        engine.scheduler = schedule
+        for k in ks:  # one schedule, k changed between steps
+            schedule.set_k(k)
+            got = _step(booster, model, optimizer, criterion, batch)
+            _assert_same(got, reference, f"m={m} k={k} rank={rank}")
+            assert schedule.peak_saved == min(k * (p - stage), m)
+        with pytest.raises(ValueError, match="^k:"):
+            schedule.set_k(m + 1)
+        # Forward only (no grad): Colossal-AI's own path, through the same object.
+        with torch.no_grad():
+            out = schedule.forward_backward_step(model, iter([batch]), criterion, return_loss=True)
+        if engine.stage_manager.is_last_stage():
+            assert torch.equal(out["loss"], reference[0])
+        return {n: p.numel() for n, p in model.unwrap().named_parameters()}
+    finally:
+        plugin.close()
+
+
+def _two_ranks(rank, world_size, device):
+    # k=3 leaves a short last group; k=4=m is GPipe.
+    _check_layout(
+        rank, HeteroConfig(parallel=ParallelConfig(pp=2, num_microbatches=4)), [1, 2, 4, 3]
+    )
+
+
+def _four_ranks(rank, world_size, device):
+    _check_layout(
+        rank, HeteroConfig(parallel=ParallelConfig(pp=4, num_microbatches=8)), [1, 2, 3, 8]
+    )
+    # TP=2 inside each stage with uneven shards (3 of 4 heads and 3/4 of the MLP on TP rank 0).
+    uneven = {"heads": (3, 1), "ffn": (96, 32)}
+    policy = resizable_policy(build_model(GPT2), uneven)
+    config = HeteroConfig(parallel=ParallelConfig(tp=2, pp=2, num_microbatches=4))
+    sizes = _check_layout(rank, config, [1, 2, 4], policy=policy)
+    ffn = [n for n in sizes if n.endswith("mlp.c_fc.weight")]
+    assert ffn and all(sizes[n] == 32 * uneven["ffn"][rank % 2] for n in ffn), sizes
 
 
 @pytest.mark.dist
+@pytest.mark.timeout(600)
 def test_kfkb_matches_1f1b_exactly_on_two_stages():
-    run_distributed(_check, world_size=2)
+    run_distributed(_two_ranks, world_size=2)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_kfkb_matches_1f1b_on_four_stages_and_uneven_tp():
+    run_distributed(_four_ranks, world_size=4)

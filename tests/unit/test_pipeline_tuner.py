@@ -15,6 +15,7 @@ from colossal_hetero.pipeline.tuner import (
     PipelineProfile,
     agree_profile,
     choose_k,
+    stage_of_rank,
 )
 
 
@@ -184,6 +185,13 @@ def test_agreement_from_different_local_measurements():
 def test_bad_inputs(prof, m, cands, match):
     with pytest.raises(ValueError, match=match):
         choose_k(prof, m, cands)
+
+
+def test_stage_of_rank_layout():
+    # rank (d * pp + s) * tp + t, as HybridParallelPlugin's ProcessGroupMesh(dp, pp, tp).
+    assert stage_of_rank(pp=3, tp=2, dp=1) == [0, 0, 1, 1, 2, 2]
+    assert stage_of_rank(pp=2, tp=1, dp=2) == [0, 1, 0, 1]
+    assert stage_of_rank(pp=2, tp=2, dp=2) == [0, 0, 1, 1, 0, 0, 1, 1]
 
 
 def test_bad_rows():
