@@ -18,14 +18,13 @@ from collections.abc import Callable
 
 from colossal_hetero.config import ConfigError
 from colossal_hetero.emulation.shaped.topology import (
+    MTU,
     PREFIX_ROOT,
     RANK_IFNAME,
     Topology,
 )
 
 _TIMEOUT_S = 30  # one ip/tc command; they take milliseconds
-MTU = 9000
-"""Jumbo frames, as in a cluster's fabric: TCP/IP headers cost 0.7% of the rate, not 4.5%."""
 
 
 def check_shaped_support(
