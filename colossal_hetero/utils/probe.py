@@ -69,7 +69,7 @@ def measure_allreduce_gbps(device: torch.device, nbytes: int = 4 << 20, repeats:
 
 
 def measure_latency_s(device: torch.device, repeats: int = 9) -> float:
-    """Per-message latency: a one-number ring all_reduce's median time over its 2(m-1) hops."""
+    """Per-message latency: a one-number ring all_reduce's least time over its 2(m-1) hops."""
     world = dist.get_world_size()
     if world == 1:
         return 0.0
@@ -82,11 +82,12 @@ def measure_latency_s(device: torch.device, repeats: int = 9) -> float:
         dist.all_reduce(token)
         synchronize(device)
         times.append(time.perf_counter() - start)
-    return statistics.median(times) / (2 * (world - 1))
+    # The least time: a loaded host only ever adds to a message's latency.
+    return min(times) / (2 * (world - 1))
 
 
 def measure_layer_overhead_s(device: torch.device, repeats: int = 15) -> float:
-    """Fixed cost of one layer's step: forward and backward of an 8 x 8 linear (median).
+    """Fixed cost of one layer's step: forward and backward of an 8 x 8 linear (least time).
 
     At that size the work is nothing; what is left is the per-op framework and launch cost
     every layer pays whatever its shard, which the planner charges per layer.
@@ -100,7 +101,7 @@ def measure_layer_overhead_s(device: torch.device, repeats: int = 15) -> float:
         (x @ weight).sum().backward()
         synchronize(device)
         times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])  # the first call builds autograd's state
+    return min(times[1:])  # the first call builds autograd's state; load only adds time
 
 
 def agree(value: float, device: torch.device, op: str = "min") -> float:
