@@ -4,7 +4,7 @@ colossal-hetero check CONFIG [--world-size N]   validate a run config without la
 colossal-hetero train CONFIG [--nproc N]        launch `python -m colossal_hetero.train` on
                                                 this machine through torchrun (or on shaped
                                                 links: emulation.network.mode shaped)
-colossal-hetero demo [--steps N] [--out DIR]    stock vs planned TP=2, one rank 2x slower
+colossal-hetero demo [--steps N] [--out DIR]    stock vs planned TP=2, one rank 4x slower
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.set_defaults(handler=_bench)
 
-    demo = commands.add_parser("demo", help="stock vs planned TP=2, one rank 2x slower")
+    demo = commands.add_parser("demo", help="stock vs planned TP=2, one rank 4x slower")
     demo.add_argument("--steps", type=int, default=0, help="override the demo's step count")
     demo.add_argument("--out", default="runs/demo", help="output folder")
     demo.set_defaults(handler=_demo)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up .venv at the repo root (re-used when it is current) and run the demo or the tests.
-#   bash scripts/run.sh demo     # stock vs planned TP=2, one rank 2x slower; writes runs/demo/plot.png
+#   bash scripts/run.sh demo     # stock vs planned TP=2, one rank 4x slower; writes runs/demo/plot.png
 #   bash scripts/run.sh test     # the default test suite (no slow, no GPU tests)
 set -euo pipefail
 cd "$(dirname "$0")/.."
