@@ -6,7 +6,7 @@ mesh groups (rows/columns partition the ranks, meet in one rank), every SUMMA ke
 and both gradients equal the dense product's (even and uneven sizes, default and permuted
 mesh placements, i.e. TP not in the global rank order), exactly 2q collectives per kernel
 with the block sizes of the SUMMA table, q = 1 meshes (plain matmul, no collective), and the
-2D layers and transformer block (tests/distributed/tp2d_checks.py).
+2D layers, a transformer block and 20 SGD steps of a tiny LM (second spawn).
 
 Tolerances: float64. A matmul entry is a sum of k products; two summation orders differ by at
 most 2 (k - 1) u sum|terms| (tests/tolerances.py), and sum|terms| <= (|A| |B|) entrywise, so
@@ -21,11 +21,25 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
-from colossal_hetero.tp2d import Mesh2D, summa_ab, summa_abt, summa_atb
+from colossal_hetero.tp2d import Mesh2D, comm2d, summa_ab, summa_abt, summa_atb
+from colossal_hetero.tp2d.block import Block2D
+from colossal_hetero.tp2d.layers import (
+    Embedding2D,
+    LayerNorm2D,
+    LMHead2D,
+    RMSNorm2D,
+    dense_block,
+    dense_vector_block,
+    gather_batch_2d,
+    gather_matrix,
+    split_batch_2d,
+    vocab_cross_entropy_2d,
+)
 from colossal_hetero.tp2d.layout import offsets
 from tests.dist_utils import run_distributed
-from tests.tolerances import sum_order_atol
+from tests.tolerances import chain_atol, sum_order_atol, transformer_depth
 
 DT = torch.float64
 
@@ -209,3 +223,248 @@ def _kernel_suite(rank, world_size, device):
 @pytest.mark.timeout(180)
 def test_tp2d_mesh_and_summa_kernels():
     run_distributed(_kernel_suite, world_size=4)
+
+
+# ---------------------------------------------------------------- layers and the block
+
+HEADS, HEAD_DIM = (3, 1), 4  # uneven: mesh column 0 holds 3 heads, column 1 one
+WIDTHS = tuple(a * HEAD_DIM for a in HEADS)  # hidden widths per mesh column (12, 4); H = 16
+FFN = (40, 24)  # MLP inner widths per column, 4H = 64
+BATCH = (3, 1)  # batch shares per mesh row
+VOCAB = (7, 4)  # vocab blocks; V = 11
+SEQ = 5
+H, V = sum(WIDTHS), sum(VOCAB)
+# Dense key -> (row sizes or None for vectors, column sizes, fused parts).
+CUTS = {
+    "ln_1.weight": (None, WIDTHS, 1),
+    "ln_1.bias": (None, WIDTHS, 1),
+    "qkv.weight": (WIDTHS, WIDTHS, 3),
+    "qkv.bias": (None, WIDTHS, 3),
+    "proj.weight": (WIDTHS, WIDTHS, 1),
+    "proj.bias": (None, WIDTHS, 1),
+    "ln_2.weight": (None, WIDTHS, 1),
+    "ln_2.bias": (None, WIDTHS, 1),
+    "fc1.weight": (WIDTHS, FFN, 1),
+    "fc1.bias": (None, FFN, 1),
+    "fc2.weight": (FFN, WIDTHS, 1),
+    "fc2.bias": (None, WIDTHS, 1),
+}
+# float64 through one block and its gradient: transformer_depth(1) chained reductions of at
+# most 4H = 64 terms, magnitudes <= ~10 (norms keep activations O(1), weights ~ N(0, 0.3));
+# two orders differ by at most chain_atol(...) ~ 7e-12, a wrong block is off by O(1e-2).
+BLOCK_ATOL = chain_atol(transformer_depth(1), 4 * H, DT, 10.0)
+
+
+def dense_params(seed):
+    """Dense block parameters, seeded identically on every rank."""
+    shapes = {
+        "qkv.weight": (H, 3 * H),
+        "proj.weight": (H, H),
+        "fc1.weight": (H, sum(FFN)),
+        "fc2.weight": (sum(FFN), H),
+    }
+    params = {}
+    for n, key in enumerate(CUTS):
+        if key in shapes:
+            params[key] = randn(shapes[key], seed + n) * 0.3
+        else:
+            width = CUTS[key][2] * sum(CUTS[key][1])
+            base = 1.0 if key.endswith("weight") else 0.0
+            params[key] = base + 0.1 * randn((width,), seed + n)
+    return params
+
+
+def dense_block_forward(x, p):
+    """The dense single-process pre-norm block (GPT-2 layout, causal attention)."""
+    B, S, _ = x.shape
+    h = F.layer_norm(x, (H,), p["ln_1.weight"], p["ln_1.bias"], 1e-5)
+    q, k, v = (h @ p["qkv.weight"] + p["qkv.bias"]).split(H, -1)
+    a = sum(HEADS)
+
+    def heads(t):
+        return t.reshape(B, S, a, HEAD_DIM).transpose(1, 2)
+
+    att = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
+    x = x + att.transpose(1, 2).reshape(B, S, H) @ p["proj.weight"] + p["proj.bias"]
+    h = F.layer_norm(x, (H,), p["ln_2.weight"], p["ln_2.bias"], 1e-5)
+    return x + F.gelu(h @ p["fc1.weight"] + p["fc1.bias"]) @ p["fc2.weight"] + p["fc2.bias"]
+
+
+def act_block(x_full, mesh):
+    """Rank (i, j)'s block [b_i, S, h_j] of a dense activation [B, S, H]."""
+    b0, c0 = offsets(BATCH)[mesh.i], offsets(WIDTHS)[mesh.j]
+    return x_full[b0 : b0 + BATCH[mesh.i], :, c0 : c0 + WIDTHS[mesh.j]]
+
+
+def param_block(key, dense, mesh):
+    rows, cols, parts = CUTS[key]
+    if rows is None:
+        return dense_vector_block(dense, cols, mesh.j, parts)
+    return dense_block(dense, rows, cols, mesh.i, mesh.j, parts)
+
+
+def local_params(block2d):
+    """Dense key -> this rank's parameter of a Block2D."""
+    return {name.replace("attn.", ""): p for name, p in block2d.named_parameters()}
+
+
+def _check_block(mesh):
+    """Forward, input and every parameter gradient of Block2D equal the dense block's."""
+    params = dense_params(100)
+    model = Block2D(mesh, HEADS, HEAD_DIM, FFN, dtype=DT)
+    model.load_dense(params)
+    x_full, g_full = randn((sum(BATCH), SEQ, H), 1), randn((sum(BATCH), SEQ, H), 2)
+    x = act_block(x_full, mesh).clone().requires_grad_()
+    with counting() as calls:
+        out = model(x)
+        (out * act_block(g_full, mesh)).sum().backward()
+    ref_params = {k: v.clone().requires_grad_() for k, v in params.items()}
+    x_ref = x_full.clone().requires_grad_()
+    ref = dense_block_forward(x_ref, ref_params)
+    (ref * g_full).sum().backward()
+    torch.testing.assert_close(out, act_block(ref.detach(), mesh), rtol=0, atol=BLOCK_ATOL)
+    torch.testing.assert_close(x.grad, act_block(x_ref.grad, mesh), rtol=0, atol=BLOCK_ATOL)
+    mine = local_params(model)
+    assert sorted(mine) == sorted(CUTS)
+    for key, param in mine.items():
+        expected = param_block(key, ref_params[key].grad, mesh)
+        torch.testing.assert_close(param.grad, expected, rtol=0, atol=BLOCK_ATOL, msg=key)
+    return calls
+
+
+def _check_round_trip(mesh):
+    """Blocks -> dense (gather_matrix / row gathers) -> blocks is the identity, bit for bit."""
+    params = dense_params(7)
+    model = Block2D(mesh, HEADS, HEAD_DIM, FFN, dtype=DT)
+    model.load_dense(params)
+    for key, param in local_params(model).items():
+        rows, cols, parts = CUTS[key]
+        if rows is None:
+            full = comm2d.gather_blocks(param.detach(), mesh, "row", 0, [parts * c for c in cols])
+            full = torch.cat(
+                [
+                    full[offsets(cols)[j] * parts :][: parts * cols[j]].view(parts, -1)
+                    for j in range(mesh.q)
+                ],
+                1,
+            ).reshape(-1)
+        else:
+            full = gather_matrix(param.detach(), mesh, rows, [parts * c for c in cols])
+            full = torch.cat(
+                [
+                    full[:, offsets(cols)[j] * parts :][:, : parts * cols[j]].reshape(
+                        full.shape[0], parts, -1
+                    )
+                    for j in range(mesh.q)
+                ],
+                2,
+            )
+            full = full.reshape(full.shape[0], -1)
+        torch.testing.assert_close(full, params[key], rtol=0, atol=0, msg=key)
+
+
+def _check_norms_and_helpers(mesh):
+    x_full = randn((sum(BATCH), SEQ, H), 3) * 3 + 1
+    w, b = 1 + 0.1 * randn((H,), 4), 0.1 * randn((H,), 5)
+    g_full = randn((sum(BATCH), SEQ, H), 6)
+    for norm in ("layer", "rms"):
+        layer = (LayerNorm2D if norm == "layer" else RMSNorm2D)(mesh, WIDTHS, dtype=DT)
+        layer.load_dense(w, b)
+        x = act_block(x_full, mesh).clone().requires_grad_()
+        (layer(x) * act_block(g_full, mesh)).sum().backward()
+        x_ref, w_ref = x_full.clone().requires_grad_(), w.clone().requires_grad_()
+        if norm == "layer":
+            ref = F.layer_norm(x_ref, (H,), w_ref, b, 1e-5)
+        else:
+            ref = x_ref * torch.rsqrt(x_ref.pow(2).mean(-1, keepdim=True) + 1e-6) * w_ref
+        (ref * g_full).sum().backward()
+        torch.testing.assert_close(x.grad, act_block(x_ref.grad, mesh), rtol=0, atol=BLOCK_ATOL)
+        torch.testing.assert_close(
+            layer.weight.grad,
+            dense_vector_block(w_ref.grad, WIDTHS, mesh.j),
+            rtol=0,
+            atol=BLOCK_ATOL,
+        )
+    # Batch split/gather: inverse of each other; split's backward gathers the gradient.
+    x = x_full.clone().requires_grad_()
+    part = split_batch_2d(x, mesh, BATCH, WIDTHS)
+    torch.testing.assert_close(part, act_block(x_full, mesh), rtol=0, atol=0)
+    whole = gather_batch_2d(part.detach(), mesh, BATCH, WIDTHS)
+    torch.testing.assert_close(whole, x_full, rtol=0, atol=0)
+    (part * act_block(g_full, mesh)).sum().backward()
+    torch.testing.assert_close(x.grad, g_full, rtol=0, atol=0)
+
+
+class TinyLM2D(torch.nn.Module):
+    """Embedding -> Block2D -> LayerNorm -> tied LM head, on the mesh."""
+
+    def __init__(self, mesh):
+        super().__init__()
+        self.mesh = mesh
+        self.emb = Embedding2D(mesh, VOCAB, WIDTHS, dtype=DT)
+        self.block = Block2D(mesh, HEADS, HEAD_DIM, FFN, dtype=DT)
+        self.ln_f = LayerNorm2D(mesh, WIDTHS, dtype=DT)
+        self.head = LMHead2D(mesh, VOCAB, WIDTHS, weight=self.emb.weight)
+
+    def forward(self, ids, targets):
+        h = self.ln_f(self.block(self.emb(ids, BATCH)))
+        local_targets = split_batch_2d(targets, self.mesh, BATCH, None).reshape(-1)
+        return vocab_cross_entropy_2d(self.head(h), local_targets, self.mesh, VOCAB)
+
+
+def dense_lm_loss(ids, targets, p):
+    h = dense_block_forward(F.embedding(ids, p["emb"]), p)
+    h = F.layer_norm(h, (H,), p["ln_f.weight"], p["ln_f.bias"], 1e-5)
+    return F.cross_entropy((h @ p["emb"].t()).reshape(-1, V), targets.reshape(-1))
+
+
+def _check_training(mesh, steps=20, lr=0.05):
+    """SGD on the 2D tiny LM follows single-process SGD: every step's loss, final weights."""
+    dense = dense_params(200)
+    dense["emb"] = randn((V, H), 300)
+    dense["ln_f.weight"], dense["ln_f.bias"] = 1 + 0.1 * randn((H,), 301), 0.1 * randn((H,), 302)
+    model = TinyLM2D(mesh)
+    model.block.load_dense(dense)
+    model.emb.load_dense(dense["emb"])
+    model.ln_f.load_dense(dense["ln_f.weight"], dense["ln_f.bias"])
+    ref = {k: v.clone().requires_grad_() for k, v in dense.items()}
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=lr), torch.optim.SGD(ref.values(), lr=lr)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(steps):
+        ids = torch.randint(0, V, (sum(BATCH), SEQ), generator=g)
+        targets = torch.randint(0, V, (sum(BATCH), SEQ), generator=g)
+        targets[0, 0] = -100  # an ignored token: excluded from the mean on both sides
+        loss, ref_loss = model(ids, targets), dense_lm_loss(ids, targets, ref)
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=0, atol=steps * BLOCK_ATOL)
+        for o, value in ((opt, loss), (ref_opt, ref_loss)):
+            o.zero_grad()
+            value.backward()
+            o.step()
+    # Errors of each step add (first order; lr * curvature < 1 here, nothing amplifies them).
+    atol = steps * BLOCK_ATOL
+    mine = local_params(model.block)
+    for key, param in mine.items():
+        torch.testing.assert_close(
+            param, param_block(key, ref[key].detach(), mesh), rtol=0, atol=atol
+        )
+    emb = dense_block(ref["emb"].detach(), VOCAB, WIDTHS, mesh.i, mesh.j)
+    torch.testing.assert_close(model.emb.weight, emb, rtol=0, atol=atol)
+    assert (
+        model.emb.weight - dense_block(dense["emb"], VOCAB, WIDTHS, mesh.i, mesh.j)
+    ).abs().max() > 1e-4
+
+
+def _layer_suite(rank, world_size, device):
+    placement = {2: (0, 0), 0: (0, 1), 3: (1, 0), 1: (1, 1)}  # TP not in rank order
+    for mesh in (Mesh2D.build([[0, 1, 2, 3]]), Mesh2D.build([[0, 1, 2, 3]], placement)):
+        _check_block(mesh)
+        _check_round_trip(mesh)
+        _check_norms_and_helpers(mesh)
+    _check_training(mesh)
+
+
+@pytest.mark.dist
+@pytest.mark.numerics
+@pytest.mark.timeout(240)
+def test_tp2d_layers_block_and_training():
+    run_distributed(_layer_suite, world_size=4)
