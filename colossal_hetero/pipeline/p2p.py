@@ -36,7 +36,8 @@ class Outbox:
         self._sent = 0
         self._every_message_has_header = False
 
-    def send(self, obj: Any) -> None:
+    def send(self, obj: Any) -> int:
+        """Post the sends of ``obj``; returns the bytes of its tensors (metadata excluded)."""
         metadata, tensors = create_send_metadata(obj, strict=False, return_tensor=True)
         has_objects = bool(metadata.non_tensor_obj_idx)
         if self._sent == 0:
@@ -51,6 +52,7 @@ class Outbox:
         for tensor in tensors:
             self._isend(tensor.detach().contiguous())
         self._sent += 1
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def _isend(self, tensor: torch.Tensor) -> None:
         work = dist.isend(tensor, dst=self.dst, group=self.group)

@@ -26,7 +26,10 @@ back the send its peer is waiting for. A NCCL version needs Colossal-AI-style fu
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,6 +45,71 @@ from colossal_hetero.pipeline.order import check_pipeline_args, kfkb_order
 from colossal_hetero.pipeline.p2p import Inbox, Outbox
 
 
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    """What one rank measured in one training step (seconds of wall time, bytes)."""
+
+    forward_s: float
+    """Mean seconds of a forward pass, from its input's arrival to its output."""
+    backward_s: float
+    recv_wait_s: float
+    """Total seconds the stage waited for activations and gradients to arrive."""
+    message_bytes: int
+    """Tensor bytes of one activation message to the next stage (0 on the last stage)."""
+    activation_bytes: int
+    """Most bytes autograd saved for one micro-batch's backward (parameters excluded; storages
+    shared by several saved tensors counted once): what one in-flight micro-batch costs."""
+
+
+class _StatsBuilder:
+    """Accumulates one step's timings and counts the storages autograd saves in forwards."""
+
+    def __init__(self, model: Module) -> None:
+        self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.seconds = {"forward": 0.0, "backward": 0.0, "wait": 0.0}
+        self.message_bytes = 0
+        self.activation_bytes = 0
+
+    @contextmanager
+    def _timed(self, what: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.seconds[what] += time.perf_counter() - start
+
+    def waiting(self) -> AbstractContextManager[None]:
+        return self._timed("wait")
+
+    def backward(self) -> AbstractContextManager[None]:
+        return self._timed("backward")
+
+    @contextmanager
+    def forward(self) -> Iterator[None]:
+        seen: set[int] = set()
+        total = 0
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            nonlocal total
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in self._params and ptr not in seen:
+                seen.add(ptr)
+                total += storage.nbytes()
+            return t
+
+        with self._timed("forward"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+        self.activation_bytes = max(self.activation_bytes, total)
+
+    def build(self, num_microbatches: int) -> StepStats:
+        return StepStats(
+            forward_s=self.seconds["forward"] / num_microbatches,
+            backward_s=self.seconds["backward"] / num_microbatches,
+            recv_wait_s=self.seconds["wait"],
+            message_bytes=self.message_bytes,
+            activation_bytes=self.activation_bytes,
+        )
+
+
 class KFKBSchedule(OneForwardOneBackwardSchedule):
     """kFkB pipeline schedule: groups of ``k`` forwards then ``k`` backwards (``k = 1`` is 1F1B).
 
@@ -51,7 +119,8 @@ class KFKBSchedule(OneForwardOneBackwardSchedule):
         k: group size, ``1 <= k <= num_microbatches`` (checked when the batch is split).
 
     After each training step ``peak_saved`` holds the most micro-batches whose activations the
-    stage kept at once (``min(k * (p - s), m)`` by construction).
+    stage kept at once (``min(k * (p - s), m)`` by construction) and ``last_stats`` this rank's
+    measurements (:class:`StepStats`), the local inputs of the Ada tuner.
     """
 
     def __init__(
@@ -66,6 +135,7 @@ class KFKBSchedule(OneForwardOneBackwardSchedule):
             raise ValueError(f"k: the kFkB group size must be >= 1, got {k}")
         self.k = k
         self.peak_saved = 0
+        self.last_stats: StepStats | None = None
         device = get_current_device()
         group = stage_manager.get_p2p_process_group()
         if dist.get_backend(group) != "gloo":
@@ -112,24 +182,30 @@ class KFKBSchedule(OneForwardOneBackwardSchedule):
         outputs: list[Any] | None = [] if return_outputs and sm.is_last_stage() else None
         saved: dict[int, tuple[Any, Any]] = {}
         self.peak_saved = 0
+        stats = _StatsBuilder(model)
         for op, mb in order:
             if op == "F":
-                input_obj = None if self._from_prev is None else self._from_prev.get()
-                output_obj = self.forward_step(model, input_obj, criterion, accum_loss, outputs)
+                with stats.waiting():
+                    input_obj = None if self._from_prev is None else self._from_prev.get()
+                with stats.forward():
+                    output_obj = self.forward_step(model, input_obj, criterion, accum_loss, outputs)
                 if self._to_next is not None:
-                    self._to_next.send(output_obj)
+                    stats.message_bytes = self._to_next.send(output_obj)
                 saved[mb] = (input_obj, output_obj)
                 self.peak_saved = max(self.peak_saved, len(saved))
             else:
-                grad = None if self._from_next is None else self._from_next.get()
+                with stats.waiting():
+                    grad = None if self._from_next is None else self._from_next.get()
                 input_obj, output_obj = saved.pop(mb)
-                input_grad = self.backward_step(optimizer, input_obj, output_obj, grad)
+                with stats.backward():
+                    input_grad = self.backward_step(optimizer, input_obj, output_obj, grad)
                 if self._to_prev is not None:
                     self._to_prev.send(input_grad)
         for outbox in (self._to_next, self._to_prev):
             if outbox is not None:
                 outbox.finish()
         assert not saved
+        self.last_stats = stats.build(m)
         if outputs is not None:
             if isinstance(model, ModelWrapper):
                 model = model.unwrap()

@@ -81,11 +81,20 @@ def _check_layout(rank, config: HeteroConfig, ks: list[int], policy=None) -> dic
         stage, p = engine.stage_manager.stage, engine.stage_manager.num_stages
         schedule = KFKBSchedule(engine.stage_manager, num_microbatches=m, k=ks[0])
         engine.scheduler = schedule
+        saved_bytes = set()
         for k in ks:  # one schedule, k changed between steps
             schedule.set_k(k)
             got = _step(booster, model, optimizer, criterion, batch)
             _assert_same(got, reference, f"m={m} k={k} rank={rank}")
             assert schedule.peak_saved == min(k * (p - stage), m)
+            stats = schedule.last_stats
+            assert stats is not None and stats.forward_s > 0 and stats.backward_s > 0
+            # One activation message: hidden states [micro-batch 2, seq 16, hidden 32] in fp32.
+            last = engine.stage_manager.is_last_stage()
+            assert stats.message_bytes == (0 if last else 2 * 16 * GPT2.hf["n_embd"] * 4)
+            saved_bytes.add(stats.activation_bytes)
+        # The same micro-batch computation saves the same tensors whatever the order.
+        assert len(saved_bytes) == 1 and saved_bytes.pop() > 0
         with pytest.raises(ValueError, match="^k:"):
             schedule.set_k(m + 1)
         # Forward only (no grad): Colossal-AI's own path, through the same object.
