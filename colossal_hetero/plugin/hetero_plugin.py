@@ -69,6 +69,7 @@ class HeteroParallelPlugin(PipelinePluginBase):
             ``metrics_rank{r}.jsonl`` there (metrics/records.py). A plugin argument, not a
             config field: where a script's outputs go is the script's choice, and the trainer
             writes its own richer records (loss, lr, validation) under ``logging.dir``.
+            Rank 0 also writes the plan there (``plan.yaml``) when the plugin has one.
 
     Step boundaries are automatic (see plugin/seam.py): a plain Booster loop needs no timer
     calls for emulation, metrics and controllers to act per step.
@@ -111,6 +112,7 @@ class HeteroParallelPlugin(PipelinePluginBase):
             self.timer.uninstall()
             raise
         self.seam = StepSeam(self.timer)
+        self._run_dir = None if metrics_dir is None else Path(metrics_dir)
         if metrics_dir is not None:
             self.seam.add(StepMetrics(self.seam, metrics_dir, self.rank))
 
@@ -183,7 +185,7 @@ class HeteroParallelPlugin(PipelinePluginBase):
         exclude_sfb_from_ddp(model, sfb)  # SFB modules sync by gathered factors, not DDP
         boosted = self.engine.configure(model, optimizer, criterion, dataloader, lr_scheduler)
         self.plan, note = plan_that_runs(self.plan, self._policy, self.tp_size)
-        announce(self.plan, note, self.rank)
+        announce(self.plan, note, self.rank, self._run_dir)
         if isinstance(self.engine.custom_policy, ResizablePolicy):
             _drop_single_rank_ddp(boosted[0])
         self.grad_sync = install_planned_sfb(boosted[0], sfb)

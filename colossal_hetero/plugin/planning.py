@@ -6,12 +6,13 @@ the table planner/plan.py's.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from colossal_hetero.config.schema import HeteroConfig
-from colossal_hetero.planner.plan import Plan, format_plan_summary, with_widths
+from colossal_hetero.planner.plan import Plan, dump_plan, format_plan_summary, with_widths
 from colossal_hetero.planner.resolve import (
     calibrated,
     needs_calibration,
@@ -91,11 +92,15 @@ def plan_that_runs(plan: Plan | None, policy: Any, tp_size: int) -> tuple[Plan |
     return None, note
 
 
-def announce(plan: Plan | None, note: str, rank: int) -> None:
-    """Print the plan's short table (and ``note``) on rank 0; quiet elsewhere."""
+def announce(plan: Plan | None, note: str, rank: int, run_dir: Path | None = None) -> None:
+    """On rank 0: print the plan's short table (and ``note``), and write the plan to
+    ``run_dir/plan.yaml`` when there is a run folder; quiet elsewhere."""
     if rank != 0:
         return
     if note:
         print(f"colossal-hetero: {note}")
     if plan is not None:
         print(format_plan_summary(plan))
+        if run_dir is not None:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            dump_plan(plan, run_dir / "plan.yaml")

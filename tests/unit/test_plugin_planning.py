@@ -18,14 +18,14 @@ from colossal_hetero.config import (
     PlanConfig,
     RunConfig,
 )
-from colossal_hetero.planner.plan import format_plan_summary, with_widths
+from colossal_hetero.planner.plan import format_plan_summary, load_plan, with_widths
 from colossal_hetero.planner.resolve import (
     calibrated,
     needs_calibration,
     plan_run,
     resolve_plan,
 )
-from colossal_hetero.plugin.planning import plan_that_runs, workload_of
+from colossal_hetero.plugin.planning import announce, plan_that_runs, workload_of
 from colossal_hetero.policies import ResizableGPT2LMHeadPolicy
 from colossal_hetero.utils.probe import WorldProbe
 
@@ -138,3 +138,13 @@ def test_summary_table_fits_80_columns():
     # A 4-rank, large-vocabulary plan still fits.
     big = with_widths(plan, {"vocab": (25129, 25128)})
     assert max(len(line) for line in format_plan_summary(big).splitlines()) <= 80
+
+
+def test_announce_prints_on_rank_zero_and_writes_the_run_folder(tmp_path, capsys):
+    plan = _plan()
+    announce(plan, "", 1, tmp_path / "r1")
+    assert capsys.readouterr().out == "" and not (tmp_path / "r1").exists()
+    announce(plan, "a note", 0, tmp_path / "run")
+    out = capsys.readouterr().out
+    assert out.startswith("colossal-hetero: a note\n") and format_plan_summary(plan) in out
+    assert load_plan(tmp_path / "run" / "plan.yaml") == plan
