@@ -135,10 +135,19 @@ def cleanup_leftovers(prefix: str) -> list[str]:
 
 
 def create_topology(topology: Topology, shape_cmds: list[list[str]]) -> None:
-    """Build the namespaces and links, then shape them; on any failure remove what was made."""
+    """Build the namespaces and links, then shape them; on any failure remove what was made.
+
+    Raises ConfigError when the config needs latency and the kernel has no netem qdisc.
+    """
     try:
         for argv in setup_commands(topology) + shape_cmds:
             run_cmd(argv)
-    except BaseException:
+    except BaseException as error:
         remove_namespaces(topology.namespaces())
+        if isinstance(error, RuntimeError) and " netem " in str(error):
+            raise ConfigError(
+                "emulation.network.latency_us: shaped mode adds latency (also a link's) with the "
+                "netem qdisc (sch_netem), which this kernel lacks; set latency_us: 0 or use "
+                "mode: model"
+            ) from None
         raise
