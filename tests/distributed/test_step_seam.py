@@ -1,8 +1,9 @@
 """A plain Booster loop (no trainer, no timer calls) gets step boundaries from the plugin.
 
 Rank 1 is emulated 3x slow. Assertions use the interceptor's accounting (stretch time, counts,
-step numbers), never wall-clock ratios, so machine load cannot fail them. One spawn per
-layout groups the checks: TP=2 (with several plugins in one process) and PP=2.
+step numbers), never wall-clock ratios, so machine load cannot fail them. One spawn groups
+the checks: TP=2 (with a second plugin beside the first, and a conflicting one refused),
+then PP=2 in the same processes (plugins one after another).
 """
 
 from __future__ import annotations
@@ -178,11 +179,12 @@ def _pp2(rank: int, world_size: int, device: torch.device, folder: str) -> None:
     assert (losses[0] is None) == (rank == 0)  # only the last stage sees the loss
 
 
-@pytest.mark.dist
-def test_plain_booster_loop_tp2_steps_emulation_metrics_and_two_plugins(tmp_path: Path):
-    run_distributed(_tp2, world_size=2, folder=str(tmp_path), force_cpu=True)
+def _both(rank: int, world_size: int, device: torch.device, folder: str) -> None:
+    """TP=2 then PP=2 in one process: plugins one after another as well as side by side."""
+    _tp2(rank, world_size, device, str(Path(folder) / "tp2"))
+    _pp2(rank, world_size, device, str(Path(folder) / "pp2"))
 
 
 @pytest.mark.dist
-def test_plain_booster_loop_pp2_step_spans_the_micro_batches(tmp_path: Path):
-    run_distributed(_pp2, world_size=2, folder=str(tmp_path), force_cpu=True)
+def test_plain_booster_loop_steps_emulation_metrics_and_several_plugins(tmp_path: Path):
+    run_distributed(_both, world_size=2, folder=str(tmp_path), force_cpu=True)
