@@ -20,7 +20,12 @@ from colossal_hetero.config.schema import (
     RunConfig,
 )
 from colossal_hetero.emulation import build_interceptor
-from colossal_hetero.emulation.shaped.controller import Controller, job_step, report_step
+from colossal_hetero.emulation.shaped.controller import (
+    Controller,
+    StepReporter,
+    job_step,
+    report_step,
+)
 from colossal_hetero.emulation.shaped.launcher import (
     check_shaped_device,
     rank_command,
@@ -157,6 +162,10 @@ def test_step_reports_and_controller_decisions(tmp_path):
     report_step(tmp_path, 0, 4)
     report_step(tmp_path, 2, 5)
     assert job_step(tmp_path, 3) == 5  # the furthest rank
+    StepReporter(1, str(tmp_path)).on_step_begin(7)
+    assert job_step(tmp_path, 3) == 7
+    StepReporter(1, "").on_step_begin(9)  # outside a shaped run: nothing is written
+    assert job_step(tmp_path, 3) == 7
     specs = [
         PreemptionSpec(factor=0.5, start_step=1, end_step=2, ranks=[2]),
         PreemptionSpec(factor=0.5, start_step=2, end_step=3, ranks=[2], kind="tenant"),

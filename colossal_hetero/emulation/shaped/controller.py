@@ -40,6 +40,22 @@ def report_step(run_dir: str | os.PathLike[str], rank: int, step: int) -> None:
     os.replace(tmp, path)
 
 
+class StepReporter:
+    """A step-seam controller (``on_step_begin``) that calls ``report_step`` for this rank.
+
+    Outside a shaped run (no ``COLOSSAL_HETERO_STEP_DIR``) it does nothing. Reporting a step
+    twice (the trainer also reports) is harmless: the file just holds the same number.
+    """
+
+    def __init__(self, rank: int, run_dir: str | None = None) -> None:
+        self.rank = rank
+        self.run_dir = run_dir if run_dir is not None else os.environ.get(STEP_DIR_ENV)
+
+    def on_step_begin(self, step: int) -> None:
+        if self.run_dir:
+            report_step(self.run_dir, self.rank, step)
+
+
 def job_step(run_dir: str | os.PathLike[str], world: int) -> int | None:
     """The furthest step any rank has reported, or None before the first report."""
     steps = []
