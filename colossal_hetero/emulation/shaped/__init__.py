@@ -6,13 +6,14 @@ removes a run's namespaces; ``launcher`` starts ranks inside them as torchrun wo
 the standard-library script that makes the competing traffic.
 """
 
-from colossal_hetero.emulation.shaped.controller import STEP_DIR_ENV, report_step
+from colossal_hetero.emulation.shaped.controller import STEP_DIR_ENV, StepReporter, report_step
 from colossal_hetero.emulation.shaped.netns import check_shaped_support, cleanup_leftovers
 from colossal_hetero.emulation.shaped.topology import PREFIX_ROOT
 
 __all__ = [
     "PREFIX_ROOT",
     "STEP_DIR_ENV",
+    "StepReporter",
     "check_shaped_support",
     "cleanup_leftovers",
     "report_step",
