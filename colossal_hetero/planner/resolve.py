@@ -67,15 +67,22 @@ def unplanned_notice(config: HeteroConfig) -> str | None:
 
 
 def resolve_plan(run: RunConfig, world_size: int) -> Plan | None:
-    """The plan for ``run`` on ``world_size`` ranks, or None for Colossal-AI's even split.
+    """The plan for ``run`` on ``world_size`` ranks, or None for Colossal-AI's even split or
+    when the plugin will plan at configure after measuring the devices (``needs_calibration``).
 
     Raises:
         ConfigError: the plan file is missing or does not match the layout, or the planner
             finds the layout infeasible (a device without memory for its shard, ...).
     """
     config = run.plugin_config()
-    if not wants_plan(config) or needs_calibration(config):
-        return None  # even split, or the plugin measures the devices and plans at configure
+    if not wants_plan(config):
+        return None
+    if needs_calibration(config):
+        # The plugin measures the devices and plans at configure; plan here too, at the
+        # default rate, so that an infeasible layout (memory, heads) is refused before any
+        # collective: feasibility does not depend on the rate.
+        plan_run(run, world_size)
+        return None
     if config.plan.mode == "file":
         plan = _load(config.plan.path)
     else:

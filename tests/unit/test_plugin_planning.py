@@ -148,3 +148,11 @@ def test_announce_prints_on_rank_zero_and_writes_the_run_folder(tmp_path, capsys
     out = capsys.readouterr().out
     assert out.startswith("colossal-hetero: a note\n") and format_plan_summary(plan) in out
     assert load_plan(tmp_path / "run" / "plan.yaml") == plan
+
+
+def test_uncalibrated_infeasible_layout_is_refused_before_any_collective():
+    run = _run([1.0, 0.5])
+    tiny = [dataclasses.replace(d, memory_gib=1e-4) for d in run.cluster.devices]
+    run = dataclasses.replace(run, cluster=dataclasses.replace(run.cluster, devices=tiny))
+    with pytest.raises(ValueError, match="plan: infeasible: device 0"):
+        resolve_plan(run, 2)
