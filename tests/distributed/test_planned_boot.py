@@ -132,6 +132,6 @@ def _checks(rank, world_size, device):
     plugin.close()
 
 
-@pytest.mark.slow  # about 50 s alone, two minutes beside other work: five boosts on 3 ranks
+@pytest.mark.slow  # 2-3 min measured on the shared 2-core machine: four boosts on 3 ranks
 def test_planned_layouts_boot_and_train_one_step():
     run_distributed(_checks, world_size=3, force_cpu=True)
