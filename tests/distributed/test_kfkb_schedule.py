@@ -16,7 +16,9 @@ from colossalai.pipeline.schedule import OneForwardOneBackwardSchedule
 
 from colossal_hetero.config import HeteroConfig, ModelConfig, ParallelConfig
 from colossal_hetero.models import build_model, loss_from_outputs
+from colossal_hetero.pipeline.controller import AdaKController
 from colossal_hetero.pipeline.schedule import KFKBSchedule
+from colossal_hetero.pipeline.tuner import stage_of_rank
 from colossal_hetero.plugin import HeteroParallelPlugin
 from colossal_hetero.policies import resizable_policy
 from tests.dist_utils import run_distributed
@@ -61,7 +63,32 @@ def _assert_same(got, want, what):
         assert torch.equal(g, want_grads[name]), f"{what}: gradient of {name} differs"
 
 
-def _check_layout(rank, config: HeteroConfig, ks: list[int], policy=None) -> dict[str, int]:
+def _check_controller(schedule: KFKBSchedule, booster, model, optimizer, criterion, batch):
+    """AdaKController on 2 stages, m=4, with a 5 s latency on every link (compute is ms).
+
+    1F1B pays the 10 s round trip twice (about 20 s); k=2 hides the second behind the other
+    group (about 10 s, as do k=3 and 4, so the tie goes to 2). A budget of 2 micro-batches
+    (stage 0 holds min(2k, 4)) leaves only k=1. The same k lands on every rank."""
+    stats = schedule.last_stats
+    assert stats is not None
+    layout = stage_of_rank(pp=2, tp=1, dp=1)
+    budgets = {"large": 1e12, "two micro-batches": 2.0 * stats.activation_bytes + 1.0}
+    for name, want in (("large", 2), ("two micro-batches", 1), ("large", 2)):
+        control = AdaKController(
+            schedule, layout, budgets[name], link_seconds=lambda b: 0.0, latency_s=5.0, period=2
+        )
+        assert control.after_step(0) is None  # not a retuning step: no collective
+        record = control.after_step(1)
+        assert record is not None and record["decision"]["k"] == want == schedule.k, name
+        seen = [torch.zeros(1) for _ in range(2)]
+        torch.distributed.all_gather(seen, torch.tensor([float(schedule.k)]))
+        assert [int(x) for x in seen] == [want, want]
+        _step(booster, model, optimizer, criterion, batch)  # runs with the new k
+
+
+def _check_layout(
+    rank, config: HeteroConfig, ks: list[int], policy=None, controller: bool = False
+) -> dict[str, int]:
     """1F1B once, then KFKBSchedule with each k in turn (one object), all on the same batch.
 
     Returns the number of elements of each parameter this rank holds.
@@ -95,6 +122,8 @@ def _check_layout(rank, config: HeteroConfig, ks: list[int], policy=None) -> dic
             saved_bytes.add(stats.activation_bytes)
         # The same micro-batch computation saves the same tensors whatever the order.
         assert len(saved_bytes) == 1 and saved_bytes.pop() > 0
+        if controller:
+            _check_controller(schedule, booster, model, optimizer, criterion, batch)
         with pytest.raises(ValueError, match="^k:"):
             schedule.set_k(m + 1)
         # Forward only (no grad): Colossal-AI's own path, through the same object.
@@ -109,9 +138,8 @@ def _check_layout(rank, config: HeteroConfig, ks: list[int], policy=None) -> dic
 
 def _two_ranks(rank, world_size, device):
     # k=3 leaves a short last group; k=4=m is GPipe.
-    _check_layout(
-        rank, HeteroConfig(parallel=ParallelConfig(pp=2, num_microbatches=4)), [1, 2, 4, 3]
-    )
+    config = HeteroConfig(parallel=ParallelConfig(pp=2, num_microbatches=4))
+    _check_layout(rank, config, [1, 2, 4, 3], controller=True)
 
 
 def _four_ranks(rank, world_size, device):
