@@ -242,8 +242,7 @@ class PreemptionSpec:
     """rate: the links' bandwidth is scaled by `factor` (shaped mode: `tc change` when the job
     reaches `start_step`, undone at `end_step`). tenant: in shaped mode a tenant process pushes
     bulk TCP into these ranks (every rank when empty) through the same links over the steps,
-    with round((1 - factor) / factor) connections per rank so that TCP's fair share leaves
-    about `factor` to the job; model mode treats it as rate."""
+    paced at (1 - factor) of each rank's configured rate; model mode treats it as rate."""
 
     def __post_init__(self) -> None:
         _require(0 < self.factor <= 1, "factor", f"must be in (0, 1], got {self.factor}")
