@@ -5,8 +5,10 @@ the whole product (or block) locally and compare its own block. Checks, grouped 
 mesh groups (rows/columns partition the ranks, meet in one rank), every SUMMA kernel's blocks
 and both gradients equal the dense product's (even and uneven sizes, default and permuted
 mesh placements, i.e. TP not in the global rank order), exactly 2q collectives per kernel
-with the block sizes of the SUMMA table, q = 1 meshes (plain matmul, no collective), and the
-2D layers, a transformer block and 20 SGD steps of a tiny LM (second spawn).
+with the block sizes of the SUMMA table, q = 1 meshes (plain matmul, no collective), 20 SGD
+steps of a tiny 2D LM against single-process SGD (spawn 1); the 2D layers and a transformer
+block against the dense block, forward and every gradient, the state round trip, and the cost
+model's per-rank collective calls and elements against those counted in a real run (spawn 2).
 
 Tolerances: float64. A matmul entry is a sum of k products; two summation orders differ by at
 most 2 (k - 1) u sum|terms| (tests/tolerances.py), and sum|terms| <= (|A| |B|) entrywise, so
@@ -23,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from colossal_hetero.planner.tp2d_cost import LayerDims, Shares2D, cost_2d
 from colossal_hetero.tp2d import Mesh2D, comm2d, summa_ab, summa_abt, summa_atb
 from colossal_hetero.tp2d.block import Block2D
 from colossal_hetero.tp2d.layers import (
@@ -216,13 +219,7 @@ def _kernel_suite(rank, world_size, device):
     permuted = Mesh2D.build([[0, 1, 2, 3]], placement)
     assert permuted.layout.positions == (2, 0, 3, 1)
     _kernels(permuted, world_size)
-
-
-@pytest.mark.dist
-@pytest.mark.numerics
-@pytest.mark.timeout(180)
-def test_tp2d_mesh_and_summa_kernels():
-    run_distributed(_kernel_suite, world_size=4)
+    _check_training(permuted)
 
 
 # ---------------------------------------------------------------- layers and the block
@@ -454,17 +451,43 @@ def _check_training(mesh, steps=20, lr=0.05):
     ).abs().max() > 1e-4
 
 
+def _check_cost_model(mesh, calls):
+    """The cost model's per-rank collectives of one layer equal those the block issued."""
+    row = tuple(sorted(mesh.layout.row_ranks(mesh.i)))
+    counted: dict = {}
+    for op, ranks, numel in calls:
+        entry = counted.setdefault((op, "row" if ranks == row else "col"), [0, 0])
+        entry[0] += 1
+        entry[1] += numel
+    dims = LayerDims(batch=sum(BATCH), seq=SEQ, hidden=H, heads=sum(HEADS), ffn=sum(FFN))
+    model = cost_2d(dims, Shares2D(BATCH, HEADS, FFN), mesh.i, mesh.j)
+    assert counted == model.comm.calls, (counted, model.comm.calls)
+    # Parameters too: what this rank holds.
+    return model
+
+
 def _layer_suite(rank, world_size, device):
     placement = {2: (0, 0), 0: (0, 1), 3: (1, 0), 1: (1, 1)}  # TP not in rank order
     for mesh in (Mesh2D.build([[0, 1, 2, 3]]), Mesh2D.build([[0, 1, 2, 3]], placement)):
-        _check_block(mesh)
+        calls = _check_block(mesh)
+        model = _check_cost_model(mesh, calls)
+        held = sum(p.numel() for p in Block2D(mesh, HEADS, HEAD_DIM, FFN).parameters())
+        assert held == model.params
         _check_round_trip(mesh)
         _check_norms_and_helpers(mesh)
-    _check_training(mesh)
 
 
 @pytest.mark.dist
 @pytest.mark.numerics
 @pytest.mark.timeout(240)
-def test_tp2d_layers_block_and_training():
+def test_tp2d_layers_block_and_cost_model():
+    """Spawn 2: Block2D vs dense (both placements), the cost model's counts, norms, helpers."""
     run_distributed(_layer_suite, world_size=4)
+
+
+@pytest.mark.dist
+@pytest.mark.numerics
+@pytest.mark.timeout(240)
+def test_tp2d_mesh_kernels_and_training():
+    """Spawn 1: mesh, SUMMA kernels (default and permuted placement), 20 SGD steps."""
+    run_distributed(_kernel_suite, world_size=4)
