@@ -5,11 +5,13 @@ References are hand-computed values (200 Mbit/s = 200000000 bit, one per directi
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 
 import pytest
 import torch
+import yaml
 
 from colossal_hetero.config import ConfigError, from_dict
 from colossal_hetero.config.schema import (
@@ -266,3 +268,27 @@ def test_config_mode_and_new_fields_load_from_yaml_dicts():
 def test_tenant_refuses_addresses_outside_a_shaped_run():
     with pytest.raises(SystemExit, match="not an address of a shaped run"):
         push({"127.0.0.1": 1e6}, 5201, max_bytes=1, max_seconds=0.1)
+
+
+def test_train_command_refuses_shaped_mode_without_root(tmp_path, monkeypatch, capsys):
+    from colossal_hetero.cli import main
+
+    config = {
+        "model": {"arch": "gpt2", "hf": {"n_layer": 1, "n_embd": 16, "n_head": 2}},
+        "data": {"seq_len": 8, "global_batch_size": 2},
+        "parallel": {"tp": 2},
+        "cluster": {"device": "cpu"},
+        "train": {"steps": 1, "eval_every": 0},
+        "logging": {"dir": str(tmp_path / "run"), "progress": False, "plot": False},
+        "emulation": {"network": {"mode": "shaped", "bandwidth_gbps": 0.2}},
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)  # as a user without root
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("colossal-hetero: "), err
+    assert err[0].endswith(
+        "emulation.network.mode: shaped needs root to build network namespaces and tc links; "
+        "use mode: model (sleeps the modelled time, no privileges)"
+    )
