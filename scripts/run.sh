@@ -15,12 +15,26 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # Re-install only when the dependency declaration or the pinned set changed since the last
 # install. constraints.txt pins every package to the versions CI tested, so installs do not
-# drift when a dependency releases.
+# drift when a dependency releases. Lean by default: colossalai without the dependencies its
+# training path never imports (scripts/requirements-lean.txt); COLOSSAL_HETERO_FULL_INSTALL=1
+# installs colossalai with all of them.
 stamp=.venv/.colossal-hetero-installed
-want=$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)
+lean=scripts/requirements-lean.txt
+full=${COLOSSAL_HETERO_FULL_INSTALL:-0}
+want=$(cat pyproject.toml constraints.txt "$lean" <(echo "full=$full") | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+    # setuptools warns on every editable build that a folder named like the package could
+    # shadow it; that is this checkout, on purpose.
+    quiet_build="ignore:Editable installation:UserWarning:setuptools.command.editable_wheel"
+    pip=(env PYTHONWARNINGS="$quiet_build" .venv/bin/python -m pip install --quiet -c constraints.txt)
     .venv/bin/python -m pip install --quiet --upgrade pip
-    .venv/bin/python -m pip install --quiet -c constraints.txt -e '.[test]'
+    if [ "$full" = 1 ]; then
+        "${pip[@]}" -e '.[test]'
+    else
+        "${pip[@]}" -r "$lean"
+        "${pip[@]}" --no-deps colossalai
+        "${pip[@]}" --no-deps -e .
+    fi
     echo "$want" > "$stamp"
 fi
 
