@@ -62,7 +62,7 @@ def dense_vector_block(
     return torch.cat(pieces, -1).contiguous()
 
 
-def _column_shared(param: torch.Tensor, mesh: Mesh2D) -> torch.Tensor:
+def column_shared(param: torch.Tensor, mesh: Mesh2D) -> torch.Tensor:
     """A vector replicated down mesh column j: gradient summed over the column group."""
     return param if mesh.q == 1 else copy_to_group(param, group=mesh.col_group)
 
@@ -116,7 +116,7 @@ class Linear2D(nn.Module):
         y = summa_ab(x.reshape(-1, x.shape[-1]), self.weight, self.mesh, self.in_sizes)
         y = y.reshape(*lead, y.shape[-1])
         if self.bias is not None:
-            y = y + _column_shared(self.bias, self.mesh)
+            y = y + column_shared(self.bias, self.mesh)
         return y
 
 
@@ -166,9 +166,9 @@ class LayerNorm2D(_Norm2D):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         centred = x - self._row_mean(x)
         variance = self._row_mean(centred * centred)
-        y = centred * torch.rsqrt(variance + self.eps) * _column_shared(self.weight, self.mesh)
+        y = centred * torch.rsqrt(variance + self.eps) * column_shared(self.weight, self.mesh)
         assert self.bias is not None
-        return y + _column_shared(self.bias, self.mesh)
+        return y + column_shared(self.bias, self.mesh)
 
 
 class RMSNorm2D(_Norm2D):
@@ -179,7 +179,7 @@ class RMSNorm2D(_Norm2D):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scale = torch.rsqrt(self._row_mean(x * x) + self.eps)
-        return x * scale * _column_shared(self.weight, self.mesh)
+        return x * scale * column_shared(self.weight, self.mesh)
 
 
 class Embedding2D(nn.Module):

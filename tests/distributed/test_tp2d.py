@@ -18,6 +18,7 @@ each comparison uses that bound computed from the operands themselves.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator
 
 import pytest
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from colossal_hetero.planner.tp2d_cost import LayerDims, Shares2D, cost_2d
 from colossal_hetero.tp2d import Mesh2D, comm2d, summa_ab, summa_abt, summa_atb
 from colossal_hetero.tp2d.block import Block2D
+from colossal_hetero.tp2d.gpt2 import GPT2LM2D, GPT2Shares
 from colossal_hetero.tp2d.layers import (
     Embedding2D,
     LayerNorm2D,
@@ -473,6 +475,7 @@ def _layer_suite(rank, world_size, device):
         model = _check_cost_model(mesh, calls)
         held = sum(p.numel() for p in Block2D(mesh, HEADS, HEAD_DIM, FFN).parameters())
         assert held == model.params
+        _check_gpt2(mesh)
         _check_round_trip(mesh)
         _check_norms_and_helpers(mesh)
 
@@ -481,7 +484,7 @@ def _layer_suite(rank, world_size, device):
 @pytest.mark.numerics
 @pytest.mark.timeout(240)
 def test_tp2d_layers_block_and_cost_model():
-    """Spawn 2: Block2D vs dense (both placements), the cost model's counts, norms, helpers."""
+    """Spawn 2: Block2D and HF GPT-2 vs dense (both placements), the cost model's counts."""
     run_distributed(_layer_suite, world_size=4)
 
 
@@ -491,3 +494,57 @@ def test_tp2d_layers_block_and_cost_model():
 def test_tp2d_mesh_kernels_and_training():
     """Spawn 1: mesh, SUMMA kernels (default and permuted placement), 20 SGD steps."""
     run_distributed(_kernel_suite, world_size=4)
+
+
+def _check_gpt2(mesh):
+    """A 2-layer HF GPT-2 on the mesh: loss and gradients equal the dense HF model's."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=V,
+        n_positions=8,
+        n_embd=H,
+        n_layer=2,
+        n_head=sum(HEADS),
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    torch.manual_seed(11)  # the same dense weights on every rank
+    dense = GPT2LMHeadModel(config).to(DT)
+    reference = copy.deepcopy(dense)
+    model = GPT2LM2D(dense, mesh, GPT2Shares(BATCH, HEADS, FFN, VOCAB))
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, V, (sum(BATCH), SEQ), generator=g)
+    labels = ids.clone()
+    labels[1, 2] = -100
+    loss = model(ids, labels)
+    loss.backward()
+    # HF's own loss upcasts to float32; the float64 reference shifts and scores by hand.
+    ref_logits = reference(ids).logits
+    ref_loss = F.cross_entropy(ref_logits[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1))
+    ref_loss.backward()
+    atol = chain_atol(transformer_depth(2), 4 * H, DT, 10.0)
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=0, atol=atol)
+    ref_h = reference.transformer
+    pairs = [
+        (model.wte.weight, dense_block(ref_h.wte.weight.grad, VOCAB, WIDTHS, mesh.i, mesh.j)),
+        (model.wpe.weight, dense_vector_block(ref_h.wpe.weight.grad, WIDTHS, mesh.j)),
+        (model.ln_f.weight, dense_vector_block(ref_h.ln_f.weight.grad, WIDTHS, mesh.j)),
+    ]
+    for layer in (0, 1):
+        mine, ref = model.h[layer], ref_h.h[layer]
+        pairs += [
+            (mine.attn.c_attn.weight, param_block("qkv.weight", ref.attn.c_attn.weight.grad, mesh)),
+            (mine.attn.c_attn.bias, param_block("qkv.bias", ref.attn.c_attn.bias.grad, mesh)),
+            (mine.mlp.c_proj.weight, param_block("fc2.weight", ref.mlp.c_proj.weight.grad, mesh)),
+            (mine.ln_1.bias, param_block("ln_1.bias", ref.ln_1.bias.grad, mesh)),
+        ]
+    for param, expected in pairs:
+        torch.testing.assert_close(param.grad, expected, rtol=0, atol=atol)
+    with pytest.raises(ValueError, match="dropout 0"):
+        GPT2LM2D(
+            GPT2LMHeadModel(GPT2Config(n_embd=16, n_head=4, n_layer=1)),
+            mesh,
+            GPT2Shares(BATCH, HEADS, FFN, VOCAB),
+        )
