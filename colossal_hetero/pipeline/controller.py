@@ -40,6 +40,8 @@ class AdaKController:
         link_seconds: seconds one message of the given bytes holds this rank's outgoing link.
         latency_s: seconds added per message on this rank's outgoing link.
         period: retune after steps ``period - 1, 2 * period - 1, ...`` (0-based step numbers).
+        min_gain: candidates predicted within this fraction of the fastest tie, and the smallest
+            of them wins: measured compute jitters, and a k chosen on noise would flap.
     """
 
     def __init__(
@@ -51,12 +53,13 @@ class AdaKController:
         latency_s: float = 0.0,
         period: int = 10,
         group: dist.ProcessGroup | None = None,
+        min_gain: float = 0.01,
     ) -> None:
         if period < 1:
             raise ValueError(f"period: retune every >= 1 steps, got {period}")
         self.schedule, self.stage_of_rank, self.period = schedule, stage_of_rank, period
         self.memory_budget_bytes, self.link_seconds = memory_budget_bytes, link_seconds
-        self.latency_s, self.group = latency_s, group
+        self.latency_s, self.group, self.min_gain = latency_s, group, min_gain
 
     def local_row(self) -> list[float]:
         """This rank's measurement row from the last step (the last stage sends nothing)."""
@@ -88,7 +91,7 @@ class AdaKController:
         profile = agree_profile(matrix, self.stage_of_rank, num_stages)
         m = self.schedule.num_microbatches
         assert m is not None
-        decision = choose_k(profile, m)
+        decision = choose_k(profile, m, rel_tol=self.min_gain)
         previous = self.schedule.k
         self.schedule.set_k(decision.k)
         before = decision.step_s_by_k.get(previous)  # None: the old k no longer fits memory
