@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -50,6 +50,22 @@ def single_group(process_group: ProcessGroup | Sequence[ProcessGroup]) -> Proces
     return process_group
 
 
+class LocalOp(Protocol):
+    """A replacement for one rank's local ``F.linear`` (balance/ops: ZERO-resizing, migration).
+
+    Called as ``op(x, weight, bias, layer)`` with ``weight`` as [N_local, K_local] (a view for
+    Conv1D); must return the same shape and dtype as ``F.linear(x, weight, bias)``.
+    """
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        layer: ResizableParallelModule,
+    ) -> torch.Tensor: ...
+
+
 class ResizableParallelModule(ParallelModule):
     """Base of the resizable layers: per-rank ``widths`` over a TP ``group``.
 
@@ -63,6 +79,19 @@ class ResizableParallelModule(ParallelModule):
         self.group = group
         self.widths = check_widths(widths, group)
         self.rank = dist.get_rank(group)
+        self.local_op: LocalOp | None = None  # set by balance/ops; identical on every rank
+
+    def _local_linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x @ weight^T (+ bias) on this rank, or ``local_op`` while training with autograd on.
+
+        Eval and no-grad inference always take the plain product (no op ever runs there).
+        """
+        op = self.local_op
+        if op is None or not (self.training and torch.is_grad_enabled()):
+            return F.linear(x, weight, bias)
+        return op(x, weight, bias, self)
 
     @property
     def local_width(self) -> int:
@@ -131,7 +160,7 @@ class _ColumnParallel(ResizableParallelModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         weight = self.weight.t() if self.transposed else self.weight
         bias = None if self.skip_bias_add else self.bias
-        y_local = F.linear(copy_to_group(x, group=self.group), weight, bias)
+        y_local = self._local_linear(copy_to_group(x, group=self.group), weight, bias)
         y = self._gather(y_local) if self.gather_output else y_local
         if self.skip_bias_add:
             assert self.bias is not None  # checked in __init__
@@ -206,7 +235,7 @@ class _RowParallel(ResizableParallelModule):
         if not self.parallel_input:
             x = split_uneven(x, -1, self.widths, group=self.group)
         weight = self.weight.t() if self.transposed else self.weight
-        y = all_reduce(F.linear(x, weight), group=self.group)
+        y = all_reduce(self._local_linear(x, weight, None), group=self.group)
         return y if self.bias is None else y + self.bias
 
     @classmethod

@@ -1,0 +1,60 @@
+"""In-layer balancing ops for tensor-parallel stragglers (issue 9, the layer-operation half).
+
+- ``selection`` (pure): the kept fraction from a measured slowdown, the migrated fraction,
+  priority scores and their stale-score update, the kept/migrated/dropped split;
+- ``resize``: ZERO-resizing (a straggler computes a kept subset of the reduction dimension,
+  gradients imputed) and freezing the dropped columns in the optimizer;
+- ``migrate``: lossless lightweight migration of a straggler's lowest-priority columns to
+  helper ranks, column- and row-parallel, with a byte counter.
+
+Each op is a resizable layer's ``local_op`` (layers/linear.py): the layer's collectives are
+untouched and no op runs in eval or under no_grad. Choosing and attaching ops at run time is
+the controller's job (not wired yet; see docs/balancing-ops.md).
+"""
+
+from colossal_hetero.balance.ops.migrate import Migration, attach_migration
+from colossal_hetero.balance.ops.resize import (
+    ZeroResize,
+    attach_resize,
+    complement,
+    freeze_targets,
+    frozen_columns,
+    reduction_dim,
+    reduction_width,
+    resized_linear,
+)
+from colossal_hetero.balance.ops.selection import (
+    MigrationSplit,
+    PriorityTracker,
+    column_change,
+    kept_count,
+    kept_fraction,
+    migrated_fraction,
+    priority_order,
+    select_kept,
+    split_migration,
+    update_scores,
+)
+
+__all__ = [
+    "Migration",
+    "MigrationSplit",
+    "PriorityTracker",
+    "ZeroResize",
+    "attach_migration",
+    "attach_resize",
+    "column_change",
+    "complement",
+    "freeze_targets",
+    "frozen_columns",
+    "kept_count",
+    "kept_fraction",
+    "migrated_fraction",
+    "priority_order",
+    "reduction_dim",
+    "reduction_width",
+    "resized_linear",
+    "select_kept",
+    "split_migration",
+    "update_scores",
+]

@@ -1,0 +1,197 @@
+"""ZERO-resizing: a straggler computes only a kept subset of a layer's reduction dimension.
+
+Attached to a resizable layer as its ``local_op`` (layers/linear.py), so the layer's own
+collectives (copy_to_group / all-gather for column-parallel, the all-reduce for row-parallel)
+run unchanged and see the same shapes on every rank.
+
+On the straggler, with kept columns P and dropped D of the K reduction columns:
+    y = x[..., P] @ W[:, P]^T (+ b)                       (GEMMs on the smaller matrices)
+    dx[..., P] = dy @ W[:, P],   dW[:, P] = dy^T x[..., P],   db = sum dy (exact)
+    dx[..., D] = dW[:, D] = impute_value
+
+Imputation rule: ``impute_value`` defaults to 0. For column-parallel dx the straggler's entry
+is one term of the all-reduced sum, so 0 means "no contribution" and the other ranks' terms
+stay exact; for dW, 0 makes plain SGD leave a dropped column where it is. A stale (last
+computed) gradient was rejected: it would push a column again and again in a direction
+measured at old weights. 1e-18 reproduces the authors' code. Momentum and weight decay still
+move a dropped column unless the optimizer step runs inside :func:`frozen_columns`.
+
+Every other rank runs the plain ``F.linear``; the op is inactive in eval and under no_grad
+(the layer checks, see ``ResizableParallelModule._local_linear``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from colossal_hetero.layers.linear import (
+    ResizableConv1DCol,
+    ResizableLinearCol,
+    ResizableParallelModule,
+)
+
+
+def reduction_width(layer: ResizableParallelModule, rank: int) -> int:
+    """K on ``rank``: in_features for column-parallel, that rank's width for row-parallel."""
+    if isinstance(layer, (ResizableLinearCol, ResizableConv1DCol)):
+        return int(layer.in_features)
+    return int(layer.widths[rank])
+
+
+def reduction_dim(layer: ResizableParallelModule) -> int:
+    """The reduction dimension of ``layer.weight`` as stored (0 for Conv1D's [K, N], else 1)."""
+    return 0 if getattr(layer, "transposed", False) else 1
+
+
+def check_columns(indices: torch.Tensor, width: int, field: str) -> None:
+    """ValueError unless ``indices`` is a sorted, duplicate-free LongTensor within [0, width)."""
+    if indices.dtype != torch.long or indices.dim() != 1:
+        raise ValueError(f"{field} must be a 1-D LongTensor")
+    if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= width):
+        raise ValueError(f"{field} must lie in [0, {width})")
+    if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
+        raise ValueError(f"{field} must be sorted and without duplicates")
+
+
+def complement(indices: torch.Tensor, width: int) -> torch.Tensor:
+    """range(width) minus ``indices``, sorted (LongTensor on the same device)."""
+    mask = torch.ones(width, dtype=torch.bool, device=indices.device)
+    mask[indices] = False
+    return mask.nonzero().flatten()
+
+
+class _ResizedLinear(torch.autograd.Function):
+    """F.linear over the kept columns only; gradients in full shape with imputed entries."""
+
+    @staticmethod
+    def forward(ctx: Any, x, weight, bias, kept, impute_value):  # type: ignore[override]
+        x_kept, w_kept = x.index_select(-1, kept), weight.index_select(1, kept)
+        ctx.save_for_backward(x_kept, w_kept, kept)
+        ctx.meta = (x.shape, weight.shape, impute_value, bias is not None)
+        return F.linear(x_kept, w_kept, bias)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor):  # type: ignore[override]
+        x_kept, w_kept, kept = ctx.saved_tensors
+        x_shape, w_shape, impute_value, has_bias = ctx.meta
+        dx = dw = db = None
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        if ctx.needs_input_grad[0]:
+            dx = dy.new_full(x_shape, impute_value)
+            dx.index_copy_(dx.dim() - 1, kept, dy @ w_kept)
+        if ctx.needs_input_grad[1]:
+            dw = dy.new_full(w_shape, impute_value)
+            dw.index_copy_(1, kept, dy2.t() @ x_kept.reshape(-1, x_kept.shape[-1]))
+        if has_bias and ctx.needs_input_grad[2]:
+            db = dy2.sum(0)
+        return dx, dw, db, None, None
+
+
+def resized_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    kept: torch.Tensor,
+    impute_value: float = 0.0,
+) -> torch.Tensor:
+    """x [*, K], weight [N, K], bias [N] | None, kept [|P|] -> y [*, N] over the kept columns."""
+    return _ResizedLinear.apply(x, weight, bias, kept, impute_value)
+
+
+class ZeroResize:
+    """``local_op`` that ZERO-resizes rank ``straggler``'s GEMM to the ``kept`` columns.
+
+    ``kept``: sorted LongTensor within [0, K) of the straggler (see :func:`reduction_width`),
+    identical on every rank. With every column kept the plain F.linear runs (bitwise stock).
+    """
+
+    def __init__(self, straggler: int, kept: torch.Tensor, *, impute_value: float = 0.0) -> None:
+        self.straggler, self.kept, self.impute_value = straggler, kept, impute_value
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        layer: ResizableParallelModule,
+    ) -> torch.Tensor:
+        if layer.rank != self.straggler or self.kept.numel() == weight.shape[1]:
+            return F.linear(x, weight, bias)
+        kept = self.kept.to(x.device)
+        return resized_linear(x, weight, bias, kept, self.impute_value)
+
+    def dropped(self, layer: ResizableParallelModule) -> torch.Tensor:
+        """The straggler's dropped columns (empty on other ranks)."""
+        if layer.rank != self.straggler:
+            return torch.empty(0, dtype=torch.long)
+        return complement(self.kept.cpu(), reduction_width(layer, layer.rank))
+
+
+def attach_resize(
+    layer: ResizableParallelModule,
+    straggler: int,
+    kept: torch.Tensor,
+    *,
+    impute_value: float = 0.0,
+) -> ZeroResize:
+    """Check ``kept`` (on every rank, before any collective) and set it as ``layer.local_op``."""
+    if not 0 <= straggler < len(layer.widths):
+        raise ValueError(f"straggler must be a rank of the layer's group, got {straggler}")
+    check_columns(kept.cpu(), reduction_width(layer, straggler), "kept")
+    op = ZeroResize(straggler, kept, impute_value=impute_value)
+    layer.local_op = op
+    return op
+
+
+def freeze_targets(
+    layers: Sequence[ResizableParallelModule],
+) -> list[tuple[nn.Parameter, int, torch.Tensor]]:
+    """(weight, reduction dim, dropped columns) of each ZERO-resized layer on this rank."""
+    targets = []
+    for layer in layers:
+        op = layer.local_op
+        if isinstance(op, ZeroResize):
+            dropped = op.dropped(layer)
+            if dropped.numel():
+                weight = layer.weight
+                targets.append((weight, reduction_dim(layer), dropped.to(weight.device)))
+    return targets
+
+
+@contextmanager
+def frozen_columns(
+    optimizer: torch.optim.Optimizer,
+    targets: Sequence[tuple[nn.Parameter, int, torch.Tensor]],
+) -> Iterator[None]:
+    """Run an optimizer step with the ``targets``' columns frozen: param and state restored.
+
+    ``targets``: (param, dim, columns). Every optimizer state tensor shaped like the param
+    (momentum, Adam's moments, AMSGrad's max) gets its columns back; one created by this step
+    gets them zeroed (torch optimizers start from zeros). Scalar state (Adam's step count) is
+    shared by all columns and does advance.
+    """
+    saved = []
+    for param, dim, cols in targets:
+        state = optimizer.state.get(param, {})
+        old = {
+            k: v.index_select(dim, cols).clone()
+            for k, v in state.items()
+            if torch.is_tensor(v) and v.shape == param.shape
+        }
+        saved.append((param, dim, cols, param.detach().index_select(dim, cols).clone(), old))
+    yield
+    with torch.no_grad():
+        for param, dim, cols, values, old in saved:
+            param.index_copy_(dim, cols, values)
+            for key, value in optimizer.state.get(param, {}).items():
+                if torch.is_tensor(value) and value.shape == param.shape:
+                    if key in old:
+                        value.index_copy_(dim, cols, old[key])
+                    else:
+                        value.index_fill_(dim, cols, 0)
