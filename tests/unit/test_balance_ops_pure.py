@@ -137,3 +137,98 @@ def test_split_migration_partitions():  # O-M2
             assert scores[split.compute].min() >= scores[split.dropped].max()
     with pytest.raises(ValueError, match="migrate_count"):
         split_migration(scores, k, 1, 1)
+
+
+def test_resized_linear_flops_scale_with_kept_columns():  # O-A7, by accounting, not timing
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from colossal_hetero.balance.ops import resized_linear
+
+    x = torch.randn(6, 5, 16, requires_grad=True)
+    weight = torch.randn(12, 16, requires_grad=True)
+    bias = torch.randn(12, requires_grad=True)
+
+    def flops(fn):
+        with FlopCounterMode(display=False) as counter:
+            fn().sum().backward()
+        return counter.get_total_flops()
+
+    stock = flops(lambda: torch.nn.functional.linear(x, weight, bias))
+    for count in (4, 8, 12):
+        kept = torch.arange(0, 16, 16 // count)[:count]
+        # forward and both backward GEMMs: 3 x 2 x (6*5) x 12 x |P|
+        assert (
+            flops(lambda kept=kept: resized_linear(x, weight, bias, kept))
+            == 3 * 2 * 30 * 12 * count
+        )
+    assert stock == 3 * 2 * 30 * 12 * 16
+
+
+def test_resized_linear_against_hand_reference():  # O-A3, O-A4 in one process
+    from colossal_hetero.balance.ops import resized_linear
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 7, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(5, 7, generator=gen, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(5, generator=gen, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(2, 3, 5, generator=gen, dtype=torch.float64)
+    kept, dropped = torch.tensor([0, 3, 4, 6]), torch.tensor([1, 2, 5])
+    for impute in (0.0, 1e-18):
+        for t in (x, weight, bias):
+            t.grad = None
+        y = resized_linear(x, weight, bias, kept, impute)
+        (y * dy).sum().backward()
+        # hand reference: the sum over the kept columns, term by term, in float64
+        ref = sum(x[..., j, None] * weight[:, j] for j in kept.tolist()) + bias
+        # 4 products plus bias, summed in another order: 5 terms of size < 5 * 5, 2 (k-1) u
+        atol = 2 * 4 * torch.finfo(torch.float64).eps / 2 * 5 * 25
+        torch.testing.assert_close(y, ref.detach(), rtol=0.0, atol=atol)
+        y_full = torch.nn.functional.linear(x, weight, bias)
+        dropped_part = x[..., dropped] @ weight[:, dropped].t()
+        torch.testing.assert_close(y_full - y, dropped_part, rtol=0.0, atol=2 * atol)  # O-A3
+        dy2, x2 = dy.reshape(-1, 5), x.detach().reshape(-1, 7)
+        # kept entries: the same GEMMs on the same operands (O-A4 says exactly; allow 1 order)
+        torch.testing.assert_close(
+            x.grad[..., kept], dy @ weight.detach()[:, kept], rtol=0, atol=atol
+        )
+        torch.testing.assert_close(weight.grad[:, kept], dy2.t() @ x2[:, kept], rtol=0, atol=atol)
+        assert bool((x.grad[..., dropped] == impute).all())
+        assert bool((weight.grad[:, dropped] == impute).all())
+        assert torch.equal(bias.grad, dy2.sum(0))
+
+
+def test_frozen_columns_sgd_and_adamw():  # O-A5 on a plain parameter
+    from colossal_hetero.balance.ops import frozen_columns
+
+    cols = torch.tensor([1, 3])
+    for make in (
+        lambda p: torch.optim.SGD([p], lr=0.1, momentum=0.9, weight_decay=0.1),
+        lambda p: torch.optim.AdamW([p], lr=0.1, weight_decay=0.1),
+        lambda p: torch.optim.Adam([p], lr=0.1, weight_decay=0.1, amsgrad=True),
+    ):
+        param = torch.nn.Parameter(torch.randn(3, 5, generator=torch.Generator().manual_seed(0)))
+        optimizer = make(param)
+        for step in range(3):
+            param.grad = torch.randn(3, 5, generator=torch.Generator().manual_seed(step + 1))
+            if step == 0:  # build momentum on every column first
+                optimizer.step()
+                continue
+            before = param.detach().clone()
+            state = {
+                k: v.clone() for k, v in optimizer.state[param].items() if v.shape == param.shape
+            }
+            with frozen_columns(optimizer, [(param, 1, cols)]):
+                optimizer.step()
+            assert torch.equal(param.detach()[:, cols], before[:, cols])
+            assert not torch.equal(param.detach(), before)  # the other columns moved
+            for key, value in state.items():
+                assert torch.equal(optimizer.state[param][key][:, cols], value[:, cols]), key
+        # a state created by the frozen step itself starts at zero on the frozen columns
+        fresh = torch.nn.Parameter(torch.randn(3, 5))
+        optimizer = make(fresh)
+        fresh.grad = torch.ones(3, 5)
+        with frozen_columns(optimizer, [(fresh, 0, torch.tensor([2]))]):
+            optimizer.step()
+        for value in optimizer.state[fresh].values():
+            if value.shape == fresh.shape:
+                assert not value[2].any()
