@@ -9,8 +9,9 @@ Between two collectives a rank computes; at each collective the interceptor
       after a device sync on accelerators;
   (b) runs the real collective and times it (communication wait), by kind (``COMM_KINDS``),
       counting the bytes it sends;
-  (c) books the call's modelled transfer on this rank's link (``LinkTimeline``: FIFO per
-      direction), from when the real call returned, and sleeps until the transfer completes;
+  (c) books the call's modelled transfer on this rank's link (``LinkTimeline``: per
+      direction, a bounded queue wait, then the rate shared among process groups, each group
+      in order), from when the real call returned, and sleeps until the transfer completes;
   (d) starts the next compute interval.
 Async calls book their transfer at issue, so it runs while the rank computes; their ``wait()``
 is a boundary like a collective and sleeps only what remains of the transfer. With neither a

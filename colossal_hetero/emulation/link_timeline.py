@@ -1,33 +1,35 @@
 """One rank's network link as a timeline: when does a transfer issued at ``t`` complete?
 
 Pure: no clocks, no torch. Times are seconds on any one monotonic clock; durations are the
-network model's times for each transfer.
+network model's times for each transfer (its bytes at the link's full rate).
 
 Semantics: a full-duplex link whose two directions, egress (what the rank sends) and ingress
-(what it receives), each drain a first-in first-out queue holding at most ``queue`` seconds
-of traffic, as a switch port's buffer does. Transfers travel on streams (one connection, e.g.
-one process group's sockets), and a stream delivers its bytes in order. A transfer uses one or
-both directions, for its own duration on each:
+(what it receives), are each a server shared by the transfers on it. Transfers travel on
+streams (one connection, e.g. one process group's sockets), and a stream delivers its bytes in
+order. A transfer uses one or both directions, for its own duration of work on each:
 
-- it waits for the earlier transfers of its own stream, and behind other streams' traffic for
-  at most ``queue`` seconds:
-  ``start = issue + max over its directions d of max(min(backlog[d], queue), own[d])``, where
-  ``backlog[d]`` is how long ``d`` stays busy after ``issue`` and ``own[d]`` how long the
-  stream's own earlier transfers still run on it;
-- it then holds each direction for its duration there and completes when the longer ends:
-  ``completion = start + max(seconds[d])``;
-- the link conserves work: a transfer that starts ahead of other streams' remaining bytes
-  delays every booked transfer still running on that direction by its own duration there, so
-  the direction is busy for the same total.
+- it waits behind the traffic already on the link for at most ``queue`` seconds, as behind a
+  switch port's buffer:
+  ``start = issue + max over its directions d of min(backlog[d], queue)``, where
+  ``backlog[d]`` is how long ``d`` stays busy after ``issue``;
+- from ``start`` it is served on each direction once its stream's earlier transfers there
+  are done (a stream is first-in first-out);
+- a direction shares its rate equally among the streams it is serving (processor sharing, as
+  TCP connections through one bottleneck share it): ``k`` streams served at once each move at
+  ``1/k`` of the rate, so a transfer of ``s`` seconds alone takes ``k s`` while they overlap;
+- it completes when its last direction is done.
 
-So two transfers of one stream issued together complete at the first's time and at the sum of
-both (FIFO); on two streams, the second waits for the queue (or for the first, if shorter),
-and the first then ends that much later; either way the two together take the sum of their
-times. With ``queue = inf`` every stream is FIFO behind all traffic. Why bounded: a bulk TCP
-transfer through a shaper keeps the shaper's queue full, not its whole payload queued (the
-rest waits in the sender's socket), so another connection's bytes wait behind the queue's
-backlog only. A transfer of zero seconds (nothing modelled) uses no direction and completes at
-its issue time.
+The link conserves work: a direction is busy while anything is served on it, for the sum of
+the durations booked on it. So two transfers issued together take the sum of their times: on
+one stream the second completes at the sum (FIFO); on two streams the second waits for the
+queue (or for the first, if shorter), then both share the link and the later of the two
+completes at the sum. With ``queue = inf`` a transfer waits for everything booked before it.
+Why a bounded wait and then sharing: a bulk TCP transfer through a shaper keeps the shaper's
+queue full, not its whole payload queued (the rest waits in the sender's socket), so another
+connection's first bytes wait behind the queue's backlog; after that both connections have
+bytes in the queue and the shaper serves them in turn. A transfer of zero seconds (nothing
+modelled) uses no direction and completes at its issue time. Booking a transfer never moves
+an earlier one's completion earlier; it may move it later.
 """
 
 from __future__ import annotations
@@ -42,14 +44,14 @@ EGRESS, INGRESS = 0, 1
 
 @dataclass(slots=True)
 class Booking:
-    """One booked transfer. Its ends move later when another stream's transfer, booked after
-    it, starts ahead of its remaining bytes (work conservation)."""
+    """One booked transfer. Its ends move later when transfers booked after it share a
+    direction with it."""
 
     stream: Hashable
     """The connection it travels on."""
 
     start: float
-    """When its bytes start to move (after waiting behind the queue)."""
+    """When it may start to move bytes (after waiting behind the queue)."""
 
     ends: list[float] = field(default_factory=lambda: [-math.inf, -math.inf])
     """When it stops using each direction (``EGRESS``, ``INGRESS``); -inf if it does not."""
@@ -61,46 +63,85 @@ class Booking:
 
 
 @dataclass(slots=True)
+class _Share:
+    """A booking's use of one direction: seconds of full-rate work still to do."""
+
+    booking: Booking
+    remaining: float
+
+
+@dataclass(slots=True)
 class LinkTimeline:
     """The bookings of one rank's link; ``book`` adds one and returns it."""
 
     queue: float = math.inf
     """Seconds of traffic a direction's queue holds: the longest a transfer waits behind
-    other streams (inf: FIFO behind everything)."""
+    traffic booked before it (inf: behind everything)."""
 
     busy_until: list[float] = field(default_factory=lambda: [-math.inf, -math.inf])
     """When each direction drains everything booked on it."""
 
-    running: list[Booking] = field(default_factory=list)
-    """Bookings not complete at the last issue, which later ones may still delay (issues come
-    in clock order, so a booking complete then stays complete)."""
+    lanes: list[list[_Share]] = field(default_factory=lambda: [[], []])
+    """Per direction, the shares not done at ``served_to``, in booking order."""
+
+    served_to: float = -math.inf
+    """The time up to which ``lanes`` has been served (the last issue)."""
 
     def book(
         self, issue: float, egress: float = 0.0, ingress: float = 0.0, stream: Hashable = None
     ) -> Booking:
-        """Book a transfer on ``stream`` issued at ``issue`` needing ``egress`` seconds of
-        sending and ``ingress`` seconds of receiving; returns its booking
-        (``completion >= issue``).
+        """Book a transfer on ``stream`` issued at ``issue`` (not before the previous issue)
+        needing ``egress`` seconds of sending and ``ingress`` seconds of receiving; returns its
+        booking (``completion >= issue``), whose ends later bookings may move later.
 
         Raises ValueError for a negative duration (an internal error: model times are >= 0).
         """
         seconds = (egress, ingress)
         if min(seconds) < 0 or self.queue < 0:
             raise ValueError(f"durations must be >= 0, got {egress}, {ingress}, {self.queue}")
+        assert issue >= self.served_to, "transfers are booked in clock order"
         used = [d for d in (EGRESS, INGRESS) if seconds[d] > 0]
-        self.running = [b for b in self.running if b.completion > issue]
-        start = issue
+        for d in (EGRESS, INGRESS):  # what was served until now stays as it was
+            self.lanes[d] = _serve(self.lanes[d], d, self.served_to, issue)
+        self.served_to = issue
+        queued = [min(max(0.0, self.busy_until[d] - issue), self.queue) for d in used]
+        booking = Booking(stream, issue + max(queued, default=0.0))
         for d in used:
-            queued = min(max(0.0, self.busy_until[d] - issue), self.queue)
-            own = max((b.ends[d] for b in self.running if b.stream == stream), default=issue)
-            start = max(start, issue + queued, own)
-        booking = Booking(stream, start)
-        for d in used:
-            for other in self.running:  # it goes ahead of their remaining bytes: delay them
-                if other.stream != stream and other.ends[d] > start:
-                    other.ends[d] += seconds[d]
-            self.busy_until[d] = max(self.busy_until[d], start) + seconds[d]
-            booking.ends[d] = start + seconds[d]
-        if used:
-            self.running.append(booking)
+            self.busy_until[d] = max(self.busy_until[d], booking.start) + seconds[d]
+            self.lanes[d].append(_Share(booking, seconds[d]))
+            # Project every share's end from now: the new one may slow those it overlaps.
+            _serve([_Share(s.booking, s.remaining) for s in self.lanes[d]], d, issue, math.inf)
         return booking
+
+
+def _serve(lane: list[_Share], d: int, now: float, until: float) -> list[_Share]:
+    """Serve ``lane`` (direction ``d``'s shares, in booking order) from ``now`` to ``until``:
+    each stream's first unfinished share is served once its booking has started, all served
+    shares at an equal part of the rate. Decreases ``remaining``, sets the booking's end on
+    ``d`` for every share finished by ``until``, and returns the unfinished ones."""
+    t = now
+    while lane and t < until:
+        heads: dict[Hashable, _Share] = {}
+        for share in lane:
+            heads.setdefault(share.booking.stream, share)
+        served = [s for s in heads.values() if s.booking.start <= t]
+        arrival = min(
+            (s.booking.start for s in heads.values() if s.booking.start > t), default=math.inf
+        )
+        if not served:  # idle until the next stream may start
+            t = min(arrival, until)
+            continue
+        k, least = len(served), min(s.remaining for s in served)
+        finish = t + least * k
+        step_to = min(finish, arrival, until)
+        for share in served:
+            if step_to == finish and share.remaining == least:
+                share.remaining = 0.0  # exact: no rounding of (finish - t) / k
+                share.booking.ends[d] = finish
+            else:
+                share.remaining -= (step_to - t) / k
+                if share.remaining <= 0.0:  # rounding left nothing: it ends here
+                    share.booking.ends[d] = step_to
+        lane = [s for s in lane if s.remaining > 0.0]
+        t = step_to
+    return lane

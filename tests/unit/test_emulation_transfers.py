@@ -233,11 +233,11 @@ def test_a_sync_call_queues_behind_an_async_one_in_flight(rig: Any) -> None:
     assert timing.comm_wait == 10 / 64
 
 
-def test_another_group_waits_for_the_queue_not_for_the_whole_transfer(
+def test_another_group_waits_for_the_queue_then_shares_the_link(
     rig: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two process groups are two connections: the all-to-all waits behind the link's queue
-    (2/64 s of traffic), not behind the whole all-reduce, which then ends that much later."""
+    (2/64 s of traffic), not behind the whole all-reduce, and then the two share the link."""
     clock, fakes = rig
     monkeypatch.setattr(dist, "get_process_group_ranks", lambda group: [0, 1])
     gradients, experts = object(), object()  # stand-ins for two process groups of ranks 0, 1
@@ -246,12 +246,14 @@ def test_another_group_waits_for_the_queue_not_for_the_whole_transfer(
         work = dist.all_reduce(_floats(8), group=gradients, async_op=True)  # 8/64 s
         dist.all_to_all_single(torch.empty(0), _floats(4), group=experts)  # 2/64 s
         work.wait()
-    # The all-to-all is booked at 1/64, waits the queue's 2/64 and moves for 2/64: done at 5/64
-    # (sleeps 4/64); the all-reduce then ends at 8/64 + 2/64 (sleeps 10/64 - 5/64).
-    assert clock.sleeps == [4 / 64, 5 / 64]
+    # The all-to-all is booked at 1/64 and starts after the queue's 2/64, at 3/64; sharing the
+    # link at half the rate, its 2/64 s take 4/64: done at 7/64 (sleeps 6/64). The all-reduce
+    # moved 3/64 alone, 2/64 shared, and its last 3/64 alone: done at 10/64, the sum of both
+    # (sleeps 10/64 - 7/64).
+    assert clock.sleeps == [6 / 64, 3 / 64]
     timing = ic.last_timing
     assert (
-        timing.wait_by_kind["all_to_all"] == 5 / 64 and timing.wait_by_kind["all_reduce"] == 5 / 64
+        timing.wait_by_kind["all_to_all"] == 7 / 64 and timing.wait_by_kind["all_reduce"] == 3 / 64
     )
 
 

@@ -1,6 +1,7 @@
-"""LinkTimeline: per-stream FIFO behind a bounded queue on each direction of a full-duplex
-link, against hand-computed completions. Durations are multiples of 1/8 s (exact in binary),
-so times compare exactly."""
+"""LinkTimeline: a bounded queue wait, then processor sharing among streams (each stream FIFO)
+on each direction of a full-duplex link, against hand-computed completions. Durations are
+multiples of 1/8 s and at most two streams share at once where times compare exactly (halves
+of dyadic numbers are exact in binary); the three-way case says its tolerance."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ def test_a_lone_transfer_completes_its_time_after_issue() -> None:
 
 
 def test_one_stream_is_fifo_whatever_the_queue() -> None:
-    for queue in (math.inf, 0.125):
+    for queue in (math.inf, 0.125, 0.0):
         link = LinkTimeline(queue)
         first = link.book(0.0, egress=0.375)
         second = link.book(0.0, egress=0.125)  # waits for the first: ends at the sum
@@ -34,15 +35,24 @@ def test_an_unbounded_queue_makes_every_stream_wait_for_everything() -> None:
     assert (bulk.completion, small.completion) == (1.0, 1.125)
 
 
-def test_another_stream_waits_for_the_queue_and_delays_the_bulk() -> None:
+def test_another_stream_waits_for_the_queue_then_shares_the_rate() -> None:
     link = LinkTimeline(queue=0.25)
     bulk = link.book(0.0, egress=1.0, stream="a")
     small = link.book(0.125, egress=0.125, stream="b")  # 0.875 s booked ahead, queue 0.25 s
-    assert small.completion == 0.125 + 0.25 + 0.125
-    assert bulk.completion == 1.125  # the link did the small transfer's bytes first
-    # The bulk's stream stays in order: its next transfer follows the delayed bulk.
-    assert link.book(0.25, egress=0.125, stream="a").completion == 1.25
-    # A backlog shorter than the queue is waited out in full.
+    # Starts at 0.375; two streams at half the rate each: its 0.125 s take 0.25 s.
+    assert small.completion == 0.125 + 0.25 + 2 * 0.125
+    # The bulk moved 0.375 s alone, 0.125 s while shared, then its last 0.5 s alone.
+    assert bulk.completion == 0.625 + 0.5 == 1.125 == link.busy_until[0]
+
+
+def test_a_stream_keeps_its_order_while_sharing() -> None:
+    link = LinkTimeline(queue=0.25)
+    bulk = link.book(0.0, egress=1.0, stream="a")
+    small = link.book(0.125, egress=0.125, stream="b")
+    # Issued at 0.25 on the bulk's stream: it waits for the bulk (now ending at 1.125).
+    after = link.book(0.25, egress=0.125, stream="a")
+    assert (bulk.completion, small.completion, after.completion) == (1.125, 0.625, 1.25)
+    # A backlog shorter than the queue is waited out in full, then it runs alone.
     link.book(2.0, egress=0.125, stream="a")
     assert link.book(2.0, egress=0.5, stream="b").completion == 2.625
     assert link.busy_until == [2.625, -math.inf]
@@ -52,8 +62,24 @@ def test_two_streams_together_take_the_sum_of_their_times() -> None:
     link = LinkTimeline(queue=0.125)
     first = link.book(0.0, egress=0.5, stream="a")
     second = link.book(0.0, egress=0.375, stream="b")
-    assert second.completion == 0.125 + 0.375  # behind the queue only
-    assert first.completion == 0.5 + 0.375 == link.busy_until[0]
+    # first alone to 0.125 (0.375 left), then both at half: each needs 0.75 s more.
+    assert second.completion == first.completion == 0.5 + 0.375 == link.busy_until[0]
+    third = LinkTimeline(queue=0.0)
+    a = third.book(0.0, egress=0.25, stream="a")
+    b = third.book(0.0, egress=0.5, stream="b")
+    assert (a.completion, b.completion) == (0.5, 0.75)  # shared to 0.5, then b alone
+
+
+def test_three_streams_share_in_thirds() -> None:
+    link = LinkTimeline(queue=0.0)
+    a = link.book(0.0, egress=0.25, stream="a")
+    b = link.book(0.0, egress=0.5, stream="b")
+    c = link.book(0.0, egress=0.5, stream="c")
+    # Thirds until a is done (0.75), then halves for b's and c's 0.25 s left (0.5 s more).
+    # Tolerance: (0.75 - 0) / 3 is rounded once, an error of ~1e-16 s.
+    assert a.completion == 0.75
+    assert b.completion == pytest.approx(1.25, abs=1e-12)
+    assert c.completion == pytest.approx(1.25, abs=1e-12) and link.busy_until[0] == 1.25
 
 
 def test_directions_are_independent_and_a_two_way_transfer_waits_for_both() -> None:
@@ -69,27 +95,27 @@ def test_directions_are_independent_and_a_two_way_transfer_waits_for_both() -> N
     assert link.book(1.0, egress=0.125).completion == 1.25  # egress freed at 1.125, not 1.5
 
 
-def test_a_cut_in_delays_only_the_directions_it_uses() -> None:
+def test_sharing_slows_only_the_directions_it_uses() -> None:
     link = LinkTimeline(queue=0.0)
     both = link.book(0.0, egress=1.0, ingress=0.5, stream="a")
-    link.book(0.0, ingress=0.25, stream="b")  # ahead of the ingress half only
+    link.book(0.0, ingress=0.25, stream="b")  # shares the ingress half only
     assert both.ends == [1.0, 0.75] and both.completion == 1.0
-    link.book(0.0, egress=0.125, stream="c")
-    assert both.completion == 1.125
+    small = link.book(0.0, egress=0.125, stream="c")
+    assert small.completion == 0.25 and both.completion == 1.125
 
 
 def test_a_free_transfer_neither_queues_nor_occupies() -> None:
     link = LinkTimeline()
     link.book(0.0, egress=1.0, ingress=1.0)
     assert link.book(0.5).completion == 0.5  # nothing modelled: completes at issue
-    assert link.busy_until == [1.0, 1.0] and len(link.running) == 1
+    assert link.busy_until == [1.0, 1.0] and [len(lane) for lane in link.lanes] == [1, 1]
 
 
 def test_completed_bookings_are_dropped_and_keep_their_times() -> None:
     link = LinkTimeline(queue=0.0)
     old = link.book(0.0, egress=0.25, stream="a")
     link.book(1.0, egress=0.25, stream="b")  # after `old` completed: cannot delay it
-    assert old.completion == 0.25 and len(link.running) == 1
+    assert old.completion == 0.25 and len(link.lanes[0]) == 1
 
 
 def test_negative_durations_are_refused() -> None:
