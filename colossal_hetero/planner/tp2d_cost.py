@@ -27,6 +27,7 @@ moves weights too, so it loses when bs is small against h.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -212,3 +213,67 @@ def compare(dims: LayerDims, tp: int) -> dict[str, LayerCost]:
         "1d-sp": cost_1d(dims, tp, sequence_parallel=True),
         "2d": cost_2d(dims, Shares2D.even(dims, q)),
     }
+
+
+@dataclass(frozen=True)
+class Placement2D:
+    """Devices on mesh positions and block sizes; ``slowest`` = max_ij b_i a_j / speed_ij."""
+
+    positions: tuple[int, ...]  # device index at mesh position i * q + j
+    batch_sizes: tuple[int, ...]
+    head_counts: tuple[int, ...]
+    slowest: float
+
+
+def block_time(
+    speeds: Sequence[float], positions: Sequence[int], batch: Sequence[int], heads: Sequence[int]
+) -> float:
+    """max over mesh blocks of b_i a_j / speed of the device at (i, j) (work per unit speed).
+
+    Every linear of rank (i, j) costs b_i s in out_j, so its time is proportional to
+    b_i a_j (out_j in whole heads) over the device's speed; a SUMMA step waits for the slowest.
+    """
+    q = len(batch)
+    return max(
+        batch[i] * heads[j] / speeds[positions[i * q + j]] for i in range(q) for j in range(q)
+    )
+
+
+def _compositions(total: int, parts: int) -> list[tuple[int, ...]]:
+    if parts == 1:
+        return [(total,)]
+    return [(k, *rest) for k in range(total + 1) for rest in _compositions(total - k, parts - 1)]
+
+
+def place_2d(
+    speeds: Sequence[float], batch: int, heads: int, *, max_evaluations: int = 2_000_000
+) -> Placement2D:
+    """Exhaustive best placement and shares: minimal ``block_time`` (first minimum found).
+
+    Tries every device-to-position permutation and every split of ``batch`` over mesh rows
+    and of ``heads`` over mesh columns (zeros allowed: a device may be left idle). ValueError
+    when len(speeds) is not a square, a speed is not positive, or the search would take more
+    than ``max_evaluations`` evaluations (small meshes only: q = 2 is 24 placements).
+    """
+    q = math.isqrt(len(speeds))
+    if q * q != len(speeds) or not speeds:
+        raise ValueError(
+            f"parallel.tp: 2D tensor parallelism needs a square size, got {len(speeds)}"
+        )
+    if min(speeds) <= 0:
+        raise ValueError(f"device speeds must be > 0, got {list(speeds)}")
+    batches, head_splits = _compositions(batch, q), _compositions(heads, q)
+    count = math.factorial(q * q) * len(batches) * len(head_splits)
+    if count > max_evaluations:
+        raise ValueError(
+            f"exhaustive 2D placement would evaluate {count} cases (> {max_evaluations})"
+        )
+    best: Placement2D | None = None
+    for positions in itertools.permutations(range(q * q)):
+        for b in batches:
+            for a in head_splits:
+                t = block_time(speeds, positions, b, a)
+                if best is None or t < best.slowest:
+                    best = Placement2D(tuple(positions), b, a, t)
+    assert best is not None
+    return best

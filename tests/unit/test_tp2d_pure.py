@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from colossal_hetero.planner.tp2d_cost import LayerDims, Shares2D, compare, cost_1d, cost_2d
+from colossal_hetero.planner.tp2d_cost import (
+    LayerDims,
+    Shares2D,
+    block_time,
+    compare,
+    cost_1d,
+    cost_2d,
+    place_2d,
+)
 from colossal_hetero.tp2d.layout import (
     MeshLayout,
     block_shape_2d,
@@ -145,3 +153,24 @@ def test_cost_model_uneven_and_errors():
         cost_2d(dims, Shares2D((2, 2), (3, 3), (32, 32)))
     with pytest.raises(ValueError, match="multiple of heads"):
         LayerDims(batch=1, seq=1, hidden=10, heads=4)
+
+
+def test_resizable_placement_one_half_speed_device():
+    speeds = [1.0, 1.0, 1.0, 0.5]
+    even = block_time(speeds, (0, 1, 2, 3), (4, 4), (4, 4))
+    assert even == 4 * 4 / 0.5  # the slow device's even block sets the pace: 32
+    best = place_2d(speeds, batch=8, heads=8)
+    # Slow device on its own row and column, that row (or column) shrunk to 3: blocks 5x4 = 20
+    # at most on the fast ones and 3x4 / 0.5 = 24 on the slow one; no split does better (exhaustive:
+    # 24 placements x 9 x 9 splits), so resizable 2D is 32 / 24 = 1.33x even 2D.
+    assert best.slowest == 24
+    assert block_time(speeds, best.positions, best.batch_sizes, best.head_counts) == 24
+    i, j = divmod(best.positions.index(3), 2)
+    assert best.batch_sizes[i] * best.head_counts[j] == 12  # the slow block: 12 / 0.5
+    assert place_2d([1.0] * 4, batch=8, heads=8).slowest == 16  # equal devices: even is best
+    with pytest.raises(ValueError, match="square"):
+        place_2d([1.0] * 3, batch=4, heads=4)
+    with pytest.raises(ValueError, match="> 0"):
+        place_2d([1.0, 0.0, 1.0, 1.0], batch=4, heads=4)
+    with pytest.raises(ValueError, match="exhaustive"):
+        place_2d([1.0] * 9, batch=30, heads=30)
