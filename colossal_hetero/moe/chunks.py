@@ -1,0 +1,97 @@
+"""Fixed gradient chunks and the chunk size (pure: no torch.distributed).
+
+The gradient all-reduce is cut into chunks whose boundaries depend only on the parameters'
+sizes and dtypes and a chunk size in bytes, never on routing or timing, so every rank builds
+the same chunks in the same order. Parameters are walked in *reverse* registration order (the
+order backward usually produces their gradients); a chunk packs consecutive parameters, or
+slices of one, up to ``chunk_bytes``, and never mixes dtypes (it is one flat buffer).
+
+Chunk size (Lina's tensor partitioning, digest section 3.3): with an all-reduce of ``S`` bytes
+costing ``T(S) = alpha + S / beta``, an a2a that becomes ready waits for at most the
+``max_inflight`` chunks already on the wire, ``max_inflight * T(S)``, while the efficiency of
+the chunked all-reduce is ``(S / beta) / T(S)``. :func:`chunk_bytes_for` returns the smallest
+``S`` with efficiency >= ``target``: ``S >= target / (1 - target) * alpha * beta``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Elements ``[start, stop)`` of the flattened parameter ``param`` (its registration index)."""
+
+    param: int
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One all-reduce: its segments, concatenated in order into a flat buffer of ``numel``."""
+
+    index: int
+    segments: tuple[Segment, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return sum(s.stop - s.start for s in self.segments)
+
+    @property
+    def params(self) -> tuple[int, ...]:
+        return tuple(dict.fromkeys(s.param for s in self.segments))
+
+
+def plan_chunks(
+    numels: Sequence[int], dtypes: Sequence[torch.dtype], chunk_bytes: int
+) -> tuple[Chunk, ...]:
+    """Chunks over parameters ``numels[i]`` of ``dtypes[i]``, last parameter first.
+
+    Every element of every parameter is in exactly one chunk; a chunk holds at most
+    ``chunk_bytes // itemsize`` elements. ValueError (naming ``moe.chunk_bytes``) when the size is
+    not positive or smaller than one element.
+    """
+    if len(numels) != len(dtypes):
+        raise ValueError("plan_chunks: need one dtype per parameter")
+    if chunk_bytes <= 0:
+        raise ValueError(f"moe.chunk_bytes must be > 0, got {chunk_bytes}")
+    chunks: list[Chunk] = []
+    segments: list[Segment] = []
+    room, current = 0, None
+    for param in reversed(range(len(numels))):
+        dtype = dtypes[param]
+        capacity = chunk_bytes // dtype.itemsize
+        if capacity < 1:
+            raise ValueError(
+                f"moe.chunk_bytes={chunk_bytes} is smaller than one {dtype} element "
+                f"({dtype.itemsize} bytes)"
+            )
+        start = 0
+        while start < numels[param]:
+            if room == 0 or dtype != current:
+                if segments:
+                    chunks.append(Chunk(len(chunks), tuple(segments), current))  # type: ignore[arg-type]
+                segments, room, current = [], capacity, dtype
+            stop = min(numels[param], start + room)
+            segments.append(Segment(param, start, stop))
+            room -= stop - start
+            start = stop
+    if segments:
+        chunks.append(Chunk(len(chunks), tuple(segments), current))  # type: ignore[arg-type]
+    return tuple(chunks)
+
+
+def chunk_bytes_for(alpha_s: float, beta_bytes_per_s: float, target: float = 0.9) -> int:
+    """Smallest chunk size (bytes) whose all-reduce efficiency ``(S/beta) / (alpha + S/beta)``
+    reaches ``target`` (in (0, 1)), from a measured latency ``alpha_s`` and bandwidth."""
+    if not 0 < target < 1:
+        raise ValueError(f"moe.chunk_efficiency must be in (0, 1), got {target}")
+    if alpha_s < 0 or beta_bytes_per_s <= 0:
+        raise ValueError("chunk size: need alpha >= 0 and beta > 0 from the profile")
+    return max(1, math.ceil(target / (1 - target) * alpha_s * beta_bytes_per_s))

@@ -1,0 +1,223 @@
+"""Chunked, prioritised gradient all-reduce (Lina's a2a-over-all-reduce priority), runtime half.
+
+Contract, for one data-parallel ``group`` (the gradient group):
+
+- Gradients are reduced in the fixed chunks of :func:`.chunks.plan_chunks` (routing-independent).
+  A post-accumulate-grad hook marks a parameter ready; a chunk is *ready* when all its
+  parameters are. Chunks are launched with async ``all_reduce`` (SUM, then divided by the group
+  size if ``average``) on ``group``, strictly in chunk order: chunk ``c`` is launched only after
+  chunks ``0..c-1``.
+- At most ``max_inflight`` chunks are on the wire (``None``: no limit). A full window never
+  blocks a hook: the chunk waits in the queue and a later hook, the end of an a2a or ``flush``
+  launches it.
+- With ``priority`` on, no chunk is launched while an a2a is open: callers wrap every MoE
+  all-to-all (from the moment it is pending until its handle is waited) in
+  ``with scheduler.a2a(): ...``. Chunks that become ready then are queued and launched when the
+  last open a2a closes. With ``priority`` off the gate is ignored: plain bucketed overlap, each
+  chunk launched as soon as it and its predecessors are ready (DDP/DeepSpeed-like).
+- ``flush()`` (before ``optimizer.step()``) zero-fills gradients this rank never produced (an
+  expert that got no tokens here), launches every remaining chunk in order and waits for all.
+  Afterwards every gradient equals a plain all-reduce of the same gradients.
+
+Why this cannot hang on gloo, where the collectives of one group must be issued in the same
+order on every rank: the gradient group only ever sees ``all_reduce(chunk 0), ..., all_reduce(
+chunk C-1)``, with chunk sizes fixed by parameter shapes, on every rank and every step; the
+gate, the window and routing change only *when* a chunk is issued, never which or in what
+order. The a2a runs on a different group (an error if the same group is passed to ``a2a``), so
+the two sequences never interleave within one group. Nothing blocks on a chunk except
+``flush``, which a rank reaches only after issuing all its a2as of the step; a chunk it waits
+on is issued by every other rank at the latest in that rank's own ``flush``, whose waits are on
+earlier chunks only (induction on the chunk order), so there is no cycle of waits.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from colossal_hetero.moe.chunks import Chunk, plan_chunks
+
+
+@dataclass(slots=True)
+class Event:
+    """One communication: ``kind`` "chunk" (all-reduce) or "a2a"; times from ``perf_counter``.
+
+    For a chunk, ``t_done`` is when its completion was observed (polled or waited); for an a2a,
+    when its gate closed. ``None`` until then.
+    """
+
+    kind: str
+    id: int
+    t_launch: float
+    t_done: float | None = None
+
+
+@dataclass(slots=True)
+class _InFlight:
+    chunk: Chunk
+    work: dist.Work
+    flat: torch.Tensor
+    event: Event
+
+
+class ChunkedGradReducer:
+    """Chunked, prioritised all-reduce of ``params``' gradients over ``group`` (see the module).
+
+    ``events`` logs every chunk and a2a of the reducer's life; ``collectives`` lists the
+    gradient group's collectives as ``("all_reduce", chunk index, numel)``, in issue order.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        group: ProcessGroup,
+        chunk_bytes: int,
+        max_inflight: int | None = 2,
+        priority: bool = True,
+        average: bool = False,
+    ) -> None:
+        if group is None:
+            raise ValueError("ChunkedGradReducer: group is required (None means the world group)")
+        if max_inflight is not None and max_inflight < 1:
+            raise ValueError(f"moe.max_inflight must be >= 1 or None, got {max_inflight}")
+        self._params = [p for p in params if p.requires_grad]
+        self.chunks = plan_chunks(
+            [p.numel() for p in self._params], [p.dtype for p in self._params], chunk_bytes
+        )
+        self._group = group
+        self._max_inflight = max_inflight
+        self._priority = priority
+        self._average = average
+        self._chunks_of: list[list[int]] = [[] for _ in self._params]
+        for chunk in self.chunks:
+            for param in chunk.params:
+                self._chunks_of[param].append(chunk.index)
+        self.events: list[Event] = []
+        self.collectives: list[tuple[str, int, int]] = []
+        self._inflight: deque[_InFlight] = deque()
+        self._open_a2a = 0
+        self._a2a_count = 0
+        self._reset()
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self._params)
+        ]
+
+    def _reset(self) -> None:
+        self._ready = [False] * len(self._params)
+        self._missing = [len(c.params) for c in self.chunks]
+        self._next = 0
+
+    def _hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        def on_grad(_: torch.Tensor) -> None:
+            self._mark_ready(index)
+            self._pump()
+
+        return on_grad
+
+    def _mark_ready(self, index: int) -> None:
+        if self._ready[index]:
+            raise RuntimeError(
+                f"parameter {index} got a second gradient before flush(): one backward per flush"
+            )
+        self._ready[index] = True
+        for c in self._chunks_of[index]:
+            self._missing[c] -= 1
+
+    @property
+    def gated(self) -> bool:
+        """True while a chunk may not be launched because an a2a is open (priority on)."""
+        return self._priority and self._open_a2a > 0
+
+    def _pump(self) -> None:
+        """Reap finished chunks, then launch ready ones in order while the gate and window allow."""
+        while self._inflight and self._inflight[0].work.is_completed():
+            self._finish(self._inflight.popleft())
+        while (
+            self._next < len(self.chunks)
+            and self._missing[self._next] == 0
+            and not self.gated
+            and (self._max_inflight is None or len(self._inflight) < self._max_inflight)
+        ):
+            self._launch(self.chunks[self._next])
+            self._next += 1
+
+    def _launch(self, chunk: Chunk) -> None:
+        parts = []
+        for s in chunk.segments:
+            grad = self._params[s.param].grad
+            assert grad is not None, "a ready parameter has a gradient"
+            parts.append(grad.detach().reshape(-1)[s.start : s.stop])
+        flat = torch.cat(parts)  # a copy: the local gradient stays intact until the result lands
+        event = Event("chunk", chunk.index, time.perf_counter())
+        work = dist.all_reduce(flat, group=self._group, async_op=True)
+        assert work is not None
+        self.events.append(event)
+        self.collectives.append(("all_reduce", chunk.index, chunk.numel))
+        self._inflight.append(_InFlight(chunk, work, flat, event))
+
+    def _finish(self, entry: _InFlight) -> None:
+        entry.work.wait()
+        entry.event.t_done = time.perf_counter()
+        flat = entry.flat
+        if self._average:
+            flat = flat / dist.get_world_size(self._group)
+        offset = 0
+        for s in entry.chunk.segments:
+            grad = self._params[s.param].grad
+            assert grad is not None
+            n = s.stop - s.start
+            grad.view(-1)[s.start : s.stop].copy_(flat[offset : offset + n])
+            offset += n
+
+    @contextmanager
+    def a2a(self, group: ProcessGroup | None = None) -> Iterator[Event]:
+        """Gate one all-to-all: no chunk launches (priority on) until the block exits.
+
+        Open it when the a2a becomes pending and close it after its handle is waited. ``group``
+        (optional) is the a2a's group, checked to differ from the gradient group.
+        """
+        if group is not None and group is self._group:
+            raise ValueError("the a2a must run on a different process group than the gradients")
+        event = Event("a2a", self._a2a_count, time.perf_counter())
+        self._a2a_count += 1
+        self._open_a2a += 1
+        self.events.append(event)
+        try:
+            yield event
+        finally:
+            self._open_a2a -= 1
+            event.t_done = time.perf_counter()
+            self._pump()
+
+    def flush(self) -> None:
+        """Zero-fill missing gradients, launch every remaining chunk in order, wait for all."""
+        if self._open_a2a:
+            raise RuntimeError("flush() inside an open a2a: close it first")
+        for index, param in enumerate(self._params):
+            if not self._ready[index]:
+                if param.grad is None:
+                    # No tokens reached this parameter here; other ranks may have a gradient.
+                    param.grad = torch.zeros_like(param)
+                self._mark_ready(index)
+        while self._next < len(self.chunks):
+            if self._max_inflight is not None and len(self._inflight) >= self._max_inflight:
+                self._finish(self._inflight.popleft())
+            self._launch(self.chunks[self._next])
+            self._next += 1
+        while self._inflight:
+            self._finish(self._inflight.popleft())
+        self._reset()
+
+    def remove(self) -> None:
+        """Remove the gradient hooks (the reducer stops acting on later backwards)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []

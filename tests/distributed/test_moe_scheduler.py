@@ -1,0 +1,167 @@
+"""ChunkedGradReducer on 2 gloo ranks (one spawn): exact gradients, the a2a gate, no hang.
+
+A toy MoE layer, replicated on both ranks (data parallel): a dense input linear, an all-to-all
+(a real ``all_to_all_single`` on its own group, in forward and backward, wrapped in the
+reducer's gate), four expert linears that see only the tokens routed to them, a second
+all-to-all and a dense output linear. Routing differs per rank and case: skewed (every token
+to one expert) and zero (no token to any expert on rank 1), so experts get no gradient on some
+rank, the case that hangs Colossal-AI's overlapped ZeRO.
+
+Checks per case, with priority on and off:
+- after ``flush`` every gradient equals a plain whole-tensor ``all_reduce`` of the same local
+  gradients (a second model copy, same inputs, zero-filled where no gradient), with
+  ``torch.equal``. Exact: with 2 ranks every element of either all-reduce is the single sum
+  a + b of the two ranks' values (IEEE addition is commutative, so gloo's algorithm and the
+  chunk's offset cannot change it), and averaging divides that same sum by the same 2;
+- no chunk is launched inside an a2a's [t_launch, t_done] (priority on), and at most
+  ``max_inflight`` chunks are ever in flight;
+- both ranks issued the same gradient-group sequence, chunk 0..C-1 with the planned sizes.
+A direct gate check runs backward *inside* an open async a2a: with priority on every chunk
+waits for the gate to close; with priority off some launch inside. Groups get a 60 s timeout
+so a hang fails the test instead of stalling it.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from colossal_hetero.moe.scheduler import ChunkedGradReducer, Event
+from tests.dist_utils import run_distributed
+
+H, T, E = 6, 8, 4
+CHUNK_BYTES = 40  # 10 float32: parameters of 42 and 6 elements split into several chunks
+
+
+class _A2A(torch.autograd.Function):
+    """all_to_all_single forward and backward on ``group``, each inside the reducer's gate."""
+
+    @staticmethod
+    def forward(ctx, x, group, reducer):  # type: ignore[no-untyped-def]
+        ctx.group, ctx.reducer = group, reducer
+        return _exchange(x, group, reducer)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        return _exchange(grad.contiguous(), ctx.group, ctx.reducer), None, None
+
+
+def _exchange(x: torch.Tensor, group, reducer) -> torch.Tensor:
+    out = torch.empty_like(x)
+    if reducer is None:
+        dist.all_to_all_single(out, x.contiguous(), group=group)
+        return out
+    with reducer.a2a(group):
+        dist.all_to_all_single(out, x.contiguous(), group=group)
+    return out
+
+
+class _ToyMoE(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.dense_in = nn.Linear(H, H)
+        self.experts = nn.ModuleList(nn.Linear(H, H) for _ in range(E))
+        self.dense_out = nn.Linear(H, H)
+
+    def forward(self, x, routing, group, reducer=None):  # type: ignore[no-untyped-def]
+        h = _A2A.apply(self.dense_in(x), group, reducer)
+        out = h * 0.0  # keeps the graph through the a2a even when no token is routed
+        for e, expert in enumerate(self.experts):
+            idx = (routing == e).nonzero().flatten()
+            if idx.numel():
+                out = out.index_put((idx,), expert(h[idx]))
+        return self.dense_out(_A2A.apply(out, group, reducer)).pow(2).sum()
+
+
+def _routing(case: str, rank: int) -> torch.Tensor:
+    if case == "skewed":
+        return torch.full((T,), rank)  # rank 0: all to expert 0; rank 1: all to expert 1
+    spread = torch.arange(T) % E
+    return spread if rank == 0 else torch.full((T,), -1)  # "zero": nothing routed on rank 1
+
+
+def _reference_grads(x, routing, group, a2a_group) -> list[torch.Tensor]:
+    model = _ToyMoE()
+    model(x, routing, a2a_group).backward()
+    grads = []
+    for p in model.parameters():
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        dist.all_reduce(g, group=group)
+        grads.append(g / 2)
+    return grads
+
+
+def _check_log(reducer: ChunkedGradReducer, max_inflight: int, priority: bool) -> None:
+    chunks = [e for e in reducer.events if e.kind == "chunk"]
+    a2as = [e for e in reducer.events if e.kind == "a2a"]
+    assert len(chunks) == len(reducer.chunks) and all(e.t_done is not None for e in chunks)
+    if priority:
+        for c in chunks:
+            assert not any(a.t_launch <= c.t_launch <= a.t_done for a in a2as), (c, a2as)
+    for c in chunks:  # in flight at c's launch: launched before, not yet observed done
+        flying = sum(o.t_launch <= c.t_launch < o.t_done for o in chunks)  # type: ignore[operator]
+        assert flying <= max_inflight
+
+
+def _moe_cases(rank: int, group, a2a_group) -> None:
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(rank + 1))
+    for case in ("skewed", "zero"):
+        routing = _routing(case, rank)
+        expected = _reference_grads(x, routing, group, a2a_group)
+        for priority in (True, False):
+            model = _ToyMoE()
+            reducer = ChunkedGradReducer(
+                list(model.parameters()), group, CHUNK_BYTES, 2, priority, average=True
+            )
+            model(x, routing, a2a_group, reducer).backward()
+            reducer.flush()
+            for p, ref in zip(model.parameters(), expected, strict=True):
+                assert torch.equal(p.grad, ref), (case, priority)
+            _check_log(reducer, 2, priority)
+            sizes = [("all_reduce", c.index, c.numel) for c in reducer.chunks]
+            assert reducer.collectives == sizes
+            seqs: list[object] = [None, None]
+            dist.all_gather_object(seqs, reducer.collectives)
+            assert seqs[0] == seqs[1]
+            reducer.remove()
+
+
+def _gate_check(rank: int, group, a2a_group) -> None:
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(rank + 7))
+    for priority in (True, False):
+        model = _ToyMoE()
+        reducer = ChunkedGradReducer(list(model.parameters()), group, CHUNK_BYTES, None, priority)
+        loss = model(x, torch.arange(T) % E, a2a_group)
+        buf = torch.arange(4.0) + rank
+        out = torch.empty_like(buf)
+        with reducer.a2a(a2a_group) as gate:
+            work = dist.all_to_all_single(out, buf, group=a2a_group, async_op=True)
+            loss.backward()  # every gradient becomes ready while the a2a is in flight
+            work.wait()
+        reducer.flush()
+        assert out.tolist() == ([0.0, 1.0, 1.0, 2.0] if rank == 0 else [2.0, 3.0, 3.0, 4.0])
+        chunks: list[Event] = [e for e in reducer.events if e.kind == "chunk"]
+        inside = sum(c.t_launch <= gate.t_done for c in chunks)  # type: ignore[operator]
+        assert (inside == 0) if priority else (inside == len(chunks) > 0), (priority, inside)
+        reducer.remove()
+
+
+def _check(rank: int, world_size: int, device: torch.device) -> None:
+    timeout = timedelta(seconds=60)
+    group = dist.new_group([0, 1], timeout=timeout)
+    a2a_group = dist.new_group([0, 1], timeout=timeout)
+    _moe_cases(rank, group, a2a_group)
+    _gate_check(rank, group, a2a_group)
+    with pytest.raises(ValueError, match="different process group"):
+        ChunkedGradReducer(list(_ToyMoE().parameters()), group, 40).a2a(group).__enter__()
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(240)
+def test_chunked_prioritised_reduce_exact_gated_and_same_sequence():
+    run_distributed(_check, world_size=2, force_cpu=True)

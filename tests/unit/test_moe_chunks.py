@@ -1,0 +1,64 @@
+"""Fixed gradient chunks: hand-computed boundaries, coverage, dtype breaks, chunk size errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from colossal_hetero.moe.chunks import Segment, chunk_bytes_for, plan_chunks
+
+F32 = torch.float32
+
+
+def test_boundaries_by_hand():
+    # Params of 3, 10, 2 float32 elements; 16-byte chunks hold 4 elements; last param first.
+    chunks = plan_chunks([3, 10, 2], [F32] * 3, 16)
+    assert [c.segments for c in chunks] == [
+        (Segment(2, 0, 2), Segment(1, 0, 2)),
+        (Segment(1, 2, 6),),
+        (Segment(1, 6, 10),),
+        (Segment(0, 0, 3),),
+    ]
+    assert [c.numel for c in chunks] == [4, 4, 4, 3]
+    assert chunks[0].params == (2, 1)
+
+
+def test_every_element_once_and_sizes_bounded():
+    numels = [7, 1, 0, 33, 5, 12]
+    for chunk_bytes in (4, 8, 20, 64, 1000):
+        chunks = plan_chunks(numels, [F32] * len(numels), chunk_bytes)
+        assert all(0 < c.numel <= chunk_bytes // 4 for c in chunks)
+        covered = sorted(
+            (s.param, i) for c in chunks for s in c.segments for i in range(s.start, s.stop)
+        )
+        assert covered == [(p, i) for p, n in enumerate(numels) for i in range(n)]
+        assert [c.index for c in chunks] == list(range(len(chunks)))
+
+
+def test_dtype_change_starts_a_new_chunk_and_output_is_deterministic():
+    dtypes = [F32, torch.float16, torch.float16]
+    chunks = plan_chunks([2, 2, 2], dtypes, 64)
+    assert [(c.dtype, c.params) for c in chunks] == [(torch.float16, (2, 1)), (F32, (0,))]
+    assert plan_chunks([2, 2, 2], dtypes, 64) == chunks
+
+
+@pytest.mark.parametrize(
+    ("chunk_bytes", "message"),
+    [(0, "moe.chunk_bytes must be > 0, got 0"), (-8, "must be > 0"), (2, "smaller than one")],
+)
+def test_bad_chunk_size(chunk_bytes, message):
+    with pytest.raises(ValueError, match=message):
+        plan_chunks([4], [F32], chunk_bytes)
+
+
+def test_chunk_size_from_alpha_beta():
+    # alpha 1 ms, beta 1 GB/s: efficiency 0.9 needs S >= 0.9 / 0.1 * alpha * beta = 9 MB.
+    s = chunk_bytes_for(1e-3, 1e9, 0.9)
+    assert abs(s - 9_000_000) <= 1  # ceil of 9e6 computed in floats (0.9 / 0.1 is not exact)
+
+    def efficiency(size: int) -> float:
+        return (size / 1e9) / (1e-3 + size / 1e9)
+
+    assert efficiency(s) >= 0.9 - 1e-12 and efficiency(s - 2) < 0.9  # smallest such size
+    with pytest.raises(ValueError, match="moe.chunk_efficiency"):
+        chunk_bytes_for(1e-3, 1e9, 1.0)
