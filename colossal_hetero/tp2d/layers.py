@@ -275,7 +275,10 @@ class _VocabCrossEntropy(torch.autograd.Function):
         shifted = logits - top.unsqueeze(-1)
         local = targets - start
         inside = (local >= 0) & (local < width)
-        picked = shifted.gather(-1, local.clamp(0, max(width - 1, 0)).unsqueeze(-1)).squeeze(-1)
+        if width:
+            picked = shifted.gather(-1, local.clamp(0, width - 1).unsqueeze(-1)).squeeze(-1)
+        else:  # an empty vocab block holds no target
+            picked = logits.new_zeros(logits.shape[:1])
         exps = shifted.exp()
         stats = torch.stack([picked * inside.to(picked.dtype), exps.sum(-1)])
         if mesh.q > 1:
