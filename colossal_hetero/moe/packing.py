@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from colossal_hetero.moe.placement import Placement
+from colossal_hetero.moe.placement import Placement, check_placement_inputs, exact_placement
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,3 +108,56 @@ def packing_objective(
     loads = np.diag(coselection(topk, placement.num_experts)).astype(float) * seconds_per_token
     compute = placement.max_work(loads.tolist(), speeds)
     return compute + seconds_per_send * a2a_sends(topk, placement).packed
+
+
+def packing_aware_placement(
+    speeds: Sequence[float],
+    capacity: int | Sequence[int],
+    topk: np.ndarray | Sequence[Sequence[int]],
+    num_experts: int,
+    seconds_per_token: float,
+    seconds_per_send: float,
+) -> Placement:
+    """The placement minimising :func:`packing_objective`, by branch and bound (small E only).
+
+    Experts are visited in decreasing load; a partial placement's cost (its busiest device plus
+    the sends of the experts placed so far: a token's distinct devices only grow) is a lower
+    bound, so a node no cheaper than the incumbent (seeded with the compute-optimal placement)
+    is pruned. Ties keep the first found, so the output is deterministic.
+    """
+    arr = check_routing(topk, num_experts)
+    loads = np.diag(coselection(arr, num_experts)).astype(float) * seconds_per_token
+    seed = exact_placement(loads.tolist(), speeds, capacity)
+    _, ss, caps = check_placement_inputs(loads.tolist(), speeds, capacity)
+    tokens_of = [np.nonzero((arr == e).any(axis=1))[0] for e in range(num_experts)]
+    order = sorted(range(num_experts), key=lambda e: (-loads[e], e))
+    best = [packing_objective(seed, ss, arr, seconds_per_token, seconds_per_send)]
+    best_device_of = list(seed.device_of)
+    masks = np.zeros(arr.shape[0], dtype=np.int64)  # bit d set: the token already goes to d
+    work, count, assign = [0.0] * len(ss), [0] * len(ss), [0] * num_experts
+
+    def dfs(i: int, compute: float, sends: int) -> None:
+        if i == num_experts:
+            best[0] = compute + seconds_per_send * sends
+            best_device_of[:] = assign
+            return
+        e = order[i]
+        for d in range(len(ss)):
+            if count[d] >= caps[d]:
+                continue
+            hit = masks[tokens_of[e]]
+            new = int(((hit >> d) & 1 == 0).sum())
+            value = max(compute, (work[d] + loads[e]) / ss[d])
+            if value + seconds_per_send * (sends + new) >= best[0]:
+                continue  # a lower bound of every completion below this node
+            before = work[d]
+            work[d], assign[e] = before + loads[e], d
+            count[d] += 1
+            masks[tokens_of[e]] = hit | (1 << d)
+            dfs(i + 1, value, sends + new)
+            masks[tokens_of[e]] = hit
+            work[d] = before
+            count[d] -= 1
+
+    dfs(0, 0.0, 0)
+    return Placement(tuple(best_device_of), len(ss))

@@ -115,9 +115,10 @@ def check_ep(num_experts: int, ep: int, world_size: int) -> None:
         raise ValueError(f"parallel.ep={ep} does not divide the world size ({world_size})")
 
 
-def _check(
+def check_placement_inputs(
     loads: Sequence[float], speeds: Sequence[float], capacity: int | Sequence[int]
 ) -> tuple[tuple[float, ...], tuple[float, ...], tuple[int, ...]]:
+    """Loads, speeds and per-device capacities as tuples; ValueError on bad or infeasible input."""
     ls = tuple(float(x) for x in loads)
     ss = tuple(float(x) for x in speeds)
     if not ls:
@@ -150,7 +151,7 @@ def greedy_placement(
 
     Ties go to the lower device index. Bound (no capacity limits): ``2D/(D+1)`` x optimal.
     """
-    ls, ss, caps = _check(loads, speeds, capacity)
+    ls, ss, caps = check_placement_inputs(loads, speeds, capacity)
     work = [0.0] * len(ss)
     count = [0] * len(ss)
     device_of = [0] * len(ls)
@@ -167,7 +168,7 @@ def exact_placement(
     loads: Sequence[float], speeds: Sequence[float], capacity: int | Sequence[int]
 ) -> Placement:
     """The placement with minimal ``max_d W_d``, by branch and bound (exponential worst case)."""
-    ls, ss, caps = _check(loads, speeds, capacity)
+    ls, ss, caps = check_placement_inputs(loads, speeds, capacity)
     seed = greedy_placement(ls, ss, caps)
     order = _order(ls)
     n_dev = len(ss)
