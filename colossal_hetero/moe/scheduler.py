@@ -88,7 +88,8 @@ class ChunkedGradReducer:
             raise ValueError("ChunkedGradReducer: group is required (None means the world group)")
         if max_inflight is not None and max_inflight < 1:
             raise ValueError(f"moe.max_inflight must be >= 1 or None, got {max_inflight}")
-        self._params = [p for p in params if p.requires_grad]
+        # Distinct trainable parameters, in the given order (a repeat would hook twice).
+        self._params = list({id(p): p for p in params if p.requires_grad}.values())
         self.chunks = plan_chunks(
             [p.numel() for p in self._params], [p.dtype for p in self._params], chunk_bytes
         )

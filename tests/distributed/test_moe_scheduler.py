@@ -13,8 +13,8 @@ Checks per case, with priority on and off:
   ``torch.equal``. Exact: with 2 ranks every element of either all-reduce is the single sum
   a + b of the two ranks' values (IEEE addition is commutative, so gloo's algorithm and the
   chunk's offset cannot change it), and averaging divides that same sum by the same 2;
-- no chunk is launched inside an a2a's [t_launch, t_done] (priority on), and at most
-  ``max_inflight`` chunks are ever in flight;
+- no chunk is launched inside an a2a's [t_launch, t_done] (priority on, windows 1 and 2), and
+  at most ``max_inflight`` chunks are ever in flight;
 - both ranks issued the same gradient-group sequence, chunk 0..C-1 with the planned sizes.
 A direct gate check runs backward *inside* an open async a2a: with priority on every chunk
 waits for the gate to close; with priority off some launch inside. Groups get a 60 s timeout
@@ -96,7 +96,7 @@ def _reference_grads(x, routing, group, a2a_group) -> list[torch.Tensor]:
     return grads
 
 
-def _check_log(reducer: ChunkedGradReducer, max_inflight: int, priority: bool) -> None:
+def _check_log(reducer: ChunkedGradReducer, max_inflight: int | None, priority: bool) -> None:
     chunks = [e for e in reducer.events if e.kind == "chunk"]
     a2as = [e for e in reducer.events if e.kind == "a2a"]
     assert len(chunks) == len(reducer.chunks) and all(e.t_done is not None for e in chunks)
@@ -105,7 +105,7 @@ def _check_log(reducer: ChunkedGradReducer, max_inflight: int, priority: bool) -
             assert not any(a.t_launch <= c.t_launch <= a.t_done for a in a2as), (c, a2as)
     for c in chunks:  # in flight at c's launch: launched before, not yet observed done
         flying = sum(o.t_launch <= c.t_launch < o.t_done for o in chunks)  # type: ignore[operator]
-        assert flying <= max_inflight
+        assert max_inflight is None or flying <= max_inflight
 
 
 def _moe_cases(rank: int, group, a2a_group) -> None:
@@ -113,16 +113,17 @@ def _moe_cases(rank: int, group, a2a_group) -> None:
     for case in ("skewed", "zero"):
         routing = _routing(case, rank)
         expected = _reference_grads(x, routing, group, a2a_group)
-        for priority in (True, False):
+        # Priority on with windows of 1 and 2; off with no window: plain bucketed overlap.
+        for priority, window in ((True, 1), (True, 2), (False, None)):
             model = _ToyMoE()
             reducer = ChunkedGradReducer(
-                list(model.parameters()), group, CHUNK_BYTES, 2, priority, average=True
+                list(model.parameters()), group, CHUNK_BYTES, window, priority, average=True
             )
             model(x, routing, a2a_group, reducer).backward()
             reducer.flush()
             for p, ref in zip(model.parameters(), expected, strict=True):
                 assert torch.equal(p.grad, ref), (case, priority)
-            _check_log(reducer, 2, priority)
+            _check_log(reducer, window, priority)
             sizes = [("all_reduce", c.index, c.numel) for c in reducer.chunks]
             assert reducer.collectives == sizes
             seqs: list[object] = [None, None]
