@@ -103,8 +103,21 @@ class ParallelConfig:
     """Explicit samples per data-parallel group per step (overrides batch_split); must sum to
     data.global_batch_size."""
 
+    pp_schedule: Literal["1f1b", "kfkb", "ada_kfkb"] = "1f1b"
+    """Pipeline schedule (pp > 1): Colossal-AI's 1f1b; kfkb, groups of pp_k forwards then pp_k
+    backwards; ada_kfkb, kfkb with k retuned every pp_retune_every steps (docs/pipeline.md)."""
+
+    pp_k: int = 1
+    """kfkb's group size, and ada_kfkb's first k (1 <= pp_k <= num_microbatches)."""
+
+    pp_retune_every: int = 10
+    """ada_kfkb: steps between retunings of k."""
+
+    pp_memory_budget_mib: float | None = None
+    """ada_kfkb: MiB each rank may spend on in-flight activations; null: no limit."""
+
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "num_microbatches"):
+        for name in ("tp", "pp", "num_microbatches", "pp_k", "pp_retune_every"):
             value = getattr(self, name)
             _require(value >= 1, f"{name}", f"must be >= 1, got {value}")
         _require(self.dp >= 0, "dp", f"must be >= 0 (0 = derive), got {self.dp}")
@@ -124,6 +137,8 @@ class ParallelConfig:
             "pipeline parallelism (pp > 1) supports ZeRO stage 0 or 1 only",
         )
         _require(self.max_norm >= 0, "max_norm", f"must be >= 0 (0 = off), got {self.max_norm}")
+        budget = self.pp_memory_budget_mib
+        _require(budget is None or budget > 0, "pp_memory_budget_mib", f"must be > 0, got {budget}")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

@@ -12,6 +12,7 @@ from typing import Any
 
 from colossal_hetero.config.loader import ConfigError
 from colossal_hetero.config.schema import EmulationConfig, HeteroConfig, ModelConfig, RunConfig
+from colossal_hetero.pipeline.validate import check_pipeline_config
 
 
 def resolve_dp(config: HeteroConfig, world_size: int) -> int:
@@ -41,6 +42,7 @@ def validate_layout(config: HeteroConfig, world_size: int) -> int:
             f"cluster.devices: lists {len(devices)} devices but the world size is {world_size}"
         )
     _validate_emulation(config.emulation, world_size)
+    check_pipeline_config(config)
     return dp
 
 

@@ -39,13 +39,14 @@ from colossal_hetero.config.schema import HeteroConfig
 from colossal_hetero.config.validate import validate_layout
 from colossal_hetero.emulation import CollectiveInterceptor, build_interceptor
 from colossal_hetero.emulation.ddp import route_ddp_through_interceptor
+from colossal_hetero.pipeline.seam_adapter import install_schedule
 from colossal_hetero.planner.plan import Plan
 from colossal_hetero.plugin.engine import build_engine
 from colossal_hetero.plugin.grad_sync import exclude_sfb_from_ddp, install_planned_sfb, planned_sfb
 from colossal_hetero.plugin.launch import prepare_device
 from colossal_hetero.plugin.planning import announce, plan_at_configure, plan_that_runs
 from colossal_hetero.plugin.resizing import resize_boosted
-from colossal_hetero.plugin.seam import StepMetrics, StepSeam
+from colossal_hetero.plugin.seam import DecisionWriter, StepMetrics, StepSeam
 from colossal_hetero.policies import ResizablePolicy, resizable_policy
 from colossal_hetero.utils.device import backend_for, resolve_device
 
@@ -108,6 +109,8 @@ class HeteroParallelPlugin(PipelinePluginBase):
         ).install()
         try:
             self.engine = build_engine(config, self.device, policy)
+            # parallel.pp_schedule: kfkb / ada_kfkb replace the engine's 1F1B (gloo only)
+            self.pipeline_control = install_schedule(self.engine, config, self.rank)
         except BaseException:
             self.timer.uninstall()
             raise
@@ -115,6 +118,9 @@ class HeteroParallelPlugin(PipelinePluginBase):
         self._run_dir = None if metrics_dir is None else Path(metrics_dir)
         if metrics_dir is not None:
             self.seam.add(StepMetrics(self.seam, metrics_dir, self.rank))
+        if self.pipeline_control is not None:  # ada_kfkb retunes k at step ends
+            self.pipeline_control.log = DecisionWriter(metrics_dir, "pipeline", self.rank)
+            self.seam.add(self.pipeline_control)
 
     def close(self) -> None:
         """Close the seam (metrics file) and detach the collective interceptor. The plugin

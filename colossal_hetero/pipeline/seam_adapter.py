@@ -1,0 +1,111 @@
+"""The plugin's pipeline schedule from ``parallel.pp_schedule``, and ada_kfkb's seam controller.
+
+:func:`install_schedule` replaces the engine's 1F1B with :class:`KFKBSchedule` (kfkb and
+ada_kfkb) and, for ada_kfkb, returns an :class:`AdaKSeamController` for the plugin's step seam:
+after every step it calls :meth:`AdaKController.after_step` (one ``all_gather`` every
+``parallel.pp_retune_every`` steps, on every rank) and writes each decision record.
+
+Link time: the controller needs seconds per message on each rank's outgoing link. It comes
+from the config (:func:`link_model`): ``emulation.network.bandwidth_gbps`` when set, else this
+rank's ``cluster.devices[r].bandwidth_gbps``, else free links; latency from
+``emulation.network.latency_us``. It is not measured online: the collective interceptor does
+not see KFKBSchedule's ``isend``/``irecv`` (it times send, recv and batch_isend_irecv).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from colossal_hetero.config.schema import HeteroConfig
+from colossal_hetero.pipeline.controller import AdaKController
+from colossal_hetero.pipeline.schedule import KFKBSchedule
+from colossal_hetero.pipeline.tuner import stage_of_rank
+from colossal_hetero.pipeline.validate import budget_bytes, check_budget
+
+
+class RecordWriter(Protocol):
+    """Takes one decision record (plugin/seam.py's ``DecisionWriter``)."""
+
+    def write(self, record: dict[str, Any]) -> None: ...
+
+
+def link_model(config: HeteroConfig, rank: int) -> tuple[Callable[[int], float], float]:
+    """``(link_seconds(message_bytes), latency_s)`` of ``rank``'s outgoing link, from the config."""
+    network = config.emulation.network
+    gbps = network.bandwidth_gbps
+    if gbps is None and config.cluster.devices:
+        gbps = config.cluster.devices[rank].bandwidth_gbps
+    latency_s = network.latency_us * 1e-6
+    if gbps is None:
+        return (lambda nbytes: 0.0), latency_s
+    bytes_per_s = gbps * 1e9 / 8
+    return (lambda nbytes: nbytes / bytes_per_s), latency_s
+
+
+class AdaKSeamController:
+    """Step-seam controller running ada_kfkb's retuning at step ends, on every rank.
+
+    After the first step it checks ``parallel.pp_memory_budget_mib`` against the largest
+    activation bytes per micro-batch measured on any rank (one float64 ``all_reduce(MAX)`` over
+    the world), so a budget below one micro-batch raises the same ValueError on every rank.
+    """
+
+    def __init__(self, controller: AdaKController, config: HeteroConfig) -> None:
+        self.controller, self.config = controller, config
+        self.log: RecordWriter | None = None
+        """Where decision records go (the plugin sets a ``DecisionWriter``); None drops them."""
+        self._checked = False
+
+    def on_step_end(self, step: int, timing: Any) -> None:
+        stats = self.controller.schedule.last_stats
+        if stats is None:  # the step ran no pipeline pass (nothing measured, nothing to tune)
+            return
+        if not self._checked:
+            largest = torch.tensor([float(stats.activation_bytes)], dtype=torch.float64)
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.controller.group)
+            self._checked = True
+            check_budget(self.config, float(largest.item()))
+        record = self.controller.after_step(step)
+        if record is not None and self.log is not None:
+            self.log.write(record)
+
+    def close(self) -> None:
+        close = getattr(self.log, "close", None)
+        if close is not None:
+            close()
+
+
+def install_schedule(engine: Any, config: HeteroConfig, rank: int) -> AdaKSeamController | None:
+    """Install ``KFKBSchedule`` as ``engine.scheduler`` for kfkb / ada_kfkb (no-op for 1f1b).
+
+    Returns the seam controller for ada_kfkb, else None. Raises ValueError naming
+    ``parallel.pp_schedule`` when the pipeline group is not gloo (before any collective).
+    """
+    parallel = config.parallel
+    if parallel.pp_schedule == "1f1b":
+        return None
+    schedule = KFKBSchedule(
+        engine.stage_manager, num_microbatches=parallel.num_microbatches, k=parallel.pp_k
+    )
+    engine.scheduler = schedule
+    if parallel.pp_schedule != "ada_kfkb":
+        return None
+    world = dist.get_world_size()
+    layout = stage_of_rank(parallel.pp, parallel.tp, world // (parallel.pp * parallel.tp))
+    budget = budget_bytes(config)
+    link_seconds, latency_s = link_model(config, rank)
+    controller = AdaKController(
+        schedule,
+        layout,
+        # No limit: the largest finite float, since the gathered rows must be finite.
+        sys.float_info.max if budget is None else budget,
+        link_seconds,
+        latency_s=latency_s,
+        period=parallel.pp_retune_every,
+    )
+    return AdaKSeamController(controller, config)

@@ -1,0 +1,60 @@
+"""Config checks of the pipeline schedule (``parallel.pp_schedule`` and its fields). Pure.
+
+Called from ``config/validate.py`` on every rank before any collective, so a bad schedule
+setting raises the same one-line ``ConfigError`` everywhere. What needs the model (a memory
+budget below one micro-batch's measured activations) is checked at runtime by
+``pipeline/seam_adapter.py``, also on every rank.
+"""
+
+from __future__ import annotations
+
+from colossal_hetero.config.loader import ConfigError
+from colossal_hetero.config.schema import HeteroConfig
+
+MIB = 1 << 20
+
+
+def check_pipeline_config(config: HeteroConfig) -> None:
+    """Raise ConfigError (one line naming the field) for a schedule the layout cannot run.
+
+    Refused: kfkb or ada_kfkb without pipeline parallelism; ``pp_k`` above the micro-batch
+    count; kfkb on ``cluster.device: cuda`` (NCCL; KFKBSchedule's early-posted receives would
+    hang there, see pipeline/schedule.py). With ``cluster.device: auto`` the backend is only
+    known at runtime, where KFKBSchedule refuses a non-gloo group with the same field name.
+    """
+    parallel = config.parallel
+    schedule = parallel.pp_schedule
+    if schedule == "1f1b":
+        return
+    if parallel.pp == 1:
+        raise ConfigError(
+            f"parallel.pp_schedule: {schedule} needs pipeline parallelism (parallel.pp > 1), "
+            "got pp = 1"
+        )
+    if parallel.pp_k > parallel.num_microbatches:
+        raise ConfigError(
+            f"parallel.pp_k: {parallel.pp_k} is larger than parallel.num_microbatches "
+            f"({parallel.num_microbatches})"
+        )
+    if config.cluster.device == "cuda":
+        raise ConfigError(
+            f"parallel.pp_schedule: {schedule} runs on gloo only (cluster.device cpu); "
+            "on cuda (NCCL) its early-posted receives would hang"
+        )
+
+
+def budget_bytes(config: HeteroConfig) -> float | None:
+    """``parallel.pp_memory_budget_mib`` in bytes (None: no limit)."""
+    mib = config.parallel.pp_memory_budget_mib
+    return None if mib is None else mib * MIB
+
+
+def check_budget(config: HeteroConfig, activation_bytes: float) -> None:
+    """Raise ValueError naming ``parallel.pp_memory_budget_mib`` when the budget is below one
+    micro-batch's activations (``activation_bytes``: the largest measured on any rank)."""
+    budget = budget_bytes(config)
+    if budget is not None and budget < activation_bytes:
+        raise ValueError(
+            f"parallel.pp_memory_budget_mib: {budget / MIB:.4g} MiB is below one micro-batch's "
+            f"activations ({activation_bytes / MIB:.4g} MiB measured)"
+        )

@@ -1,0 +1,127 @@
+"""parallel.pp_schedule through the plugin, in a plain Booster loop on 2 gloo ranks (PP=2).
+
+One spawn, four plugins one after another, each from the same initial model and batches:
+1F1B (the default) as the reference; kfkb with k=2, whose losses and final parameters must
+equal 1F1B's bit for bit (fp32; forwards and backwards run in increasing micro-batch order, so
+every sum happens in the same order); ada_kfkb, which retunes k at its period, writes its
+decision records and still matches 1F1B exactly; and a memory budget below one micro-batch,
+refused with one ValueError on every rank after the first step.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from colossalai.booster import Booster
+from colossalai.pipeline.schedule import OneForwardOneBackwardSchedule
+
+from colossal_hetero.config import ClusterConfig, HeteroConfig, ParallelConfig, PlanConfig
+from colossal_hetero.config.schema import DeviceSpec
+from colossal_hetero.models import build_model, loss_from_outputs
+from colossal_hetero.pipeline.schedule import KFKBSchedule
+from colossal_hetero.plugin import HeteroParallelPlugin
+from tests.dist_utils import run_distributed
+from tests.distributed.test_kfkb_schedule import GPT2, _batch
+
+M = 4  # micro-batches per step, of 2 samples each
+STEPS = 3
+MESSAGE_BYTES = 2 * 16 * 32 * 4  # one activation message: [2, 16, 32] fp32 hidden states
+# A link that takes 1 s per activation message: the tuner's 1F1B (about 5 s predicted) beats
+# k=4 (about 8 s) by far more than any compute jitter of milliseconds on a busy machine.
+SLOW_GBPS = MESSAGE_BYTES * 8 / 1e9
+
+
+def _train(config: HeteroConfig, steps: int, metrics_dir: Path | None = None):
+    """A plain Booster loop; returns (plugin, last-stage losses, final parameters). The caller
+    closes the plugin."""
+    plugin = HeteroParallelPlugin(config, metrics_dir=metrics_dir)
+    torch.manual_seed(0)
+    model = build_model(GPT2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    booster = Booster(plugin=plugin)
+    model, optimizer, criterion, _, _ = booster.boost(model, optimizer, loss_from_outputs)
+    losses = []
+    for step in range(steps):
+        batch = _batch(2 * M, seed=100 + step)
+        result = booster.execute_pipeline(iter([batch]), model, criterion, optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        if result["loss"] is not None:
+            losses.append(result["loss"].clone())
+    params = {n: p.detach().clone() for n, p in model.unwrap().named_parameters()}
+    return plugin, losses, params
+
+
+def _assert_equal_run(got, want, what: str) -> None:
+    losses, params = got
+    assert len(losses) == len(want[0]) and all(map(torch.equal, losses, want[0])), what
+    assert params.keys() == want[1].keys()
+    for name, value in params.items():
+        assert torch.equal(value, want[1][name]), f"{what}: parameter {name} differs"
+
+
+def _check_ada_records(plugin: HeteroParallelPlugin, rank: int, folder: Path) -> None:
+    control = plugin.pipeline_control
+    assert control is not None and control.log is not None
+    records = control.log.records
+    assert [r["step"] for r in records] == [1]  # period 2 over 3 steps: after step 1 only
+    record = records[0]
+    assert record["decision"] == {"k": 1, "previous_k": 4}, record
+    schedule = plugin.engine.scheduler
+    assert schedule.k == 1
+    rows = record["inputs"]["rows"]
+    assert len(rows) == 2 and all(r[0] > 0 and r[1] > 0 for r in rows)  # measured seconds
+    assert rows[0][2] == pytest.approx(1.0, rel=1e-12)  # 4096 B at 4096 B/s; rounding only
+    assert rows[1][2] == 0.0  # the last stage sends no activations
+    assert rows[rank][3] == schedule.last_stats.activation_bytes
+    seen = [torch.zeros(1) for _ in range(2)]
+    dist.all_gather(seen, torch.tensor([float(schedule.k)]))
+    assert [int(x) for x in seen] == [1, 1]
+    lines = (folder / f"pipeline_rank{rank}.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == records
+
+
+def _two_ranks(rank, world_size, device, folder: str):
+    base = ParallelConfig(pp=2, num_microbatches=M)
+    plugin, *reference = _train(HeteroConfig(parallel=base), STEPS)
+    assert type(plugin.engine.scheduler) is OneForwardOneBackwardSchedule
+    assert plugin.pipeline_control is None
+    plugin.close()
+    assert len(reference[0]) == (STEPS if rank == 1 else 0)
+
+    kfkb = ParallelConfig(pp=2, num_microbatches=M, pp_schedule="kfkb", pp_k=2)
+    plugin, *got = _train(HeteroConfig(parallel=kfkb), STEPS)
+    schedule = plugin.engine.scheduler
+    assert isinstance(schedule, KFKBSchedule) and schedule.k == 2
+    assert schedule.peak_saved == min(2 * (2 - rank), M)  # it really ran groups of 2
+    assert plugin.pipeline_control is None
+    plugin.close()
+    _assert_equal_run(got, reference, f"kfkb k=2 rank {rank}")
+
+    ada = ParallelConfig(
+        pp=2, num_microbatches=M, pp_schedule="ada_kfkb", pp_k=4, pp_retune_every=2
+    )
+    slow = ClusterConfig(devices=[DeviceSpec(bandwidth_gbps=SLOW_GBPS)] * 2)
+    config = HeteroConfig(parallel=ada, cluster=slow, plan=PlanConfig(mode="even"))
+    plugin, *got = _train(config, STEPS, Path(folder))
+    try:
+        _check_ada_records(plugin, rank, Path(folder))
+    finally:
+        plugin.close()
+    _assert_equal_run(got, reference, f"ada_kfkb rank {rank}")  # k went 4, 4, 1
+
+    tiny = ParallelConfig(
+        pp=2, num_microbatches=M, pp_schedule="ada_kfkb", pp_memory_budget_mib=1e-6
+    )
+    with pytest.raises(ValueError, match=r"^parallel\.pp_memory_budget_mib: .* below one micro"):
+        _train(HeteroConfig(parallel=tiny), 1)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(600)
+def test_pp_schedule_through_the_plugin(tmp_path):
+    run_distributed(_two_ranks, world_size=2, folder=str(tmp_path))
