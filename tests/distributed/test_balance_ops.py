@@ -1,8 +1,10 @@
-"""Balancing ops on 4 gloo ranks: ZERO-resizing and lossless migration, against dense references.
+"""Balancing ops on gloo ranks: ZERO-resizing and lossless migration, against dense references.
 
-One spawn runs every check (O-A1..A6, O-M1, O-M3..M5). Rank 1 is the straggler; migration
-helpers are ranks 3 and 0 (in that order, so the helper order is not the rank order); rank 2
-takes no part and must run the stock layer. Widths are uneven so that slices differ.
+The 4-rank spawn (slow) runs every check (O-A1..A6, O-M1, O-M3..M5, 20 training steps).
+Rank 1 is the straggler; migration helpers are ranks 3 and 0 (in that order, so the helper
+order is not the rank order); rank 2 takes no part and must run the stock layer. The 2-rank
+spawn (default run) repeats the core checks with rank 0 as the only helper. Widths are
+uneven so that slices differ.
 
 References: the dense single-process nn.Linear / Conv1D. For ZERO-resizing the hand reference
 is the same dense layer with the straggler's dropped weight columns zeroed (its product is the
@@ -16,6 +18,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
@@ -40,8 +43,24 @@ from colossal_hetero.plugin import prepare_device
 from tests.dist_utils import run_distributed
 from tests.tolerances import chain_atol, unit_roundoff
 
-STRAGGLER, HELPERS = 1, (3, 0)
-COL_WIDTHS, ROW_WIDTHS = (2, 3, 1, 2), (2, 5, 3, 2)
+STRAGGLER = 1
+# world size -> (migration helpers, column widths, row widths); the straggler's slices are
+# the same size in both, the 4-rank one has a rank that takes no part (rank 2)
+SETUPS = {4: ((3, 0), (2, 3, 1, 2), (2, 5, 3, 2)), 2: ((0,), (2, 3), (2, 5))}
+
+
+def _helpers():
+    return SETUPS[dist.get_world_size()][0]
+
+
+def _col_widths():
+    return SETUPS[dist.get_world_size()][1]
+
+
+def _row_widths():
+    return SETUPS[dist.get_world_size()][2]
+
+
 IN_FEATURES, OUT_FEATURES = 8, 4
 # float64: forward, backward and the all-reduce are chains of <= 3 sums of <= 24 terms (8 in
 # features x 3 fused parts), each a product of N(0, 1)-ish draws below 5 in size: 24 * 25.
@@ -56,19 +75,19 @@ def _randn(*shape, seed, device, dtype=torch.float64):
 def _build(kind, group, device, *, conv, num_parts=1):
     """(dense module, sharded layer, weight dim of the reduction) for kind 'col' or 'row'."""
     torch.manual_seed(0)
-    k = IN_FEATURES if kind == "col" else sum(ROW_WIDTHS)
-    n = num_parts * sum(COL_WIDTHS) if kind == "col" else OUT_FEATURES
+    k = IN_FEATURES if kind == "col" else sum(_row_widths())
+    n = num_parts * sum(_col_widths()) if kind == "col" else OUT_FEATURES
     dense = (Conv1D(n, k) if conv else nn.Linear(k, n)).double().to(device)
     with torch.no_grad():
         dense.bias.normal_()
     if kind == "col":
         cls = ResizableConv1DCol if conv else ResizableLinearCol
         layer = cls.from_native_module(
-            copy.deepcopy(dense), group, widths=COL_WIDTHS, num_parts=num_parts
+            copy.deepcopy(dense), group, widths=_col_widths(), num_parts=num_parts
         )
     else:
         cls = ResizableConv1DRow if conv else ResizableLinearRow
-        layer = cls.from_native_module(copy.deepcopy(dense), group, widths=ROW_WIDTHS)
+        layer = cls.from_native_module(copy.deepcopy(dense), group, widths=_row_widths())
     return dense, layer, (0 if conv else 1)
 
 
@@ -79,8 +98,8 @@ def _run(kind, dense, layer, rank, *, num_parts=1, dtype=torch.float64):
     """
     for module in (dense, layer):
         module.zero_grad(set_to_none=True)
-    k = IN_FEATURES if kind == "col" else sum(ROW_WIDTHS)
-    n = num_parts * sum(COL_WIDTHS) if kind == "col" else OUT_FEATURES
+    k = IN_FEATURES if kind == "col" else sum(_row_widths())
+    n = num_parts * sum(_col_widths()) if kind == "col" else OUT_FEATURES
     device = layer.weight.device
     x, dy = _randn(2, 3, k, seed=1, device=device), _randn(2, 3, n, seed=2, device=device)
     x, dy = x.to(dtype).double(), dy.to(dtype).double()  # both sides see the same inputs
@@ -89,7 +108,7 @@ def _run(kind, dense, layer, rank, *, num_parts=1, dtype=torch.float64):
     (y_dense * dy).sum().backward()
     conv = isinstance(layer, (ResizableConv1DCol, ResizableConv1DRow))
     if kind == "col":
-        x_local, widths = x.to(dtype).requires_grad_(), COL_WIDTHS
+        x_local, widths = x.to(dtype).requires_grad_(), _col_widths()
         dy_local = shard_of(dy, -1, widths, rank, num_parts).to(dtype)
         exp = {
             "y": shard_of(y_dense.detach(), -1, widths, rank, num_parts),
@@ -98,7 +117,7 @@ def _run(kind, dense, layer, rank, *, num_parts=1, dtype=torch.float64):
             "db": shard_of(dense.bias.grad, 0, widths, rank, num_parts),
         }
     else:
-        widths = ROW_WIDTHS
+        widths = _row_widths()
         x_local = shard_of(x, -1, widths, rank).to(dtype).requires_grad_()
         dy_local = dy.to(dtype)
         exp = {
@@ -125,15 +144,18 @@ def _zeroed(dense, kind, wdim, dropped, num_parts=1):
         weight = weight.t()
     with torch.no_grad():
         if kind == "col":
-            total, start = sum(COL_WIDTHS), offsets(COL_WIDTHS)[STRAGGLER]
+            total, start = sum(_col_widths()), offsets(_col_widths())[STRAGGLER]
             rows = torch.cat(
-                [torch.arange(COL_WIDTHS[STRAGGLER]) + p * total + start for p in range(num_parts)]
+                [
+                    torch.arange(_col_widths()[STRAGGLER]) + p * total + start
+                    for p in range(num_parts)
+                ]
             )
             block = weight[rows]
             block[:, dropped] = 0.0
             weight[rows] = block
         else:
-            weight[:, dropped + offsets(ROW_WIDTHS)[STRAGGLER]] = 0.0
+            weight[:, dropped + offsets(_row_widths())[STRAGGLER]] = 0.0
     return ref
 
 
@@ -146,7 +168,7 @@ def _assert_all(got, exp, *, skip=(), **tol):
 
 
 def _straggler_width(kind):
-    return IN_FEATURES if kind == "col" else ROW_WIDTHS[STRAGGLER]
+    return IN_FEATURES if kind == "col" else _row_widths()[STRAGGLER]
 
 
 RESIZE_CASES = [("col", False, 1), ("col", True, 3), ("row", False, 1), ("row", True, 1)]
@@ -189,7 +211,9 @@ def _check_resize(kind, conv, num_parts, rank, group, device):
     # O-A6: never in eval, nor under no_grad in training mode
     x = _randn(2, 3, IN_FEATURES, seed=1, device=device)
     if kind == "row":
-        x = shard_of(_randn(2, 3, sum(ROW_WIDTHS), seed=1, device=device), -1, ROW_WIDTHS, rank)
+        x = shard_of(
+            _randn(2, 3, sum(_row_widths()), seed=1, device=device), -1, _row_widths(), rank
+        )
     with torch.no_grad():
         y_train_nograd = layer(x)
         layer.eval()
@@ -273,7 +297,7 @@ def _check_bf16(rank, group, device):
     got, exp = _run("col", ref, layer, rank, dtype=torch.bfloat16)
     assert all(v.dtype == torch.bfloat16 for v in got.values())
     x = _randn(2, 3, IN_FEATURES, seed=1, device=device).bfloat16().double()
-    dy = _randn(2, 3, sum(COL_WIDTHS), seed=2, device=device).bfloat16().double()
+    dy = _randn(2, 3, sum(_col_widths()), seed=2, device=device).bfloat16().double()
     w = ref.weight.detach()
     # sum|terms| of each result (the dense sums; the straggler's are subsets of them)
     scale = {
@@ -292,16 +316,16 @@ def _check_bf16(rank, group, device):
         torch.testing.assert_close(
             got["dw"][:, kept].double(), exp["dw"][:, kept], rtol=0.0, atol=atol["dw"]
         )
-        stock_y = shard_of(dense(x).detach(), -1, COL_WIDTHS, rank)
+        stock_y = shard_of(dense(x).detach(), -1, _col_widths(), rank)
         assert (stock_y - exp["y"]).abs().max() > 2 * atol["y"]  # the bound tells them apart
 
 
 def _expected_bytes(kind, split, num_parts, rank):
     """Bytes ``rank`` sends per forward + backward (migrate.py's formula), float64."""
     batch, e = 6, 8
-    rows = num_parts * COL_WIDTHS[STRAGGLER] if kind == "col" else OUT_FEATURES
+    rows = num_parts * _col_widths()[STRAGGLER] if kind == "col" else OUT_FEATURES
     total = 0
-    for helper, cols in zip(HELPERS, split.migrated, strict=True):
+    for helper, cols in zip(_helpers(), split.migrated, strict=True):
         m = cols.numel()
         if m == 0 or rank not in (helper, STRAGGLER):
             continue
@@ -334,8 +358,8 @@ def _check_migration(kind, conv, num_parts, fraction, drop, rank, group, device)
     stock = _build(kind, group, device, conv=conv, num_parts=num_parts)[1]  # same seed
     width = _straggler_width(kind)
     scores = torch.rand(width, generator=torch.Generator().manual_seed(7))
-    split = split_migration(scores, round(fraction * width), len(HELPERS), drop)
-    op = attach_migration(layer, STRAGGLER, HELPERS, split)
+    split = split_migration(scores, round(fraction * width), len(_helpers()), drop)
+    op = attach_migration(layer, STRAGGLER, _helpers(), split)
     ref = _zeroed(dense, kind, wdim, split.dropped, num_parts) if drop else dense
     (got, exp), calls = _count_all_reduce(lambda: _run(kind, ref, layer, rank, num_parts=num_parts))
     _, stock_calls = _count_all_reduce(lambda: _run(kind, ref, stock, rank, num_parts=num_parts))
@@ -352,13 +376,13 @@ def _check_migration(kind, conv, num_parts, fraction, drop, rank, group, device)
     assert op.bytes_sent == _expected_bytes(kind, split, num_parts, rank), op.bytes_sent
     total = torch.tensor([op.bytes_sent])
     dist.all_reduce(total, group=group)
-    hand = sum(_expected_bytes(kind, split, num_parts, r) for r in range(4))
+    hand = sum(_expected_bytes(kind, split, num_parts, r) for r in range(dist.get_world_size()))
     assert int(total) == hand
     if drop == 0:  # O-M3: the owner steps its own shard; the result is the dense step's slice
         for module in (layer, ref):
             torch.optim.SGD(module.parameters(), lr=0.1).step()
         shard_dim = (1 - wdim) if kind == "col" else wdim
-        widths = COL_WIDTHS if kind == "col" else ROW_WIDTHS
+        widths = _col_widths() if kind == "col" else _row_widths()
         parts = num_parts if kind == "col" else 1
         expected = shard_of(ref.weight.detach(), shard_dim, widths, rank, parts)
         torch.testing.assert_close(layer.weight.detach(), expected, **TOL)
@@ -374,6 +398,49 @@ MIGRATION_CASES = [
 ]
 
 
+def _check_training(rank, group, device):
+    """20 fp32 SGD steps of col -> tanh -> row with both layers migrated match dense training."""
+    widths, helpers = _col_widths(), _helpers()
+    torch.manual_seed(0)
+    dense = nn.Sequential(
+        nn.Linear(IN_FEATURES, sum(widths)), nn.Tanh(), nn.Linear(sum(widths), OUT_FEATURES)
+    ).to(device)
+    col = ResizableLinearCol.from_native_module(copy.deepcopy(dense[0]), group, widths=widths)
+    row = ResizableLinearRow.from_native_module(copy.deepcopy(dense[2]), group, widths=widths)
+    gen = torch.Generator().manual_seed(11)
+    for layer, width in ((col, IN_FEATURES), (row, widths[STRAGGLER])):
+        split = split_migration(torch.rand(width, generator=gen), width // 2 + 1, len(helpers))
+        attach_migration(layer, STRAGGLER, helpers, split)
+    tp = nn.Sequential(col, nn.Tanh(), row)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (dense, tp)]
+    # the whole run as one chain: 20 steps x (3 forward + 3 backward reductions) of <= 8
+    # terms, every magnitude (outputs, loss, weights, gradients) below 4 in these draws
+    tol = {"rtol": 0.0, "atol": chain_atol(20 * 6, 8, torch.float32, 4.0)}  # ~4e-4
+    for step in range(20):
+        x = _randn(4, IN_FEATURES, seed=100 + step, device=device, dtype=torch.float32)
+        target = _randn(4, OUT_FEATURES, seed=200 + step, device=device, dtype=torch.float32)
+        losses = []
+        for model, optimizer in zip((dense, tp), optimizers, strict=True):
+            optimizer.zero_grad()
+            loss = F.mse_loss(model(x), target)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[1], losses[0], **tol)
+        assert float(losses[0]) < 4.0  # the magnitude the tolerance assumes
+    assert max(float(p.detach().abs().max()) for p in dense.parameters()) < 4.0
+    expected_col = shard_of(dense[0].weight.detach(), 0, widths, rank)
+    torch.testing.assert_close(col.weight.detach(), expected_col, **tol)
+    torch.testing.assert_close(
+        row.weight.detach(), shard_of(dense[2].weight.detach(), 1, widths, rank), **tol
+    )
+    assert (
+        col.local_op.bytes_sent > 0
+        if rank in (STRAGGLER, *helpers)
+        else col.local_op.bytes_sent == 0
+    )
+
+
 def _all_checks(rank, world_size, device):
     prepare_device(device)
     group = dist.new_group(list(range(world_size)))
@@ -383,6 +450,22 @@ def _all_checks(rank, world_size, device):
     _check_bf16(rank, group, device)
     for case in MIGRATION_CASES:
         _check_migration(*case, rank, group, device)
+    _check_training(rank, group, device)
+
+
+def _fast_checks(rank, world_size, device):
+    prepare_device(device)
+    group = dist.new_group(list(range(world_size)))
+    _check_resize("col", False, 1, rank, group, device)
+    _check_resize("row", False, 1, rank, group, device)
+    _check_migration("col", True, 3, 1 / 2, 0, rank, group, device)
+    _check_migration("row", False, 1, 1 / 2, 1, rank, group, device)
+    _check_training(rank, group, device)
+
+
+def test_balance_ops_two_ranks():
+    """The core checks on 2 ranks (straggler 1, helper 0), in the default test run."""
+    run_distributed(_fast_checks, 2)
 
 
 @pytest.mark.slow  # 4 processes importing colossalai on 2 shared cores: ~2 min measured (35 s CPU)

@@ -19,6 +19,10 @@ Row-parallel (x_r [*, K_r] differs per rank, partial outputs all-reduced by the 
 Bytes sent per forward+backward, B = prod(x.shape[:-1]), m_h = |M_h|, e = element size:
     column: sum_h (2 * N_r * m_h + 2 * B * N_r) * e;   row: sum_h 2 * (N_r + B) * m_h * e
 ``Migration.bytes_sent`` accumulates what this rank sent.
+
+As with every TP layer, each rank's output must reach the loss: a helper's backward waits
+for the straggler's ``dy_r`` (column-parallel), so a straggler that skipped its backward
+would leave the helper waiting.
 """
 
 from __future__ import annotations
