@@ -76,10 +76,10 @@ def column_change(weight: torch.Tensor, snapshot: torch.Tensor, dim: int) -> tor
     """v_j = sum over the other dim of |weight - snapshot| for each column j along ``dim``.
 
     ``dim`` is the reduction dimension in the parameter's storage (1 for nn.Linear's [N, K],
-    0 for Conv1D's [K, N]). Returns float64 [K] so scores compare the same on every rank.
+    0 for Conv1D's [K, N]). Returns float64 [K] on the CPU, where the scores live.
     """
     diff = (weight.detach().double() - snapshot.detach().double()).abs()
-    return diff.sum(dim=1 - dim)
+    return diff.sum(dim=1 - dim).cpu()
 
 
 def update_scores(
