@@ -81,6 +81,21 @@ def _reshard_grad(
     return None if grad is None else reshard(grad, old, new)
 
 
+def _forget_grad_accumulator(param: torch.Tensor) -> None:
+    """Drop ``param``'s cached gradient accumulator (autograd's AccumulateGrad node).
+
+    A graph still alive from the last step (a training loop's ``loss`` variable holds it
+    until the next forward) keeps that node, with the old shape as its input metadata, and
+    autograd hands the same node to the next backward, which then rejects the resized
+    gradient. Assigning ``.data`` resets the cached node only when the dtype or device
+    changes, so the data is swapped to another dtype and back.
+    """
+    data = param.data
+    other = torch.float32 if data.dtype == torch.float64 else torch.float64
+    param.data = torch.empty(0, dtype=other, device=data.device)
+    param.data = data
+
+
 @torch.no_grad()
 def resize_parameter(
     param: torch.nn.Parameter, layout: ShardLayout, *, optimizer: Any = None
@@ -100,6 +115,7 @@ def resize_parameter(
         raise ValueError(f"can only change widths: {old} -> {layout}")
     master, state = _stepped(optimizer, param)
     keys = _agreed_state_keys(state, param, master, old.group)
+    _forget_grad_accumulator(param)
     param.data = reshard(param.data, old, layout)
     param.grad = _reshard_grad(param.grad, old, layout)
     if master is not param:

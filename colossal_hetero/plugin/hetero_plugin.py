@@ -12,6 +12,8 @@ them together; no algorithm lives here. Parts and their seams:
 - ``seam``: the step boundaries (plugin/seam.py), found from the boosted model's training
   forwards and the boosted optimizer's ``step()``; the interceptor is its clock, and the
   metrics writer (``metrics_dir``) and runtime controllers are its clients.
+- ``balancer``: with ``balancer.mode`` other than none, the straggler balancer
+  (colossal_hetero/balance/) on the seam; it acts through ``resize``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
+from colossal_hetero.balance.checks import check_balancer, needs_resizable
+from colossal_hetero.balance.wiring import build_balancer
 from colossal_hetero.checkpoint import HeteroCheckpointIO
 from colossal_hetero.compat.attention import keep_gpt2_causal
 from colossal_hetero.compat.grad_norm import count_customized_shards_in_grad_norm
@@ -99,6 +103,7 @@ class HeteroParallelPlugin(PipelinePluginBase):
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.dp_size = validate_layout(config, self.world_size)
         self.device = _device_for(config)
+        check_balancer(config)  # before any collective, on every rank
         prepare_device(self.device)
         count_customized_shards_in_grad_norm()  # clipping norm of TP shards (all devices)
         self.plan, self.workload, self._policy = plan, workload, policy
@@ -116,6 +121,7 @@ class HeteroParallelPlugin(PipelinePluginBase):
             raise
         self.seam = StepSeam(self.timer)
         self._run_dir = None if metrics_dir is None else Path(metrics_dir)
+        self.balancer: Any = None  # the balance controller, wired at configure (balancer.mode)
         if metrics_dir is not None:
             self.seam.add(StepMetrics(self.seam, metrics_dir, self.rank))
         if self.pipeline_control is not None:  # ada_kfkb retunes k at step ends
@@ -185,8 +191,10 @@ class HeteroParallelPlugin(PipelinePluginBase):
             self.plan = plan_at_configure(
                 self.config, model, self.world_size, self.device, self.workload, dataloader
             )
-        if self._policy is None and self.plan is not None and self.tp_size > 1:
-            self.engine.custom_policy = resizable_policy(model, self.plan.widths)
+        resizes = self.plan is not None or needs_resizable(self.config)  # balancer may resize
+        if self._policy is None and resizes and self.tp_size > 1:
+            widths = self.plan.widths if self.plan is not None else {}  # {}: even
+            self.engine.custom_policy = resizable_policy(model, widths)
         sfb = planned_sfb(self.plan, self.config.parallel, self.dp_size)
         exclude_sfb_from_ddp(model, sfb)  # SFB modules sync by gathered factors, not DDP
         boosted = self.engine.configure(model, optimizer, criterion, dataloader, lr_scheduler)
@@ -202,6 +210,9 @@ class HeteroParallelPlugin(PipelinePluginBase):
         self.seam.attach(boosted[0], boosted[1], note_losses=self.pp_size == 1)
         return boosted
 
+        if self.config.balancer.mode != "none":  # after the metrics writer: it logs first
+            balancer = build_balancer(self, boosted[0], boosted[1], self._run_dir)
+            self.balancer = self.seam.add(balancer)
     def resize(self, model: nn.Module, optimizer: Any, widths: dict[str, list[int]]) -> None:
         """Move tensor-parallel shards to new ``widths`` between steps, losslessly.
 

@@ -1,0 +1,56 @@
+"""The balancer's layout checks, raised on every rank before any collective. Pure.
+
+Field-local checks (ranges, modes not built yet) live in ``config.schema.BalancerConfig``;
+these need the rest of the config. The plugin calls :func:`check_balancer` at construction.
+"""
+
+from __future__ import annotations
+
+from colossal_hetero.config.loader import ConfigError
+from colossal_hetero.config.schema import HeteroConfig
+
+MOVING_MODES = ("replan", "semi")
+"""Modes that may resize the widths (and so need resizable layers)."""
+
+
+def check_balancer(config: HeteroConfig) -> None:
+    """ConfigError (one line naming ``balancer.mode``) unless the layout can run the mode.
+
+    Any mode but none balances inside tensor-parallel groups, so needs ``parallel.tp > 1``.
+    replan and semi move widths through ``plugin.resize`` and re-run the planner, so they
+    also need what those support: ``parallel.pp == 1`` (the planner does not plan pipeline
+    stages), ``parallel.zero_stage == 0`` (resize does not move ZeRO partitions) and
+    ``plan.model_spec: hf`` (the re-plan reads the transformers config of the sharded model;
+    an fx trace of it would see the shards).
+    """
+    balancer, parallel = config.balancer, config.parallel
+    mode = balancer.mode
+    if mode == "none":
+        return
+    if parallel.tp < 2:
+        raise ConfigError(
+            f"balancer.mode: {mode} balances inside tensor-parallel groups and needs "
+            f"parallel.tp > 1, got {parallel.tp}"
+        )
+    if mode not in MOVING_MODES:
+        return
+    if parallel.pp > 1:
+        raise ConfigError(
+            f"balancer.mode: {mode} re-plans the widths, which the planner does not do with "
+            f"pipeline stages (parallel.pp {parallel.pp}); use detect or parallel.pp 1"
+        )
+    if parallel.zero_stage > 0:
+        raise ConfigError(
+            f"balancer.mode: {mode} resizes the shards, which ZeRO's flat partitions do not "
+            f"allow (parallel.zero_stage {parallel.zero_stage}); use zero_stage 0 or detect"
+        )
+    if config.plan.model_spec != "hf":
+        raise ConfigError(
+            f"balancer.mode: {mode} re-plans from the transformers config; plan.model_spec "
+            f"{config.plan.model_spec} is not supported (use hf)"
+        )
+
+
+def needs_resizable(config: HeteroConfig) -> bool:
+    """Whether the balancer may resize, so the model needs resizable layers even unplanned."""
+    return config.balancer.mode in MOVING_MODES and config.parallel.tp > 1

@@ -1,0 +1,154 @@
+"""Straggler detection, pure: agreed per-rank compute times in, a slowdown vector out.
+
+No torch, no torch.distributed, no clock. The runtime half (balance/agree.py) hands every rank
+the same window of measurements, so every rank's detector steps through the same states.
+
+Model. Each rank ``i`` of a tensor-parallel group reports its recent per-step compute time
+(``StepTiming.compute_time``: the step minus its waits inside collectives, so a fast rank
+waiting for a slow one is not counted as slow). Work is assumed proportional to the rank's
+work ``w_i`` (``work_units``: its share of the widths, plus a part that does not scale with
+them), so ``u_i = median(window_i) / w_i`` is its time per unit of work:
+its device's slowness, whatever widths it runs now. Across windows ``u_i`` is smoothed by an
+EWMA; the slowdown vector is ``s_i = u_i / min_j u_j`` (the fastest rank is 1.0).
+
+Hysteresis. A rank is flagged when ``s_i > 1 + threshold`` and released only when
+``s_i < 1 + release`` (release < threshold), so a rank hovering near the threshold does not
+flap. The vector is *stable since* the last agreement at which the flagged set changed or
+any ``s_i`` moved by more than ``stable_tolerance`` (relative) from the vector held then.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+MIN_SHARE = 1e-3
+"""Smallest share of the work a rank is assumed to carry (for time per unit of work)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Detection:
+    """The detector's state after one agreement."""
+
+    step: int
+    """The step the agreement followed."""
+
+    slowdown: tuple[float, ...]
+    """Per rank of the group, smoothed time per unit of work over the fastest rank's (>= 1)."""
+
+    stragglers: tuple[int, ...]
+    """Flagged ranks (indices into ``slowdown``), ascending."""
+
+    stable_since: int
+    """The step since which the flagged set and the vector (within tolerance) held."""
+
+    def stable_for(self) -> int:
+        """Steps the vector has been stable, counted to ``step``."""
+        return self.step - self.stable_since
+
+    @property
+    def speeds(self) -> tuple[float, ...]:
+        """Relative speeds (fastest 1.0): ``1 / slowdown``."""
+        return tuple(1.0 / s for s in self.slowdown)
+
+
+@dataclass(frozen=True, slots=True)
+class DetectorSettings:
+    """Knobs of :class:`StragglerDetector` (``config.schema.BalancerConfig`` carries them)."""
+
+    smoothing: float = 0.5
+    threshold: float = 0.15
+    release: float = 0.05
+    stable_tolerance: float = 0.1
+
+
+class StragglerDetector:
+    """EWMA of per-unit compute time, slowdown normalised to the fastest rank, hysteresis.
+
+    Args:
+        size: ranks in the group.
+        settings: smoothing, thresholds and stability tolerance.
+    """
+
+    def __init__(self, size: int, settings: DetectorSettings) -> None:
+        assert size >= 1 and 0 <= settings.release < settings.threshold
+        self.size, self.settings = size, settings
+        self._ewma: list[float] | None = None
+        self._flagged: frozenset[int] = frozenset()
+        self._reference: tuple[float, ...] | None = None
+        self._stable_since = 0
+
+    def reset(self, step: int) -> None:
+        """Forget the smoothed times (after a move their shares changed); flags are kept and
+        stability restarts at ``step``."""
+        self._ewma, self._reference, self._stable_since = None, None, step
+
+    def update(
+        self, step: int, window: Sequence[Sequence[float]], shares: Sequence[float]
+    ) -> Detection:
+        """Fold one agreed window in and return the new state.
+
+        Args:
+            step: the step the window ends at.
+            window: per rank, its recent compute times in seconds (any non-empty length).
+            shares: per rank, its amount of work, any positive scale (e.g. ``work_units``).
+        """
+        assert len(window) == len(shares) == self.size
+        # A rank given no width still runs the replicated layers: floor its share.
+        unit = [
+            statistics.median(times) / max(share, MIN_SHARE)
+            for times, share in zip(window, shares, strict=True)
+        ]
+        alpha = self.settings.smoothing
+        if self._ewma is None:
+            self._ewma = unit
+        else:
+            self._ewma = [
+                (1 - alpha) * old + alpha * new for old, new in zip(self._ewma, unit, strict=True)
+            ]
+        fastest = min(self._ewma)
+        slowdown = tuple(u / fastest if fastest > 0 else 1.0 for u in self._ewma)
+        flagged = frozenset(flag_stragglers(slowdown, self._flagged, self.settings))
+        if flagged != self._flagged or not _close(slowdown, self._reference, self.settings):
+            self._reference, self._stable_since = slowdown, step
+        self._flagged = flagged
+        return Detection(step, slowdown, tuple(sorted(flagged)), self._stable_since)
+
+
+def flag_stragglers(
+    slowdown: Sequence[float], flagged: frozenset[int], settings: DetectorSettings
+) -> list[int]:
+    """Ranks flagged after hysteresis: newly above ``1 + threshold``, or flagged before and
+    not yet below ``1 + release``."""
+    out = []
+    for rank, s in enumerate(slowdown):
+        limit = 1 + (settings.release if rank in flagged else settings.threshold)
+        if (s >= limit) if rank in flagged else (s > limit):
+            out.append(rank)
+    return out
+
+
+def _close(
+    new: Sequence[float], reference: Sequence[float] | None, settings: DetectorSettings
+) -> bool:
+    if reference is None:
+        return False
+    tolerance = settings.stable_tolerance
+    return all(abs(a - b) <= tolerance * b for a, b in zip(new, reference, strict=True))
+
+
+def work_units(shares: Sequence[float], fixed_fraction: float) -> tuple[float, ...]:
+    """Per rank, its work relative to an even split: ``phi + (1 - phi) * n * share`` with
+    ``phi = fixed_fraction`` the part of the work that does not scale with the widths."""
+    n = len(shares)
+    return tuple(fixed_fraction + (1 - fixed_fraction) * n * share for share in shares)
+
+
+def shares_of(widths: Mapping[str, Sequence[int]], size: int) -> tuple[float, ...]:
+    """Per rank, its share of the work: the mean over width keys of its fraction of the key's
+    total (keys whose total is 0 are skipped; no keys: even shares)."""
+    fractions = [[w / sum(counts) for w in counts] for counts in widths.values() if sum(counts) > 0]
+    if not fractions:
+        return tuple(1.0 / size for _ in range(size))
+    return tuple(sum(f[i] for f in fractions) / len(fractions) for i in range(size))

@@ -1,0 +1,110 @@
+"""Online re-planning, pure: measured speeds in, new widths and whether the move pays out.
+
+No torch.distributed. The planner is the one the plugin plans with at ``configure``
+(``planner.resolve.plan_for_model``); only the devices' speeds change, to the measured ones.
+Every rank calls it with the same agreed speeds and gets the same widths (the planner is
+deterministic; ``plugin.resize`` checks the widths agree before it moves anything).
+
+Gain model: a rank's compute is taken as ``phi + (1 - phi) * n * share`` units of work
+(``detector.work_units``; ``phi = balancer.fixed_fraction``, the part that does not scale with
+the widths), so under new shares its per-step compute becomes ``t_i * new_i / old_i`` in those
+units and the group's step (bulk synchronous: the slowest rank) saves
+``max_i t_i - max_i t_i * new_i / old_i``. The controller logs the measured gain of the next
+window beside each move so that the model can be checked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from colossal_hetero.balance.detector import MIN_SHARE, shares_of, work_units
+from colossal_hetero.config.schema import DeviceSpec, HeteroConfig
+
+
+@dataclass(frozen=True, slots=True)
+class ReplanDecision:
+    """What the re-planner decided at one agreement."""
+
+    action: str
+    """none or resize."""
+    widths: dict[str, tuple[int, ...]]
+    """The widths to run (the current ones when ``action`` is none)."""
+    predicted_gain: float
+    """Predicted seconds saved per step by the move (0 when none is planned)."""
+    reason: str
+
+
+def measured_config(config: HeteroConfig, speeds: Sequence[float], world_size: int) -> HeteroConfig:
+    """``config`` with each device's speed replaced by its tensor-parallel position's measured
+    relative ``speeds`` (device ``d`` sits at position ``d % tp``); memory and bandwidth stay
+    as declared, and ``plan.mode`` becomes auto (a plan file is not re-planned)."""
+    tp = config.parallel.tp
+    assert len(speeds) == tp
+    declared = list(config.cluster.devices) or [DeviceSpec()] * world_size
+    devices = [replace(d, speed=float(speeds[i % tp])) for i, d in enumerate(declared)]
+    return replace(
+        config,
+        cluster=replace(config.cluster, devices=devices),
+        plan=replace(config.plan, mode="auto", path=None),
+    )
+
+
+def plan_widths(
+    config: HeteroConfig,
+    model: Any,
+    world_size: int,
+    workload: tuple[int, int] | None,
+    speeds: Sequence[float],
+) -> dict[str, tuple[int, ...]]:
+    """The planner's widths for ``model`` on devices at the measured ``speeds``.
+
+    Raises:
+        ConfigError: the planner finds the layout infeasible at these speeds.
+    """
+    from colossal_hetero.planner.resolve import plan_for_model
+
+    plan = plan_for_model(measured_config(config, speeds, world_size), model, world_size, workload)
+    return {key: tuple(counts) for key, counts in plan.widths.items()}
+
+
+def predicted_saving(
+    times: Sequence[float],
+    old: Mapping[str, Sequence[int]],
+    new: Mapping[str, Sequence[int]],
+    fixed_fraction: float = 0.0,
+) -> float:
+    """Seconds per step saved moving from widths ``old`` to ``new`` (module docstring)."""
+    size = len(times)
+    before = work_units(shares_of(old, size), fixed_fraction)
+    after = work_units(shares_of(new, size), fixed_fraction)
+    scaled = [t * b / max(a, MIN_SHARE) for t, a, b in zip(times, before, after, strict=True)]
+    return max(times) - max(scaled)
+
+
+def decide_replan(
+    times: Sequence[float],
+    current: Mapping[str, Sequence[int]],
+    planned: Mapping[str, Sequence[int]],
+    *,
+    horizon_steps: int,
+    move_cost_s: float,
+    fixed_fraction: float = 0.0,
+) -> ReplanDecision:
+    """Move to ``planned`` when ``saving * horizon_steps > move_cost_s``.
+
+    Args:
+        times: per tensor-parallel rank, measured per-step compute seconds.
+        current: the widths running now; planned: the planner's widths at measured speeds.
+    """
+    now = {k: tuple(v) for k, v in current.items()}
+    target = {k: tuple(v) for k, v in planned.items()}
+    if {k: target.get(k, now[k]) for k in now} == now and set(target) <= set(now):
+        return ReplanDecision("none", now, 0.0, "the planner keeps the current widths")
+    saving = predicted_saving(times, now, {**now, **target}, fixed_fraction)
+    if saving * horizon_steps > move_cost_s:
+        reason = f"{saving:.4g} s/step x {horizon_steps} steps > move cost {move_cost_s:.3g} s"
+        return ReplanDecision("resize", {**now, **target}, saving, reason)
+    reason = f"{saving:.4g} s/step x {horizon_steps} steps <= move cost {move_cost_s:.3g} s"
+    return ReplanDecision("none", now, saving, reason)

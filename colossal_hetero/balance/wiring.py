@@ -1,0 +1,81 @@
+"""Build the balancer controller from a configured plugin: wiring only, no algorithm.
+
+The plugin (a composition root) calls :func:`build_balancer` at the end of ``configure``
+and adds the result to its step seam.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from colossal_hetero.balance.controller import (
+    Actuator,
+    BalanceController,
+    DecisionLog,
+    Widths,
+    balance_log_path,
+)
+from colossal_hetero.balance.replan import plan_widths
+from colossal_hetero.layers import layout_of
+from colossal_hetero.planner.resolve import calibrated, needs_calibration
+
+
+def build_balancer(
+    plugin: Any, model: Any, optimizer: Any, metrics_dir: str | Path | None
+) -> BalanceController:
+    """The controller of ``plugin.config.balancer`` for the booster's ``model``/``optimizer``.
+
+    With replan or semi and no ``plan.reference_tflops`` the device model is measured once
+    more here (``utils.probe.probe_world``: one all_reduce over the world, on every rank),
+    as the plugin's own planning did, so that the re-planner plans with the same figures.
+    Decisions go to ``balance_rank{r}.jsonl`` in ``metrics_dir`` (kept in memory only when
+    None).
+    """
+    config = plugin.config
+    settings = config.balancer
+    tp_group = plugin.engine.tp_group
+    world = dist.get_world_size()
+    if settings.mode in ("replan", "semi") and needs_calibration(config):
+        from colossal_hetero.utils.probe import probe_world
+
+        config = calibrated(config, probe_world(plugin.device))
+    plan = plugin.plan
+    workload = (plan.batch_size, plan.seq_len) if plan is not None else plugin.workload
+    hf_model = model.unwrap()
+
+    def current() -> Widths:
+        widths = getattr(plugin.engine.custom_policy, "widths", None) or {}
+        return {key: tuple(counts) for key, counts in widths.items()}
+
+    actuator = Actuator(
+        widths=current,
+        plan=lambda speeds: plan_widths(config, hf_model, world, workload, speeds),
+        resize=lambda widths: plugin.resize(model, optimizer, widths),
+    )
+    weight_bytes = sum(
+        p.numel() * p.element_size() for p in hf_model.parameters() if layout_of(p) is not None
+    )
+    log = DecisionLog(None if metrics_dir is None else balance_log_path(metrics_dir, plugin.rank))
+    return BalanceController(
+        settings,
+        tp_size=plugin.tp_size,
+        tp_rank=dist.get_rank(tp_group),
+        group_index=min(dist.get_process_group_ranks(tp_group)),
+        planned_for=declared_speeds(config.cluster.speeds(world), plugin.tp_size),
+        weight_bytes=float(weight_bytes),
+        actuator=actuator,
+        device=plugin.device,
+        log=log,
+    )
+
+
+def declared_speeds(speeds: list[float], tp_size: int) -> tuple[float, ...]:
+    """Per tensor-parallel position (device ``d`` at ``d % tp``), its slowest declared
+    device's speed relative to the fastest device."""
+    fastest = max(speeds)
+    return tuple(
+        min(s for d, s in enumerate(speeds) if d % tp_size == p) / fastest for p in range(tp_size)
+    )

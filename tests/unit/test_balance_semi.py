@@ -1,0 +1,145 @@
+"""The SEMI policy (pure): the digest's oracles O-S1..O-S4 that apply to a policy without the
+layer ops, hand-computed gains, the executable fallback; and the re-planner's pure parts."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from colossal_hetero.balance.replan import decide_replan, measured_config, predicted_saving
+from colossal_hetero.balance.semi import (
+    NOT_BUILT,
+    SemiInputs,
+    SemiSettings,
+    choose_straggler,
+    decide,
+    dropped_mass,
+    executable,
+)
+from colossal_hetero.config.schema import DeviceSpec, HeteroConfig, ParallelConfig
+
+NO_REPLAN = SemiSettings(replan_cost_s=math.inf)
+MB = 1e6
+
+
+def _inputs(times, bandwidth=1e9, weight=10 * MB, activation=1 * MB) -> SemiInputs:
+    n = len(times)
+    return SemiInputs(
+        times=tuple(times),
+        shares=(1 / n,) * n,
+        bandwidth=bandwidth,
+        weight_bytes=(weight,) * n,
+        activation_bytes=activation,
+    )
+
+
+def test_o_s1_within_threshold_gives_none():
+    decision = decide(_inputs([1.0, 1.15, 1.1, 1.0]), SemiSettings())
+    assert decision.action == "none" and decision.choices == () and decision.predicted_gain == 0
+
+
+def test_resize_gain_by_hand():
+    """s = 1.5 on 4 ranks, lambda 0.5: resize saves 0.5 s, costs 0.5 * (1/3) * 1.5 = 0.25 s;
+    migrate saves 0.5 s minus (1/3) * 1.0 / 3 helpers and (2 * (1/3) * 10 MB + 1 MB) / 1 GB/s
+    = 0.111 + 0.00767 s: 0.381 > 0.25, so migrate wins; with bandwidth 0 resize."""
+    times = [1.0, 1.5, 1.0, 1.0]
+    mig = choose_straggler(1, _inputs(times), 3, NO_REPLAN)
+    assert mig is not None and mig.action == "migrate"
+    assert mig.gain == pytest.approx(0.5 - 1 / 9 - (2 / 3 * 10 * MB + MB) / 1e9)
+    rsz = choose_straggler(1, _inputs(times, bandwidth=0.0), 3, NO_REPLAN)
+    assert rsz is not None and rsz.action == "resize" and rsz.resized == pytest.approx(1 / 3)
+    assert rsz.gain == pytest.approx(0.5 - 0.5 * (1 / 3) * 1.5)
+
+
+def test_o_s2_shed_fraction_never_falls_as_the_slowdown_grows():
+    """Raising s never lowers the shed fraction; above f_max the mode is (migrate|+resize)."""
+    for helpers_times in ([1.0], [1.0, 1.0, 1.0], [1.0] * 7):
+        last = 0.0
+        for s in [1.0 + 0.05 * k for k in range(1, 160)]:
+            choice = choose_straggler(
+                0, _inputs([s, *helpers_times]), len(helpers_times), NO_REPLAN
+            )
+            shed = 0.0 if choice is None else choice.resized + choice.migrated
+            assert shed >= last - 1e-12, (s, helpers_times)
+            last = shed
+            if 1 - 1 / s > NO_REPLAN.accuracy_budget:
+                assert choice is not None and choice.action in ("migrate", "migrate+resize")
+
+
+@pytest.mark.parametrize("s", [2.5, 4.0, 8.0])
+@pytest.mark.parametrize("helpers", [1, 3, 7])
+def test_o_s3_bandwidth_extremes(s: float, helpers: int):
+    """f > f_max: infinite bandwidth gives migrate (lambda * s * h >= 1 with the defaults, so
+    the resized part of migrate+resize costs more than the helpers' extra time); zero
+    bandwidth gives resize capped at f_max."""
+    times = [s] + [1.0] * helpers
+    free = choose_straggler(0, _inputs(times, bandwidth=math.inf), helpers, NO_REPLAN)
+    assert (
+        free is not None and free.action == "migrate" and free.migrated == pytest.approx(1 - 1 / s)
+    )
+    none = choose_straggler(0, _inputs(times, bandwidth=0.0), helpers, NO_REPLAN)
+    assert none is not None and none.action == "resize"
+    assert none.resized == NO_REPLAN.accuracy_budget and none.migrated == 0.0
+
+
+def test_o_s4_predicted_compute_balanced_in_simulated_clusters():
+    """Random 8-rank clusters: the decision's predicted per-rank compute is within 10%.
+    Light stragglers resize to the fast time; heavy ones, whose migration would load the
+    helpers by more than 10%, lose to a re-plan (cheap over the horizon), which balances."""
+    rng = random.Random(0)
+    settings = SemiSettings(replan_cost_s=1.0, horizon_steps=200)
+    for _ in range(200):
+        times = [1.0] * 8
+        for rank in rng.sample(range(8), rng.randint(1, 3)):
+            times[rank] = rng.choice([1.05, 1.3, 1.6, 2.0, 4.0, 8.0])
+        decision = decide(_inputs(times), settings)
+        predicted = decision.predicted_times
+        assert max(predicted) <= 1.10 * min(predicted), (times, decision)
+
+
+def test_replan_value_and_executable_fallback():
+    """One 4x straggler of 2 ranks: migrate would leave the helper at 1.75 s, a re-plan
+    balances at tau = 1 / (0.5 / 1 + 0.5 / 4) = 1.6 s: replan, executable today. One 1.3x
+    straggler of 8: migrate (helpers + 0.3 / 1.3 / 7) beats a re-plan that costs 10 s once,
+    but is not built: the fallback is the re-plan while it pays, else none."""
+    settings = SemiSettings(replan_cost_s=10.0, horizon_steps=100)
+    heavy = decide(_inputs([1.0, 4.0]), settings)
+    assert heavy.action == "replan" and heavy.predicted_times == (pytest.approx(1.6),) * 2
+    assert heavy.replan_value == pytest.approx(100 * (4.0 - 1.6) - 10.0)
+    assert executable(heavy, frozenset({"none", "replan"})) == ("replan", "chosen")
+    light = decide(_inputs([1.0] * 7 + [1.3]), settings)
+    assert light.action == "in_layer" and light.choices[0].action == "migrate"
+    assert light.in_layer_value > light.replan_value > 0
+    run, why = executable(light, frozenset({"none", "replan"}))
+    assert run == "replan" and NOT_BUILT in why
+    costly = decide(_inputs([1.0] * 7 + [1.3]), SemiSettings(replan_cost_s=1e6, horizon_steps=100))
+    assert executable(costly, frozenset({"none", "replan"})) == ("none", f"in_layer {NOT_BUILT}")
+
+
+def test_dropped_mass():
+    assert dropped_mass(0.5, None) == 0.5
+    assert dropped_mass(0.5, [4.0, 1.0, 3.0, 2.0]) == pytest.approx(3.0 / 10.0)
+
+
+def test_predicted_saving_and_the_move_rule():
+    """Rank 1 4x slow at even widths (t = 1, 4): moving it to 1/4 of the work (proportional
+    model, phi 0) gives t' = 1 * 1.5 and 4 * 0.5: saving 4 - 2 = 2 s/step."""
+    even, skew = {"ffn": (48, 48)}, {"ffn": (72, 24)}
+    assert predicted_saving([1.0, 4.0], even, skew) == pytest.approx(2.0)
+    # phi 0.5: units 1 -> 0.5 + 0.5 * 1.5 = 1.25 and 1 -> 0.75: 4 - 3 = 1 s/step.
+    assert predicted_saving([1.0, 4.0], even, skew, 0.5) == pytest.approx(1.0)
+    move = decide_replan([1.0, 4.0], even, skew, horizon_steps=10, move_cost_s=19.0)
+    assert move.action == "resize" and move.widths == skew and move.predicted_gain == 2.0
+    stay = decide_replan([1.0, 4.0], even, skew, horizon_steps=10, move_cost_s=20.0)
+    assert stay.action == "none" and stay.widths == even
+    same = decide_replan([1.0, 4.0], even, even, horizon_steps=10, move_cost_s=0.0)
+    assert same.action == "none" and "keeps" in same.reason
+
+
+def test_measured_config_sets_speeds_per_position():
+    config = HeteroConfig(parallel=ParallelConfig(tp=2))
+    out = measured_config(config, (1.0, 0.25), 4)
+    assert [d.speed for d in out.cluster.devices] == [1.0, 0.25, 1.0, 0.25]
+    assert out.cluster.devices[0] == DeviceSpec(speed=1.0) and out.plan.mode == "auto"
