@@ -103,6 +103,10 @@ class ParallelConfig:
     """Explicit samples per data-parallel group per step (overrides batch_split); must sum to
     data.global_batch_size."""
 
+    num_layers_per_stage: list[int] = field(default_factory=list)
+    """Transformer layers of each pipeline stage, first to last (pp entries >= 1 summing to the
+    model's layers); empty: Colossal-AI's even split."""
+
     pp_schedule: Literal["1f1b", "kfkb", "ada_kfkb"] = "1f1b"
     """Pipeline schedule (pp > 1): Colossal-AI's 1f1b; kfkb, groups of pp_k forwards then pp_k
     backwards; ada_kfkb, kfkb with k retuned every pp_retune_every steps (docs/pipeline.md)."""
@@ -490,10 +494,6 @@ class PlanConfig:
         )
 
 
-@dataclass(kw_only=True, slots=True, frozen=True)
-class HeteroConfig:
-    """What the plugin needs: the parallel layout, the cluster and its emulation."""
-
 BalancerMode = Literal["none", "detect", "resize", "migrate", "replan", "semi"]
 _NOT_BUILT = ("resize", "migrate")
 
@@ -580,6 +580,10 @@ class BalancerConfig:
         _require(self.accuracy_weight >= 0, "accuracy_weight", "must be >= 0")
 
 
+@dataclass(kw_only=True, slots=True, frozen=True)
+class HeteroConfig:
+    """What the plugin needs: the parallel layout, the cluster and its emulation."""
+
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Parallel layout."""
 
@@ -592,12 +596,12 @@ class BalancerConfig:
     plan: PlanConfig = field(default_factory=PlanConfig)
     """Planning of uneven shard widths and batch shares."""
 
+    balancer: BalancerConfig = field(default_factory=BalancerConfig)
+    """Runtime straggler balancing."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "emulation", _emulation_for(self.emulation, self.cluster))
 
-
-    balancer: BalancerConfig = field(default_factory=BalancerConfig)
-    """Runtime straggler balancing."""
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class RunConfig:
@@ -621,13 +625,13 @@ class RunConfig:
     plan: PlanConfig = field(default_factory=PlanConfig)
     """Planning of uneven shard widths and batch shares."""
 
+    balancer: BalancerConfig = field(default_factory=BalancerConfig)
+    """Runtime straggler balancing."""
+
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """Optimizer."""
 
     train: TrainConfig = field(default_factory=TrainConfig)
-    balancer: BalancerConfig = field(default_factory=BalancerConfig)
-    """Runtime straggler balancing."""
-
     """Steps and validation."""
 
     logging: LoggingConfig = field(default_factory=LoggingConfig)

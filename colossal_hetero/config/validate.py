@@ -12,7 +12,7 @@ from typing import Any
 
 from colossal_hetero.config.loader import ConfigError
 from colossal_hetero.config.schema import EmulationConfig, HeteroConfig, ModelConfig, RunConfig
-from colossal_hetero.pipeline.validate import check_pipeline_config
+from colossal_hetero.pipeline.validate import check_pipeline_config, check_stage_split
 
 
 def resolve_dp(config: HeteroConfig, world_size: int) -> int:
@@ -89,6 +89,7 @@ def validate_run(config: RunConfig, world_size: int) -> int:
             f"parallel.pp: {parallel.pp} stages but the model has only "
             f"{hf_config.num_hidden_layers} layers"
         )
+    check_stage_split(parallel, hf_config.num_hidden_layers)
     wants_images = config.model.arch == "vit"
     if wants_images != (config.data.dataset == "digits"):
         raise ConfigError(

@@ -9,7 +9,8 @@ budget below one micro-batch's measured activations) is checked at runtime by
 from __future__ import annotations
 
 from colossal_hetero.config.loader import ConfigError
-from colossal_hetero.config.schema import HeteroConfig
+from colossal_hetero.config.schema import HeteroConfig, ParallelConfig
+from colossal_hetero.planner.stages import check_layers_per_stage
 
 MIB = 1 << 20
 
@@ -17,12 +18,15 @@ MIB = 1 << 20
 def check_pipeline_config(config: HeteroConfig) -> None:
     """Raise ConfigError (one line naming the field) for a schedule the layout cannot run.
 
-    Refused: kfkb or ada_kfkb without pipeline parallelism; ``pp_k`` above the micro-batch
+    Refused: a ``num_layers_per_stage`` with the wrong number of entries or an empty stage;
+    kfkb or ada_kfkb without pipeline parallelism; ``pp_k`` above the micro-batch
     count; kfkb on ``cluster.device: cuda`` (NCCL; KFKBSchedule's early-posted receives would
     hang there, see pipeline/schedule.py). With ``cluster.device: auto`` the backend is only
     known at runtime, where KFKBSchedule refuses a non-gloo group with the same field name.
     """
     parallel = config.parallel
+    if parallel.num_layers_per_stage:  # its count and positivity; the sum needs the model
+        check_stage_split(parallel, sum(parallel.num_layers_per_stage))
     schedule = parallel.pp_schedule
     if schedule == "1f1b":
         return
@@ -41,6 +45,16 @@ def check_pipeline_config(config: HeteroConfig) -> None:
             f"parallel.pp_schedule: {schedule} runs on gloo only (cluster.device cpu); "
             "on cuda (NCCL) its early-posted receives would hang"
         )
+
+
+def check_stage_split(parallel: ParallelConfig, num_layers: int) -> None:
+    """Raise ConfigError naming ``parallel.num_layers_per_stage`` unless it is empty or gives
+    each of the ``pp`` stages at least one layer and sums to the model's ``num_layers``."""
+    if parallel.num_layers_per_stage:
+        try:
+            check_layers_per_stage(parallel.num_layers_per_stage, num_layers, parallel.pp)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
 
 
 def budget_bytes(config: HeteroConfig) -> float | None:

@@ -30,6 +30,8 @@ def engine_kwargs(config: HeteroConfig, device: torch.device, policy: Any = None
     }
     if parallel.pp > 1:
         kwargs["num_microbatches"] = parallel.num_microbatches
+        if parallel.num_layers_per_stage:  # else Colossal-AI's even split
+            kwargs["num_layers_per_stage"] = list(parallel.num_layers_per_stage)
     if parallel.precision == "fp16":
         kwargs["initial_scale"] = 2**16
     return kwargs

@@ -44,6 +44,7 @@ from colossal_hetero.config.validate import validate_layout
 from colossal_hetero.emulation import CollectiveInterceptor, build_interceptor
 from colossal_hetero.emulation.ddp import route_ddp_through_interceptor
 from colossal_hetero.pipeline.seam_adapter import install_schedule
+from colossal_hetero.pipeline.validate import check_stage_split
 from colossal_hetero.planner.plan import Plan
 from colossal_hetero.plugin.engine import build_engine
 from colossal_hetero.plugin.grad_sync import exclude_sfb_from_ddp, install_planned_sfb, planned_sfb
@@ -102,8 +103,8 @@ class HeteroParallelPlugin(PipelinePluginBase):
         self.config = config
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.dp_size = validate_layout(config, self.world_size)
-        self.device = _device_for(config)
         check_balancer(config)  # before any collective, on every rank
+        self.device = _device_for(config)
         prepare_device(self.device)
         count_customized_shards_in_grad_norm()  # clipping norm of TP shards (all devices)
         self.plan, self.workload, self._policy = plan, workload, policy
@@ -120,8 +121,8 @@ class HeteroParallelPlugin(PipelinePluginBase):
             self.timer.uninstall()
             raise
         self.seam = StepSeam(self.timer)
-        self._run_dir = None if metrics_dir is None else Path(metrics_dir)
         self.balancer: Any = None  # the balance controller, wired at configure (balancer.mode)
+        self._run_dir = None if metrics_dir is None else Path(metrics_dir)
         if metrics_dir is not None:
             self.seam.add(StepMetrics(self.seam, metrics_dir, self.rank))
         if self.pipeline_control is not None:  # ada_kfkb retunes k at step ends
@@ -187,6 +188,7 @@ class HeteroParallelPlugin(PipelinePluginBase):
     ) -> tuple:
         """Shard ``model`` and wrap ``optimizer`` for the layout (see HybridParallelPlugin)."""
         keep_gpt2_causal(model)
+        check_stage_split(self.config.parallel, model.config.num_hidden_layers)  # no collective
         if self.plan is None:  # measures the devices first when plan.reference_tflops is unset
             self.plan = plan_at_configure(
                 self.config, model, self.world_size, self.device, self.workload, dataloader
@@ -208,11 +210,11 @@ class HeteroParallelPlugin(PipelinePluginBase):
         # Steps open at training forwards and close after optimizer.step(); under pipeline
         # parallelism the loss comes from execute_pipeline, not from per-micro-batch backward.
         self.seam.attach(boosted[0], boosted[1], note_losses=self.pp_size == 1)
-        return boosted
-
         if self.config.balancer.mode != "none":  # after the metrics writer: it logs first
             balancer = build_balancer(self, boosted[0], boosted[1], self._run_dir)
             self.balancer = self.seam.add(balancer)
+        return boosted
+
     def resize(self, model: nn.Module, optimizer: Any, widths: dict[str, list[int]]) -> None:
         """Move tensor-parallel shards to new ``widths`` between steps, losslessly.
 

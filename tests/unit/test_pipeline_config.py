@@ -10,7 +10,7 @@ import pytest
 
 from colossal_hetero.config import ConfigError, HeteroConfig, RunConfig, from_dict, validate_layout
 from colossal_hetero.pipeline.seam_adapter import link_model
-from colossal_hetero.pipeline.validate import MIB, budget_bytes, check_budget
+from colossal_hetero.pipeline.validate import MIB, budget_bytes, check_budget, check_stage_split
 
 
 def _plugin_config(**sections) -> HeteroConfig:
@@ -94,3 +94,16 @@ def test_link_model_from_the_config():
     assert seconds(10**6) == pytest.approx(1e-2, rel=1e-12) and latency == 0.0
     seconds, _ = link_model(_plugin_config(), rank=0)  # nothing configured: free links
     assert seconds(10**9) == 0.0
+
+
+def test_stage_split_errors():
+    split = {"pp": 2, "num_layers_per_stage": [1, 2, 1]}
+    with pytest.raises(ConfigError, match=r"^parallel\.num_layers_per_stage: 3 entries for 2 st"):
+        validate_layout(_plugin_config(parallel=split), world_size=2)
+    split = {"pp": 2, "num_layers_per_stage": [0, 4]}
+    with pytest.raises(ConfigError, match=r"^parallel\.num_layers_per_stage: every stage needs"):
+        validate_layout(_plugin_config(parallel=split), world_size=2)
+    parallel = _plugin_config(parallel={"pp": 2, "num_layers_per_stage": [1, 2]}).parallel
+    check_stage_split(parallel, 3)
+    with pytest.raises(ConfigError, match=r"sums to 3, the model has 4 layers$"):
+        check_stage_split(parallel, 4)
