@@ -1,6 +1,7 @@
 """Render the config reference (docs/config.md) from the dataclasses themselves.
 
-Field documentation is the string literal under each field in schema.py, read with ``ast``;
+Field documentation is the string literal under each field of the config dataclasses
+(schema.py and the section modules it imports, such as balancer.py), read with ``ast``;
 ``tests/unit/test_config_reference.py`` fails when docs/config.md is out of date. Regenerate:
 
     python -m colossal_hetero.config.reference > docs/config.md

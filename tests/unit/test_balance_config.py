@@ -14,8 +14,8 @@ from colossal_hetero.config.schema import BalancerConfig, PlanConfig
 @pytest.mark.parametrize(
     ("balancer", "message"),
     [
-        ({"mode": "resize"}, r"^balancer\.mode: resize is not built yet"),
-        ({"mode": "migrate"}, r"^balancer\.mode: migrate is not built yet"),
+        ({"mode": "resize"}, r"^balancer\.mode: resize cannot run yet"),
+        ({"mode": "migrate"}, r"^balancer\.mode: migrate cannot run yet"),
         ({"mode": "fast"}, r"^balancer\.mode: must be one of"),
         ({"mode": "replan", "every": 0}, r"^balancer\.every: must be >= 1, got 0"),
         ({"window": 0}, r"^balancer\.window: must be >= 1"),

@@ -1,0 +1,97 @@
+"""The ``balancer`` section of the configuration tree (runtime straggler balancing).
+
+A part of ``config.schema``, kept in its own module for size; documented in
+``docs/config.md`` like every other section.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from colossal_hetero.config.fields import require as _require
+
+BalancerMode = Literal["none", "detect", "resize", "migrate", "replan", "semi"]
+_NOT_BUILT = ("resize", "migrate")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class BalancerConfig:
+    """Runtime straggler balancing inside tensor-parallel groups (see docs/balancing.md)."""
+
+    mode: BalancerMode = "none"
+    """none: off; detect: straggler detector and decision log only; replan: re-plan the widths
+    with measured speeds and resize between steps when the gain pays for the move; semi: the
+    SEMI policy picks none, resize, migrate, migrate+resize or replan per straggler, and only
+    none and replan execute today. resize and migrate (the in-layer ops) are not driven by a
+    controller yet and are refused."""
+
+    every: int = 5
+    """Steps between agreements: one small all_gather over the world group every this many
+    steps, after which every rank holds the same measurements."""
+
+    window: int = 5
+    """Most recent steps of compute time each rank reports at an agreement."""
+
+    smoothing: float = 0.5
+    """EWMA weight (0, 1] of the newest window's median; 1 = no memory."""
+
+    threshold: float = 0.15
+    """A rank is flagged as a straggler when its slowdown exceeds 1 + threshold."""
+
+    release: float = 0.05
+    """A flagged rank is released when its slowdown falls below 1 + release (< threshold)."""
+
+    stable_tolerance: float = 0.1
+    """Relative change of any rank's slowdown that restarts the stability count."""
+
+    stable_steps: int = 10
+    """Steps the slowdown vector must stay stable before a re-plan is considered."""
+
+    horizon_steps: int = 200
+    """Steps a move's per-step saving is counted over against its one-off cost."""
+
+    fixed_fraction: float = 0.0
+    """Fraction [0, 1) of a rank's compute at even widths that does not scale with its widths
+    (replicated layers, optimizer, framework overhead); small models have a large one."""
+
+    move_cost_s: float = 1.0
+    """Estimated seconds of one re-plan and resize, until a measured one replaces it."""
+
+    accuracy_budget: float = 0.5
+    """semi: the largest fraction of a straggler's reduction dimension resize may drop."""
+
+    accuracy_weight: float = 0.5
+    """semi: cost of dropping priority mass m, as m times this times the straggler's step."""
+
+    def __post_init__(self) -> None:
+        _require(
+            self.mode not in _NOT_BUILT,
+            "mode",
+            f"{self.mode} cannot run yet (the ZERO-resizing and migration layer ops exist in "
+            "balance/ops, but no controller drives them); use semi (which plans them but "
+            "executes only none and replan), replan or detect",
+        )
+        for name in ("every", "window", "stable_steps", "horizon_steps"):
+            value = getattr(self, name)
+            _require(value >= 1, name, f"must be >= 1, got {value}")
+        _require(0 < self.smoothing <= 1, "smoothing", f"must be in (0, 1], got {self.smoothing}")
+        _require(self.threshold > 0, "threshold", f"must be > 0, got {self.threshold}")
+        _require(
+            0 <= self.release < self.threshold,
+            "release",
+            f"must be in [0, threshold {self.threshold}), got {self.release}",
+        )
+        _require(self.stable_tolerance > 0, "stable_tolerance", "must be > 0")
+        _require(
+            0 <= self.fixed_fraction < 1,
+            "fixed_fraction",
+            f"must be in [0, 1), got {self.fixed_fraction}",
+        )
+        _require(self.move_cost_s >= 0, "move_cost_s", f"must be >= 0, got {self.move_cost_s}")
+        _require(
+            0 <= self.accuracy_budget < 1,
+            "accuracy_budget",
+            f"must be in [0, 1), got {self.accuracy_budget}",
+        )
+        _require(self.accuracy_weight >= 0, "accuracy_weight", "must be >= 0")
