@@ -16,15 +16,13 @@ agreement after a move writes the measured gain in its own record.
 
 from __future__ import annotations
 
-import json
-import math
 import statistics
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 
@@ -41,6 +39,7 @@ from colossal_hetero.balance.semi import SemiInputs, SemiSettings, decide, execu
 from colossal_hetero.balance.window import Agreed, Report, pack
 from colossal_hetero.config.schema import BalancerConfig
 from colossal_hetero.emulation import StepTiming
+from colossal_hetero.metrics.decisions import DecisionWriter, decision_log_path
 
 Widths = dict[str, tuple[int, ...]]
 EXECUTABLE = frozenset({"none", "replan"})
@@ -49,29 +48,7 @@ EXECUTABLE = frozenset({"none", "replan"})
 
 def balance_log_path(folder: str | Path, rank: int) -> Path:
     """The decision log of ``rank`` in the metrics folder: ``balance_rank{rank}.jsonl``."""
-    return Path(folder) / f"balance_rank{rank}.jsonl"
-
-
-class DecisionLog:
-    """Decision records: kept in ``records`` and, with a path, appended to a JSONL file."""
-
-    def __init__(self, path: str | Path | None) -> None:
-        self.records: list[dict[str, Any]] = []
-        self._file: IO[str] | None = None
-        if path is not None:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._file = Path(path).open("a", encoding="utf-8")
-
-    def write(self, record: dict[str, Any]) -> None:
-        record = _finite(record)
-        self.records.append(record)
-        if self._file is not None:
-            self._file.write(json.dumps(record, sort_keys=True) + "\n")
-            self._file.flush()
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
+    return decision_log_path(folder, "balance", rank)
 
 
 @dataclass(frozen=True)
@@ -111,7 +88,7 @@ class BalanceController:
         weight_bytes: float,
         actuator: Actuator,
         device: torch.device,
-        log: DecisionLog,
+        log: DecisionWriter,
     ) -> None:
         self.settings, self.tp_size, self.tp_rank = settings, tp_size, tp_rank
         self.group_index, self.planned_for = group_index, planned_for
@@ -308,14 +285,3 @@ def _inputs(
         "widths": {k: list(v) for k, v in widths.items()},
         "move_cost_s": move_cost_s,
     }
-
-
-def _finite(value: Any) -> Any:
-    """``value`` with non-finite floats as None (JSON has no infinity)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k if isinstance(k, str) else str(k): _finite(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
-    return value

@@ -14,12 +14,11 @@ import torch.distributed as dist
 from colossal_hetero.balance.controller import (
     Actuator,
     BalanceController,
-    DecisionLog,
     Widths,
-    balance_log_path,
 )
 from colossal_hetero.balance.replan import plan_widths
 from colossal_hetero.layers import layout_of
+from colossal_hetero.metrics.decisions import DecisionWriter
 from colossal_hetero.planner.resolve import calibrated, needs_calibration
 
 
@@ -58,7 +57,7 @@ def build_balancer(
     weight_bytes = sum(
         p.numel() * p.element_size() for p in hf_model.parameters() if layout_of(p) is not None
     )
-    log = DecisionLog(None if metrics_dir is None else balance_log_path(metrics_dir, plugin.rank))
+    log = DecisionWriter(metrics_dir, "balance", plugin.rank)
     return BalanceController(
         settings,
         tp_size=plugin.tp_size,

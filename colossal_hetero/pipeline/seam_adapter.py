@@ -29,7 +29,7 @@ from colossal_hetero.pipeline.validate import budget_bytes, check_budget
 
 
 class RecordWriter(Protocol):
-    """Takes one decision record (plugin/seam.py's ``DecisionWriter``)."""
+    """Takes one decision record (``metrics.decisions.DecisionWriter``)."""
 
     def write(self, record: dict[str, Any]) -> None: ...
 

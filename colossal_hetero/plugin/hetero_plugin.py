@@ -43,6 +43,7 @@ from colossal_hetero.config.schema import HeteroConfig
 from colossal_hetero.config.validate import validate_layout
 from colossal_hetero.emulation import CollectiveInterceptor, build_interceptor
 from colossal_hetero.emulation.ddp import route_ddp_through_interceptor
+from colossal_hetero.metrics.decisions import DecisionWriter
 from colossal_hetero.pipeline.seam_adapter import install_schedule
 from colossal_hetero.pipeline.validate import check_stage_split
 from colossal_hetero.planner.plan import Plan
@@ -51,7 +52,7 @@ from colossal_hetero.plugin.grad_sync import exclude_sfb_from_ddp, install_plann
 from colossal_hetero.plugin.launch import prepare_device
 from colossal_hetero.plugin.planning import announce, plan_at_configure, plan_that_runs
 from colossal_hetero.plugin.resizing import resize_boosted
-from colossal_hetero.plugin.seam import DecisionWriter, StepMetrics, StepSeam
+from colossal_hetero.plugin.seam import StepMetrics, StepSeam
 from colossal_hetero.policies import ResizablePolicy, resizable_policy
 from colossal_hetero.utils.device import backend_for, resolve_device
 

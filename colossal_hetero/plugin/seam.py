@@ -26,10 +26,9 @@ starts, ``on_step_end`` after it stops, so their own collectives are not charged
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -202,29 +201,3 @@ def step_record(timing: StepTiming, rank: int, loss: float | None, **extra: Any)
         wait_by_kind=timing.wait_by_kind,
         **extra,
     )
-
-
-class DecisionWriter:
-    """Decision records of one runtime controller on one rank (``{"step", "controller",
-    "inputs", "decision", "predicted_gain"}`` dicts): kept in ``records`` and, with a
-    ``folder``, appended as JSON lines to ``{name}_rank{rank}.jsonl`` there (flushed per
-    record, so a crashed run keeps its decisions)."""
-
-    def __init__(self, folder: str | Path | None, name: str, rank: int) -> None:
-        self.records: list[dict[str, Any]] = []
-        self.path = None if folder is None else Path(folder) / f"{name}_rank{rank}.jsonl"
-        self._file: IO[str] | None = None
-        if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = self.path.open("a", encoding="utf-8")
-
-    def write(self, record: dict[str, Any]) -> None:
-        self.records.append(record)
-        if self._file is not None:
-            self._file.write(json.dumps(record, sort_keys=True) + "\n")
-            self._file.flush()
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None

@@ -14,11 +14,12 @@ import pytest
 import torch
 
 from colossal_hetero.balance import controller as module
-from colossal_hetero.balance.controller import Actuator, BalanceController, DecisionLog
+from colossal_hetero.balance.controller import Actuator, BalanceController
 from colossal_hetero.balance.detector import shares_of, work_units
 from colossal_hetero.balance.window import Report, pack
 from colossal_hetero.config.schema import BalancerConfig
 from colossal_hetero.emulation import StepTiming
+from colossal_hetero.metrics.decisions import DecisionWriter
 
 EVEN = {"ffn": (48, 48)}
 SKEW = {"ffn": (76, 20)}
@@ -82,7 +83,7 @@ def _controller(cluster: _Cluster, mode: str, monkeypatch: Any) -> BalanceContro
         weight_bytes=1e6,
         actuator=Actuator(lambda: dict(cluster.widths), cluster.plan, cluster.resize),
         device=torch.device("cpu"),
-        log=DecisionLog(None),
+        log=DecisionWriter(None, "balance", 0),
     )
     controller.history = history  # type: ignore[attr-defined]
     return controller
