@@ -76,7 +76,12 @@ class HeteroParallelPlugin(PipelinePluginBase):
             ``metrics_rank{r}.jsonl`` there (metrics/records.py). A plugin argument, not a
             config field: where a script's outputs go is the script's choice, and the trainer
             writes its own richer records (loss, lr, validation) under ``logging.dir``.
-            Rank 0 also writes the plan there (``plan.yaml``) when the plugin has one.
+            Rank 0 also writes the plan there (``plan.yaml``) when the plugin has one, and
+            the runtime controllers write their decision records there
+            (``{balance,pipeline}_rank{r}.jsonl``, metrics/decisions.py).
+        step_metrics: False keeps the seam from writing ``metrics_rank{r}.jsonl`` while
+            ``metrics_dir`` still receives the plan and decisions (the trainer writes its own
+            step records).
 
     Step boundaries are automatic (see plugin/seam.py): a plain Booster loop needs no timer
     calls for emulation, metrics and controllers to act per step.
@@ -97,6 +102,7 @@ class HeteroParallelPlugin(PipelinePluginBase):
         workload: tuple[int, int] | None = None,
         policy: Any = None,
         metrics_dir: str | Path | None = None,
+        step_metrics: bool = True,
     ) -> None:
         super().__init__()
         if not dist.is_initialized():
@@ -124,7 +130,7 @@ class HeteroParallelPlugin(PipelinePluginBase):
         self.seam = StepSeam(self.timer)
         self.balancer: Any = None  # the balance controller, wired at configure (balancer.mode)
         self._run_dir = None if metrics_dir is None else Path(metrics_dir)
-        if metrics_dir is not None:
+        if metrics_dir is not None and step_metrics:
             self.seam.add(StepMetrics(self.seam, metrics_dir, self.rank))
         if self.pipeline_control is not None:  # ada_kfkb retunes k at step ends
             self.pipeline_control.log = DecisionWriter(metrics_dir, "pipeline", self.rank)

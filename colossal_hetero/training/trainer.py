@@ -56,7 +56,15 @@ def run_training(config: RunConfig, device: torch.device, plan: Plan | None = No
         torch.set_num_threads(1)  # ranks share the host's cores; one thread each
     rank = dist.get_rank()
     workload = (config.data.global_batch_size, config.data.seq_len)
-    plugin = HeteroParallelPlugin(config.plugin_config(), plan=plan, workload=workload)
+    # The plugin writes the plan and its controllers' decisions beside the trainer's own
+    # step records (richer than the seam's: learning rate, validation).
+    plugin = HeteroParallelPlugin(
+        config.plugin_config(),
+        plan=plan,
+        workload=workload,
+        metrics_dir=config.logging.dir,
+        step_metrics=False,
+    )
     try:
         return _train(config, device, plugin, rank)
     finally:
