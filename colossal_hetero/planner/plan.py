@@ -155,10 +155,22 @@ def load_plan(path: str | Path) -> Plan:
     """Read a plan written by :func:`dump_plan`."""
     path = Path(path)
     text = path.read_text()
-    data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    data = json.loads(text) if path.suffix == ".json" else _yaml(text)
     if not isinstance(data, dict):
         raise ValueError(f"{path}: not a plan")
     return Plan.from_dict(data)
+
+
+def _yaml(text: str) -> Any:
+    """``text`` parsed as YAML; a syntax error is one ``ValueError`` line with its place (a
+    YAMLError's own text spans several lines)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = "" if mark is None else f" at line {mark.line + 1}, column {mark.column + 1}"
+        problem = getattr(error, "problem", None) or type(error).__name__
+        raise ValueError(f"invalid YAML{where}: {problem}") from None
 
 
 # -- the table ---------------------------------------------------------------------------------

@@ -55,6 +55,7 @@ from colossal_hetero.plugin.resizing import resize_boosted
 from colossal_hetero.plugin.seam import StepMetrics, StepSeam
 from colossal_hetero.policies import ResizablePolicy, resizable_policy
 from colossal_hetero.utils.device import backend_for, resolve_device
+from colossal_hetero.utils.quiet import quiet_third_party_warnings
 
 
 class HeteroParallelPlugin(PipelinePluginBase):
@@ -108,6 +109,9 @@ class HeteroParallelPlugin(PipelinePluginBase):
         if not dist.is_initialized():
             raise RuntimeError("initialise torch.distributed (colossalai.launch*) first")
         self.config = config
+        # Known third-party warnings (bitsandbytes, transformers, Colossal-AI) are dropped at
+        # their source for a plain Booster script too, not only under our CLI and trainer.
+        quiet_third_party_warnings(pipeline=config.parallel.pp > 1)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.dp_size = validate_layout(config, self.world_size)
         check_balancer(config)  # before any collective, on every rank

@@ -195,3 +195,18 @@ def test_cluster_from_config_converts_units():
     assert ClusterSpec.from_config(ClusterConfig(), 3).num_devices == 3
     with pytest.raises(ValueError, match="lists 2 devices but the world size is 4"):
         ClusterSpec.from_config(ClusterConfig(devices=devices), 4)
+
+
+def test_a_plan_file_with_bad_yaml_is_one_line_naming_plan_path(tmp_path):
+    """The plugin's own plan loading (plan_for_model -> _load) refuses broken YAML in one line
+    naming plan.path and the place, not a multi-line YAMLError."""
+    from colossal_hetero.config.loader import ConfigError
+    from colossal_hetero.planner.resolve import _load
+
+    bad = tmp_path / "plan.yaml"
+    bad.write_text("widths: {heads: [4, 2]\nrank: 0\n")
+    with pytest.raises(ConfigError) as info:
+        _load(bad)
+    message = str(info.value)
+    assert message.startswith("plan.path: ") and "invalid YAML at line" in message
+    assert "\n" not in message
