@@ -6,6 +6,7 @@ rank. Results travel through files, so a rank's return value must be JSON-serial
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import tempfile
@@ -21,8 +22,19 @@ from colossal_hetero.utils.device import backend_for, bind_device, cuda_device_c
 from colossal_hetero.utils.quiet import quiet_optional_kernel_warnings
 
 
-def _entry(rank: int, world_size: int, folder: str, fn: Callable[..., Any], kwargs: dict) -> None:
+def _resolve(fn_name: tuple[str, str]) -> Callable[..., Any]:
+    module, qualname = fn_name
+    target: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        target = getattr(target, part)
+    return target  # type: ignore[no-any-return]
+
+
+def _entry(rank: int, world_size: int, folder: str, fn_name: tuple[str, str], kwargs: dict) -> None:
+    # The function travels by name and is imported only here, after the filters: unpickling a
+    # function imports its module (and colossalai with it) before this body would run.
     quiet_optional_kernel_warnings()
+    fn = _resolve(fn_name)
     torch.set_num_threads(1)
     device = (
         torch.device("cuda", rank) if cuda_device_count() >= world_size else torch.device("cpu")
@@ -49,7 +61,8 @@ def _entry(rank: int, world_size: int, folder: str, fn: Callable[..., Any], kwar
 def spawn_ranks(fn: Callable[..., Any], world_size: int, **kwargs: Any) -> list[Any]:
     """``[fn(rank=r, world_size=, device=, **kwargs) for r in ranks]``, each in its own process."""
     with tempfile.TemporaryDirectory() as folder:
-        mp.spawn(_entry, args=(world_size, folder, fn, kwargs), nprocs=world_size, join=True)
+        fn_name = (fn.__module__, fn.__qualname__)
+        mp.spawn(_entry, args=(world_size, folder, fn_name, kwargs), nprocs=world_size, join=True)
         results = []
         for rank in range(world_size):
             with open(os.path.join(folder, f"result_{rank}.json")) as handle:
