@@ -124,6 +124,7 @@ def _profile(args: argparse.Namespace) -> int:
 
     from colossal_hetero.bench.profile import cluster_yaml, profile_rank
     from colossal_hetero.bench.spawn import spawn_ranks
+    from colossal_hetero.utils.device import detected_device_kind
 
     emulation, run = None, None
     if args.config:
@@ -134,18 +135,12 @@ def _profile(args: argparse.Namespace) -> int:
     for rank, result in enumerate(results):
         gflops, gbps = result["flops"] / 1e9, result["gbps"]
         print(f"rank {rank}: {gflops:8.2f} GFLOP/s  all-reduce {gbps:.2f} Gbit/s")
-    fragment = yaml.safe_dump(cluster_yaml(results, "cpu" if not _has_gpus(args.nproc) else "cuda"))
+    fragment = yaml.safe_dump(cluster_yaml(results, detected_device_kind(args.nproc)))
     print(fragment, end="")
     if args.out:
         Path(args.out).write_text(fragment)
         print(f"wrote {args.out} (merge it into a run config)")
     return 0
-
-
-def _has_gpus(nproc: int) -> bool:
-    from colossal_hetero.utils.device import cuda_device_count
-
-    return cuda_device_count() >= nproc
 
 
 def _bench(args: argparse.Namespace) -> int:

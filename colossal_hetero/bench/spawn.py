@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from colossal_hetero.utils.device import backend_for, bind_device, cuda_device_count
+from colossal_hetero.utils.device import backend_for, bind_device, local_device
 from colossal_hetero.utils.quiet import quiet_optional_kernel_warnings
 
 
@@ -36,9 +36,7 @@ def _entry(rank: int, world_size: int, folder: str, fn_name: tuple[str, str], kw
     quiet_optional_kernel_warnings()
     fn = _resolve(fn_name)
     torch.set_num_threads(1)
-    device = (
-        torch.device("cuda", rank) if cuda_device_count() >= world_size else torch.device("cpu")
-    )
+    device = local_device(rank, world_size)
     bind_device(device)
     os.environ.update(
         RANK=str(rank),

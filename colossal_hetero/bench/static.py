@@ -40,6 +40,7 @@ from colossal_hetero.config.schema import (
     SlowdownSpec,
 )
 from colossal_hetero.planner.batch_shares import batch_shares
+from colossal_hetero.utils.device import device_kind
 
 SEQ_LEN = 64
 BATCH_SIZE = 4
@@ -154,7 +155,7 @@ def _emulation(case: Case, *, slow_ranks: bool) -> EmulationConfig:
 
 
 def _kind(device: torch.device) -> DeviceKind:
-    return "cuda" if device.type == "cuda" else "cpu"
+    return device_kind(device)
 
 
 def run_case(rank: int, world_size: int, device: torch.device, case: Case) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import torch
 from colossalai.booster.plugin import HybridParallelPlugin
 
 from colossal_hetero.config.schema import HeteroConfig
+from colossal_hetero.utils.device import has_side_streams
 
 
 def engine_kwargs(config: HeteroConfig, device: torch.device, policy: Any = None) -> dict[str, Any]:
@@ -25,8 +26,8 @@ def engine_kwargs(config: HeteroConfig, device: torch.device, policy: Any = None
         "max_norm": parallel.max_norm,
         "custom_policy": policy,
         # On CPU there are no side streams to overlap on; every collective is synchronous.
-        "overlap_communication": device.type == "cuda",
-        "overlap_p2p": device.type == "cuda",
+        "overlap_communication": has_side_streams(device),
+        "overlap_p2p": has_side_streams(device),
     }
     if parallel.pp > 1:
         kwargs["num_microbatches"] = parallel.num_microbatches

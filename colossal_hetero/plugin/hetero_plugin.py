@@ -54,7 +54,7 @@ from colossal_hetero.plugin.planning import announce, plan_at_configure, plan_th
 from colossal_hetero.plugin.resizing import resize_boosted
 from colossal_hetero.plugin.seam import StepMetrics, StepSeam
 from colossal_hetero.policies import ResizablePolicy, resizable_policy
-from colossal_hetero.utils.device import backend_for, resolve_device
+from colossal_hetero.utils.device import SUPPORTED_DEVICE_TYPES, backend_for, resolve_device
 from colossal_hetero.utils.quiet import quiet_third_party_warnings
 
 
@@ -168,7 +168,7 @@ class HeteroParallelPlugin(PipelinePluginBase):
 
     # -- Plugin capabilities: this plugin controls device, precision and checkpoint IO ------
     def supported_devices(self) -> list[str]:
-        return ["cuda", "cpu"]
+        return list(SUPPORTED_DEVICE_TYPES)
 
     def supported_precisions(self) -> list[str]:
         return self.engine.supported_precisions()

@@ -50,3 +50,27 @@ def max_memory_allocated(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return 0
+
+
+SUPPORTED_DEVICE_TYPES = ("cuda", "cpu")
+"""Device types the plugin runs on (what Booster's ``supported_devices`` reports)."""
+
+
+def device_kind(device: torch.device) -> DeviceKind:
+    """The ``cluster.device`` value that names ``device``'s type."""
+    return "cuda" if device.type == "cuda" else "cpu"
+
+
+def has_side_streams(device: torch.device) -> bool:
+    """Whether collectives can overlap compute on separate streams (CUDA), not on CPU."""
+    return device.type == "cuda"
+
+
+def local_device(local_rank: int, local_world_size: int) -> torch.device:
+    """One GPU per local rank when there are enough of them, else the CPU (``auto``)."""
+    return resolve_device("auto", local_rank, local_world_size)
+
+
+def detected_device_kind(local_world_size: int) -> DeviceKind:
+    """``cuda`` when every local rank can have its own GPU, else ``cpu``."""
+    return "cuda" if cuda_device_count() >= local_world_size else "cpu"
