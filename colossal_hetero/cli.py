@@ -205,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``colossal-hetero`` console script."""
     from colossal_hetero.train import error_line
-    from colossal_hetero.utils.quiet import quiet_third_party_warnings
+    from colossal_hetero.utils.quiet import no_idle_compile_workers, quiet_third_party_warnings
 
     args = build_parser().parse_args(argv)
     quiet_third_party_warnings(pipeline=True)
@@ -213,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.handler(args))
     except ConfigError as error:
         print(error_line(error), file=sys.stderr)
+    no_idle_compile_workers()
         return 2
     except FileNotFoundError as error:
         print(f"colossal-hetero: error: {error}", file=sys.stderr)

@@ -17,7 +17,7 @@ from colossal_hetero.config.loader import read_yaml
 from colossal_hetero.config.validate import validate_launch
 from colossal_hetero.planner.plan import Plan
 from colossal_hetero.planner.resolve import resolve_plan, unplanned_notice
-from colossal_hetero.utils.quiet import quiet_third_party_warnings
+from colossal_hetero.utils.quiet import no_idle_compile_workers, quiet_third_party_warnings
 
 
 def preflight(
@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
     quiet_third_party_warnings(pipeline=True)  # before transformers and colossalai import
+    no_idle_compile_workers()
     try:
         config, plan = preflight(args.config, world_size, local_world_size)
     except ConfigError as error:

@@ -13,6 +13,11 @@ import re
 
 import torch
 
+from colossal_hetero.utils.quiet import no_idle_compile_workers
+
+# Before any test imports colossalai; spawned ranks inherit it (see the function).
+no_idle_compile_workers()
+
 # Variables that pick or limit CPU kernels (ATen's dispatch, MKL's and oneDNN's ISA), and the
 # thread count, which changes how reductions are split.
 KERNEL_ENV = (

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from colossal_hetero.utils.device import backend_for, bind_device, local_device
-from colossal_hetero.utils.quiet import quiet_optional_kernel_warnings
+from colossal_hetero.utils.quiet import no_idle_compile_workers, quiet_optional_kernel_warnings
 
 
 def _resolve(fn_name: tuple[str, str]) -> Callable[..., Any]:
@@ -34,6 +34,7 @@ def _entry(rank: int, world_size: int, folder: str, fn_name: tuple[str, str], kw
     # The function travels by name and is imported only here, after the filters: unpickling a
     # function imports its module (and colossalai with it) before this body would run.
     quiet_optional_kernel_warnings()
+    no_idle_compile_workers()
     fn = _resolve(fn_name)
     torch.set_num_threads(1)
     device = local_device(rank, world_size)

@@ -20,6 +20,7 @@ our own output included, still shows. What is filtered and why:
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 
 _IMPORT_WARNINGS = (
@@ -78,3 +79,14 @@ def quiet_third_party_warnings(*, pipeline: bool = False) -> None:
 def quiet_optional_kernel_warnings() -> None:
     """Former name of :func:`quiet_third_party_warnings`; keeps the pipeline notice."""
     quiet_third_party_warnings(pipeline=True)
+
+
+def no_idle_compile_workers() -> None:
+    """Keep torch from starting its pool of Inductor compile workers in this process.
+
+    Importing Colossal-AI imports ``torch._inductor``, which forks a warm pool of compile
+    workers (about 0.5 GB and some CPU each time, per rank) that nothing here uses: no code
+    path calls ``torch.compile``. Sets ``TORCH_WARM_POOL=0`` unless the user set it; child
+    processes (spawned ranks, torchrun workers) inherit it. Call before importing colossalai.
+    """
+    os.environ.setdefault("TORCH_WARM_POOL", "0")
