@@ -1,6 +1,6 @@
 """The balancer's layout checks, raised on every rank before any collective. Pure.
 
-Field-local checks (ranges, modes not built yet) live in ``config.schema.BalancerConfig``;
+Field-local checks (ranges) live in ``config.schema.BalancerConfig``;
 these need the rest of the config. The plugin calls :func:`check_balancer` at construction.
 """
 
@@ -10,18 +10,21 @@ from colossal_hetero.config.loader import ConfigError
 from colossal_hetero.config.schema import HeteroConfig
 
 MOVING_MODES = ("replan", "semi")
-"""Modes that may resize the widths (and so need resizable layers)."""
+"""Modes that may resize the widths."""
+IN_LAYER_MODES = ("resize", "migrate", "semi")
+"""Modes that attach in-layer ops to the resizable layers."""
 
 
 def check_balancer(config: HeteroConfig) -> None:
     """ConfigError (one line naming ``balancer.mode``) unless the layout can run the mode.
 
     Any mode but none balances inside tensor-parallel groups, so needs ``parallel.tp > 1``.
-    replan and semi move widths through ``plugin.resize`` and re-run the planner, so they
-    also need what those support: ``parallel.pp == 1`` (the planner does not plan pipeline
-    stages), ``parallel.zero_stage == 0`` (resize does not move ZeRO partitions) and
-    ``plan.model_spec: hf`` (the re-plan reads the transformers config of the sharded model;
-    an fx trace of it would see the shards).
+    resize and migrate act inside the layers of each tensor-parallel group and run under any
+    data- and pipeline-parallel layout. replan and semi move widths through ``plugin.resize``
+    and re-run the planner, so they also need what those support: ``parallel.pp == 1`` (the
+    planner does not plan pipeline stages), ``parallel.zero_stage == 0`` (resize does not
+    move ZeRO partitions) and ``plan.model_spec: hf`` (the re-plan reads the transformers
+    config of the sharded model; an fx trace of it would see the shards).
     """
     balancer, parallel = config.balancer, config.parallel
     mode = balancer.mode
@@ -52,5 +55,7 @@ def check_balancer(config: HeteroConfig) -> None:
 
 
 def needs_resizable(config: HeteroConfig) -> bool:
-    """Whether the balancer may resize, so the model needs resizable layers even unplanned."""
-    return config.balancer.mode in MOVING_MODES and config.parallel.tp > 1
+    """Whether the balancer may resize or attach in-layer ops, so the model needs resizable
+    layers even unplanned."""
+    mode = config.balancer.mode
+    return (mode in MOVING_MODES or mode in IN_LAYER_MODES) and config.parallel.tp > 1

@@ -4,14 +4,18 @@ Every ``every`` steps, in ``on_step_end`` (after ``optimizer.step``, outside the
 clock), each rank packs its recent compute times into one row; one ``all_gather`` over the
 world (balance/agree.py) gives every rank the same matrix; the pure detector
 (balance/detector.py), re-planner (balance/replan.py) and SEMI policy (balance/semi.py) then
-compute the same decision on every rank, with no broadcast of decisions. A resize happens
-right there, between steps, through ``plugin.resize``. The sequence of collectives depends on
-the step number alone, never on local data (a move's own collectives follow from agreed
-inputs, identical everywhere).
+compute the same decision on every rank, with no broadcast of decisions. The action happens
+right there, between steps: a width move through ``plugin.resize`` (replan, semi), or an
+in-layer plan (balance/inlayer.py: which straggler ZERO-resizes or migrates how much)
+attached to every resizable layer by the actuator (balance/actuator.py), or removed when the
+stragglers recover. The detector is fed each rank's units of work under the attached plan, so
+its slowdown stays the device's, not the balanced rank's. The sequence of collectives depends
+on the step number alone, never on local data (a move's and a migration's own collectives
+follow from agreed inputs, identical everywhere).
 
 Every agreement writes one decision record ``{"step", "controller", "inputs", "decision",
 "predicted_gain"}`` to ``balance_rank{r}.jsonl`` beside the per-step metrics; the first
-agreement after a move writes the measured gain in its own record.
+agreement after a move or an in-layer change writes the measured gain in its own record.
 """
 
 from __future__ import annotations
@@ -34,16 +38,23 @@ from colossal_hetero.balance.detector import (
     shares_of,
     work_units,
 )
+from colossal_hetero.balance.inlayer import (
+    InLayerPlan,
+    plan_offloads,
+    plan_units,
+    predicted_times,
+)
 from colossal_hetero.balance.replan import ReplanDecision, decide_replan
-from colossal_hetero.balance.semi import SemiInputs, SemiSettings, decide, executable
+from colossal_hetero.balance.semi import SemiInputs, SemiSettings, comm_time, decide
 from colossal_hetero.balance.window import Agreed, Report, pack
 from colossal_hetero.config.schema import BalancerConfig
 from colossal_hetero.emulation import StepTiming
 from colossal_hetero.metrics.decisions import DecisionWriter, decision_log_path
 
 Widths = dict[str, tuple[int, ...]]
-EXECUTABLE = frozenset({"none", "replan"})
-"""SEMI actions the runtime can execute today (the in-layer ops are not built)."""
+Outcome = tuple[dict[str, Any], float, Callable[[], None] | None]
+"""A decision record's body, its predicted gain (s/step), and the action to run after it is
+logged (None: nothing to do)."""
 
 
 def balance_log_path(folder: str | Path, rank: int) -> Path:
@@ -61,10 +72,26 @@ class Actuator:
     """The planner's widths for relative speeds per tensor-parallel position."""
     resize: Callable[[Widths], None]
     """Move to new widths (``plugin.resize``), called on every rank between steps."""
+    ops: Any = None
+    """The in-layer actuator (``balance.actuator.LayerOps``: ``plan``, ``apply(plan)``,
+    ``clear()``, ``refresh()``); None where no in-layer op runs (detect, replan)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _View:
+    """What one agreement decides from."""
+
+    detection: Detection
+    agreed: Agreed
+    widths: Widths
+    shares: tuple[float, ...]
+    work: tuple[float, ...]
+    """Per position, its units of work under the attached in-layer plan."""
 
 
 class BalanceController:
-    """Seam controller of ``balancer.mode`` detect, replan or semi.
+    """Seam controller of every ``balancer.mode`` but none (detect, resize, migrate, replan,
+    semi).
 
     Args:
         settings: the balancer config.
@@ -160,39 +187,127 @@ class BalanceController:
         if agreed.move_s > 0:  # the last move, as measured (slowest rank)
             self.move_cost_s = agreed.move_s
         widths = self.actuator.widths()
-        work = work_units(shares_of(widths, self.tp_size), self.settings.fixed_fraction)
+        shares = shares_of(widths, self.tp_size)
+        work = plan_units(self.plan, shares, self.settings.fixed_fraction)
         detection = self.detector.update(step, agreed.windows, work)
         self.detections.append(detection)
         self._log_measured(step, agreed)
-        decision, extra = self._decide(detection, agreed, widths)
+        if self.actuator.ops is not None:
+            self.actuator.ops.refresh()  # priority period: local, no communication
+        view = _View(detection, agreed, widths, shares, work)
+        decision, gain, act = self._decide(step, view)
         self.log.write(
             {
                 "step": step,
                 "controller": "balance",
-                "inputs": _inputs(detection, agreed, widths, self.move_cost_s),
-                "decision": {"mode": self.settings.mode, **asdict(decision), **extra},
-                "predicted_gain": decision.predicted_gain,
+                "inputs": _inputs(detection, agreed, widths, self.move_cost_s, self.plan),
+                "decision": {"mode": self.settings.mode, **decision},
+                "predicted_gain": gain,
             }
         )
-        if decision.action == "resize":
-            self._move(step, decision, agreed)
+        if act is not None:
+            act()
 
-    def _decide(
-        self, detection: Detection, agreed: Agreed, widths: Widths
-    ) -> tuple[ReplanDecision, dict[str, Any]]:
+    @property
+    def plan(self) -> InLayerPlan:
+        """The in-layer plan attached now (empty without in-layer ops)."""
+        ops = self.actuator.ops
+        return ops.plan if ops is not None else InLayerPlan()
+
+    def _decide(self, step: int, view: _View) -> Outcome:
+        """The decision record's body, its predicted gain, and what to run after logging."""
         mode = self.settings.mode
         if mode == "detect":
-            return ReplanDecision("none", widths, 0.0, "detect only"), {}
+            return {"action": "none", "reason": "detect only"}, 0.0, None
         if mode == "replan":
-            return self._replan(detection, agreed, widths), {}
-        semi = decide(self._semi_inputs(agreed, widths), self._semi_settings())
-        run, why = executable(semi, EXECUTABLE)
-        extra = {"semi": asdict(semi), "executed": run, "semi_reason": why}
-        if run == "replan":
-            return self._replan(detection, agreed, widths), extra
-        return ReplanDecision("none", widths, 0.0, why), extra
+            return self._replan_outcome(step, view, view.agreed.times)
+        if mode in ("resize", "migrate"):
+            return self._in_layer(step, view, {r: mode for r in view.detection.stragglers})
+        return self._semi(step, view)
 
-    def _replan(self, detection: Detection, agreed: Agreed, widths: Widths) -> ReplanDecision:
+    def _semi(self, step: int, view: _View) -> Outcome:
+        """SEMI on the times the ranks would take without in-layer ops (measured seconds
+        per unit of work times their units at these widths), so that balanced ops do not
+        hide the straggler they balance."""
+        base = work_units(view.shares, self.settings.fixed_fraction)
+        measured = zip(view.agreed.times, view.work, base, strict=True)
+        times = tuple(t / max(w, 1e-12) * b for t, w, b in measured)
+        semi = decide(self._semi_inputs(view.agreed, view.widths, times), self._semi_settings())
+        extra: dict[str, Any] = {"semi": asdict(semi)}
+        if semi.action == "replan":
+            decision, gain, act = self._replan_outcome(step, view, times)
+            if act is not None:
+                return {**decision, **extra, "executed": "replan"}, gain, act
+            extra["replan_waits"] = decision["reason"]
+        picks = {c.rank: c.action for c in semi.choices}
+        current = self.plan.actions()
+        actions = {}
+        for rank in view.detection.stragglers:  # the detector's hysteresis decides who
+            action = picks.get(rank, current.get(rank))
+            if action is not None:
+                actions[rank] = action
+        decision, gain, act = self._in_layer(step, view, actions)
+        return {**decision, **extra, "executed": decision["action"]}, gain, act
+
+    def _in_layer(self, step: int, view: _View, actions: dict[int, str]) -> Outcome:
+        """Attach the in-layer plan for ``actions`` unless it matches the attached one (within
+        ``stable_tolerance``), or it predicts no gain (removing ops always runs)."""
+        settings, now = self.settings, self.plan
+        if self.actuator.ops is None:
+            return {"action": "none", "reason": "no in-layer ops in this model"}, 0.0, None
+        new = plan_offloads(
+            actions,
+            view.detection.slowdown,
+            view.shares,
+            fixed_fraction=settings.fixed_fraction,
+            budget=settings.accuracy_budget,
+        )
+        if new.same_as(now, settings.stable_tolerance):
+            why = "no straggler" if new.empty else "ops attached for these slowdowns"
+            return {"action": "none" if new.empty else "keep", "reason": why}, 0.0, None
+        times = view.agreed.times
+        predicted = predicted_times(times, now, new, view.shares, settings.fixed_fraction)
+        inputs = self._semi_inputs(view.agreed, view.widths, times)
+        comm = sum(comm_time(o.migrated, o.rank, inputs) for o in new.migrating)
+        gain = max(times) - max(predicted) - comm
+        body = {
+            "action": "in_layer",
+            **new.record(),
+            "predicted_times": [round(t, 6) for t in predicted],
+            "predicted_comm_s": comm,
+        }
+        if new.empty:
+            return (
+                {**body, "reason": "stragglers recovered: ops removed"},
+                gain,
+                self._attacher(step, new, view.agreed, gain),
+            )
+        if gain <= 0:
+            return {"action": "keep", "reason": f"predicted gain {gain:.4g} s <= 0"}, gain, None
+        why = f"predicted {gain:.4g} s/step saved"
+        return {**body, "reason": why}, gain, self._attacher(step, new, view.agreed, gain)
+
+    def _attacher(
+        self, step: int, plan: InLayerPlan, agreed: Agreed, gain: float
+    ) -> Callable[[], None]:
+        def attach() -> None:
+            assert self.actuator.ops is not None
+            self.actuator.ops.apply(plan)
+            self._restart_window()
+            self._pending = (step, agreed.step_time, gain)
+
+        return attach
+
+    def _replan_outcome(self, step: int, view: _View, times: tuple[float, ...]) -> Outcome:
+        decision = self._replan(view.detection, times, view.widths)
+        body = {**asdict(decision)}
+        if decision.action != "resize":
+            return body, decision.predicted_gain, None
+        return body, decision.predicted_gain, lambda: self._move(step, decision, view.agreed)
+
+    def _replan(
+        self, detection: Detection, times: tuple[float, ...], widths: Widths
+    ) -> ReplanDecision:
         """Re-plan at the measured speeds once they held ``stable_steps`` and moved away from
         the speeds the current widths were planned for."""
         settings = self.settings
@@ -212,7 +327,7 @@ class BalanceController:
             self._move_s += time.perf_counter() - start
         self.planned_for = speeds
         return decide_replan(
-            agreed.times,
+            times,
             widths,
             planned,
             horizon_steps=settings.horizon_steps,
@@ -220,14 +335,20 @@ class BalanceController:
             fixed_fraction=settings.fixed_fraction,
         )
 
-    def _move(self, step: int, decision: ReplanDecision, agreed: Agreed) -> None:
-        start = time.perf_counter()
-        self.actuator.resize(decision.widths)
-        self._move_s += time.perf_counter() - start
-        self.detector.reset(step)  # shares changed: per-unit times start afresh
+    def _restart_window(self) -> None:
+        """Forget the recent steps (they ran another layout) and skip the next (warm-up)."""
         for buffer in (self._compute, self._steps, self._bandwidth, self._allreduce):
             buffer.clear()
         self._warm = False
+
+    def _move(self, step: int, decision: ReplanDecision, agreed: Agreed) -> None:
+        start = time.perf_counter()
+        if self.actuator.ops is not None:
+            self.actuator.ops.clear()  # the ops' columns belong to the old widths
+        self.actuator.resize(decision.widths)
+        self._move_s += time.perf_counter() - start
+        self.detector.reset(step)  # shares changed: per-unit times start afresh
+        self._restart_window()
         self._pending = (step, agreed.step_time, decision.predicted_gain)
 
     def _log_measured(self, step: int, agreed: Agreed) -> None:
@@ -250,10 +371,10 @@ class BalanceController:
             }
         )
 
-    def _semi_inputs(self, agreed: Agreed, widths: Widths) -> SemiInputs:
+    def _semi_inputs(self, agreed: Agreed, widths: Widths, times: tuple[float, ...]) -> SemiInputs:
         positions = agreed.positions
         return SemiInputs(
-            times=agreed.times,
+            times=times,
             shares=shares_of(widths, self.tp_size),
             bandwidth=agreed.bandwidth,
             weight_bytes=tuple(r.weight_bytes for r in positions),
@@ -272,9 +393,10 @@ class BalanceController:
 
 
 def _inputs(
-    detection: Detection, agreed: Agreed, widths: Widths, move_cost_s: float
+    detection: Detection, agreed: Agreed, widths: Widths, move_cost_s: float, plan: InLayerPlan
 ) -> dict[str, Any]:
     return {
+        "attached": plan.record(),
         "slowdown": [round(s, 4) for s in detection.slowdown],
         "stragglers": list(detection.stragglers),
         "stable_for": detection.stable_for(),

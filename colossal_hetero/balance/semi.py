@@ -36,8 +36,6 @@ from dataclasses import dataclass, field
 IN_LAYER = ("resize", "migrate", "migrate+resize")
 """Actions that need the in-layer ops (ZERO-resizing, migration)."""
 
-NOT_BUILT = "not executable: layer ops not built"
-
 
 @dataclass(frozen=True, slots=True)
 class SemiSettings:
@@ -207,16 +205,3 @@ def _in_layer_times(
     strag = {c.rank for c in choices}
     out = [v if r in strag else v + extra / 1.0 for r, v in enumerate(out)]
     return tuple(out), penalty
-
-
-def executable(decision: SemiDecision, can: frozenset[str]) -> tuple[str, str]:
-    """The action to run today among ``can`` (e.g. none, replan) and why.
-
-    An in-layer decision is not executable while the layer ops are missing: it falls back to
-    a re-plan when that alone still pays over the horizon, else to none.
-    """
-    if decision.action in can:
-        return decision.action, "chosen"
-    if "replan" in can and decision.replan_value > 0:
-        return "replan", f"{decision.action} {NOT_BUILT}; replan pays alone"
-    return "none", f"{decision.action} {NOT_BUILT}"

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from colossal_hetero.balance.actuator import LayerOps
+from colossal_hetero.balance.checks import IN_LAYER_MODES
 from colossal_hetero.balance.controller import (
     Actuator,
     BalanceController,
@@ -31,7 +33,9 @@ def build_balancer(
     more here (``utils.probe.probe_world``: one all_reduce over the world, on every rank),
     as the plugin's own planning did, so that the re-planner plans with the same figures.
     Decisions go to ``balance_rank{r}.jsonl`` in ``metrics_dir`` (kept in memory only when
-    None).
+    None). With resize, migrate or semi the in-layer actuator (balance/actuator.py) gets the
+    model's resizable layers and, with ``balancer.freeze_dropped``, wraps the optimizer's
+    inner ``step`` to freeze the dropped columns.
     """
     config = plugin.config
     settings = config.balancer
@@ -49,10 +53,16 @@ def build_balancer(
         widths = getattr(plugin.engine.custom_policy, "widths", None) or {}
         return {key: tuple(counts) for key, counts in widths.items()}
 
+    ops = None
+    if settings.mode in IN_LAYER_MODES:
+        ops = LayerOps(hf_model)
+        if settings.freeze_dropped and optimizer is not None:
+            ops.install_freeze(optimizer)
     actuator = Actuator(
         widths=current,
         plan=lambda speeds: plan_widths(config, hf_model, world, workload, speeds),
         resize=lambda widths: plugin.resize(model, optimizer, widths),
+        ops=ops,
     )
     weight_bytes = sum(
         p.numel() * p.element_size() for p in hf_model.parameters() if layout_of(p) is not None

@@ -12,7 +12,6 @@ from typing import Literal
 from colossal_hetero.config.fields import require as _require
 
 BalancerMode = Literal["none", "detect", "resize", "migrate", "replan", "semi"]
-_NOT_BUILT = ("resize", "migrate")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -20,11 +19,13 @@ class BalancerConfig:
     """Runtime straggler balancing inside tensor-parallel groups (see docs/balancing.md)."""
 
     mode: BalancerMode = "none"
-    """none: off; detect: straggler detector and decision log only; replan: re-plan the widths
-    with measured speeds and resize between steps when the gain pays for the move; semi: the
-    SEMI policy picks none, resize, migrate, migrate+resize or replan per straggler, and only
-    none and replan execute today. resize and migrate (the in-layer ops) are not driven by a
-    controller yet and are refused."""
+    """none: off; detect: straggler detector and decision log only; resize: each straggler
+    ZERO-resizes its tensor-parallel layers (drops its lowest-priority reduction columns, as
+    many as its measured slowdown asks, at most accuracy_budget) until it recovers; migrate:
+    each straggler's surplus columns are computed by the unflagged ranks, losslessly; replan:
+    re-plan the widths with measured speeds and resize between steps when the gain pays for
+    the move; semi: the SEMI cost-benefit policy picks none, resize, migrate, migrate+resize
+    or replan per straggler and re-evaluates it at every agreement."""
 
     every: int = 5
     """Steps between agreements: one small all_gather over the world group every this many
@@ -64,14 +65,12 @@ class BalancerConfig:
     accuracy_weight: float = 0.5
     """semi: cost of dropping priority mass m, as m times this times the straggler's step."""
 
+    freeze_dropped: bool = True
+    """resize, semi: the optimizer step leaves a straggler's dropped columns (weights and
+    optimizer state) as they were, so momentum and weight decay do not move them while their
+    gradient is imputed; false lets the optimizer move them."""
+
     def __post_init__(self) -> None:
-        _require(
-            self.mode not in _NOT_BUILT,
-            "mode",
-            f"{self.mode} cannot run yet (the ZERO-resizing and migration layer ops exist in "
-            "balance/ops, but no controller drives them); use semi (which plans them but "
-            "executes only none and replan), replan or detect",
-        )
         for name in ("every", "window", "stable_steps", "horizon_steps"):
             value = getattr(self, name)
             _require(value >= 1, name, f"must be >= 1, got {value}")
@@ -95,3 +94,8 @@ class BalancerConfig:
             f"must be in [0, 1), got {self.accuracy_budget}",
         )
         _require(self.accuracy_weight >= 0, "accuracy_weight", "must be >= 0")
+        _require(
+            isinstance(self.freeze_dropped, bool),
+            "freeze_dropped",
+            f"must be true or false, got {self.freeze_dropped!r}",
+        )

@@ -14,8 +14,8 @@ from colossal_hetero.config.schema import BalancerConfig, PlanConfig
 @pytest.mark.parametrize(
     ("balancer", "message"),
     [
-        ({"mode": "resize"}, r"^balancer\.mode: resize cannot run yet"),
-        ({"mode": "migrate"}, r"^balancer\.mode: migrate cannot run yet"),
+        ({"mode": "resize", "accuracy_budget": -0.1}, r"^balancer\.accuracy_budget: must be in"),
+        ({"mode": "migrate", "freeze_dropped": "yes"}, r"^balancer\.freeze_dropped: "),
         ({"mode": "fast"}, r"^balancer\.mode: must be one of"),
         ({"mode": "replan", "every": 0}, r"^balancer\.every: must be >= 1, got 0"),
         ({"window": 0}, r"^balancer\.window: must be >= 1"),
@@ -67,6 +67,14 @@ def test_accepted_layouts():
     replan = HeteroConfig(parallel=ParallelConfig(tp=2), balancer=BalancerConfig(mode="replan"))
     check_balancer(replan)
     assert needs_resizable(replan)
+    for mode in ("resize", "migrate"):  # in-layer ops: any DP/PP layout, resizable layers
+        config = HeteroConfig(
+            parallel=ParallelConfig(tp=2, pp=2),
+            balancer=BalancerConfig(mode=mode),  # type: ignore[arg-type]
+        )
+        check_balancer(config)
+        assert needs_resizable(config)
+    assert from_dict(RunConfig, {"balancer": {"mode": "migrate"}}).balancer.mode == "migrate"
 
 
 def test_declared_speeds_per_position():

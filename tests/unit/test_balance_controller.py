@@ -4,7 +4,9 @@ units of work at the device's speed), so every decision is determined by hand.
 
 Rank 1 is 4x slow for steps 6..29: the detector flags it, replan moves rank 0 to more work,
 and after recovery the controller moves back to the even widths; each move is followed by a
-measured-gain record; SEMI logs an in-layer pick as not executable and runs the fallback."""
+measured-gain record. resize and migrate attach in-layer plans (a fake actuator records
+them) with amounts from the agreed slowdown, keep them while it holds, and remove them on
+recovery; SEMI executes its own pick."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 from colossal_hetero.balance import controller as module
 from colossal_hetero.balance.controller import Actuator, BalanceController
 from colossal_hetero.balance.detector import shares_of, work_units
+from colossal_hetero.balance.inlayer import InLayerPlan, plan_units
 from colossal_hetero.balance.window import Report, pack
 from colossal_hetero.config.schema import BalancerConfig
 from colossal_hetero.emulation import StepTiming
@@ -30,18 +33,42 @@ def _timing(step: int, compute: float) -> StepTiming:
     return StepTiming(step, 2 * compute, compute, compute, 0.0, 0.0)
 
 
+class _Ops:
+    """The in-layer actuator's stand-in: records the plans attached."""
+
+    def __init__(self) -> None:
+        self.plan = InLayerPlan()
+        self.applied: list[InLayerPlan] = []
+        self.refreshes = 0
+        self.clears = 0
+
+    def apply(self, plan: InLayerPlan) -> None:
+        self.plan = plan
+        self.applied.append(plan)
+
+    def clear(self) -> None:
+        self.plan = InLayerPlan()
+        self.clears += 1
+
+    def refresh(self) -> None:
+        self.refreshes += 1
+
+
 class _Cluster:
-    """Two ranks' synthetic compute: ``1 ms * work units * slowdown``."""
+    """Two ranks' synthetic compute: ``1 ms * work units * slowdown``, the units under the
+    attached in-layer plan."""
 
     def __init__(self) -> None:
         self.widths: dict[str, tuple[int, ...]] = dict(EVEN)
         self.moves: list[dict] = []
+        self.ops = _Ops()
 
     def slow(self, step: int) -> float:
         return 4.0 if 6 <= step < 30 else 1.0
 
     def times(self, step: int) -> list[float]:
-        units = work_units(shares_of(self.widths, 2), PHI)
+        units = plan_units(self.ops.plan, shares_of(self.widths, 2), PHI)
+        assert self.ops.plan.offloads or units == work_units(shares_of(self.widths, 2), PHI)
         return [1e-3 * units[0], 1e-3 * units[1] * self.slow(step)]
 
     def plan(self, speeds: tuple[float, ...]) -> dict[str, tuple[int, ...]]:
@@ -52,7 +79,9 @@ class _Cluster:
         self.widths = dict(widths)
 
 
-def _controller(cluster: _Cluster, mode: str, monkeypatch: Any) -> BalanceController:
+def _controller(
+    cluster: _Cluster, mode: str, monkeypatch: Any, move_cost_s: float = 0.01
+) -> BalanceController:
     settings = BalancerConfig(
         mode=mode,  # type: ignore[arg-type]
         every=3,
@@ -60,7 +89,7 @@ def _controller(cluster: _Cluster, mode: str, monkeypatch: Any) -> BalanceContro
         smoothing=1.0,  # no memory: the vector follows each window, so steps are by hand
         stable_steps=3,
         horizon_steps=1000,
-        move_cost_s=0.01,
+        move_cost_s=move_cost_s,
         fixed_fraction=PHI,
     )
     history: dict[str, list[float]] = {"0": [], "1": []}
@@ -81,7 +110,12 @@ def _controller(cluster: _Cluster, mode: str, monkeypatch: Any) -> BalanceContro
         group_index=0,
         planned_for=(1.0, 1.0),
         weight_bytes=1e6,
-        actuator=Actuator(lambda: dict(cluster.widths), cluster.plan, cluster.resize),
+        actuator=Actuator(
+            lambda: dict(cluster.widths),
+            cluster.plan,
+            cluster.resize,
+            cluster.ops if mode in ("resize", "migrate", "semi") else None,
+        ),
         device=torch.device("cpu"),
         log=DecisionWriter(None, "balance", 0),
     )
@@ -119,12 +153,75 @@ def test_replan_moves_to_the_fast_rank_and_back(monkeypatch):
     assert all(d.slowdown == pytest.approx((1.0, 4.0)) for d in slow_at_skew)
 
 
-def test_semi_logs_in_layer_picks_as_not_executable(monkeypatch):
+def _in_layer(controller: BalanceController) -> list[tuple[int, list]]:
+    return [
+        (
+            r["step"],
+            [
+                (o["rank"], o["action"], o["dropped"], o["migrated"])
+                for o in r["decision"]["offloads"]
+            ],
+        )
+        for r in controller.log.records
+        if r["decision"]["action"] == "in_layer"
+    ]
+
+
+def test_resize_attaches_from_the_slowdown_keeps_and_removes(monkeypatch):
+    """Flagged at 8: d = (U - T / s) / G = (1 - 1 / 4) / 0.8 = 0.9375, capped at the budget
+    0.5. The detector then reads units 1 - 0.8 * 0.5 = 0.6 at 2.4 ms: still 4x, so the ops
+    stay (no flapping); at 32 the window 30..32 reads 1x: ops removed."""
     cluster = _Cluster()
-    controller = _controller(cluster, "semi", monkeypatch)
+    controller = _controller(cluster, "resize", monkeypatch)
+    _drive(controller, cluster, 48)
+    assert _in_layer(controller) == [(8, [(1, "resize", 0.5, 0.0)]), (32, [])]
+    assert [p.offloads for p in cluster.ops.applied][-1] == ()
+    assert cluster.moves == []  # resize never moves widths
+    slow = [d for d in controller.detections if 11 <= d.step < 30]
+    assert all(d.slowdown == pytest.approx((1.0, 4.0)) and d.stragglers == (1,) for d in slow)
+    keeps = [r for r in controller.log.records if r["decision"]["action"] == "keep"]
+    assert [r["step"] for r in keeps] == [11, 14, 17, 20, 23, 26, 29]
+    measured = [r for r in controller.log.records if r["decision"]["action"] == "measured"]
+    assert [r["inputs"]["decision_step"] for r in measured] == [8, 32]
+    assert cluster.ops.refreshes == len(controller.detections)
+    attach = next(r for r in controller.log.records if r["step"] == 8)
+    # predicted: straggler 4 ms -> 4 * 0.6 = 2.4 ms; fast rank 1 ms: 1.6 ms saved
+    assert attach["predicted_gain"] == pytest.approx(1.6e-3)
+
+
+def test_migrate_balances_straggler_and_helper(monkeypatch):
+    """One helper: T = (1 + 1 / 1) / (1 + 1 / 4) = 1.6 units, m = (1 - 1.6 / 4) / 0.8 = 0.75:
+    both ranks then take 1.6 ms."""
+    cluster = _Cluster()
+    controller = _controller(cluster, "migrate", monkeypatch)
+    _drive(controller, cluster, 48)
+    assert _in_layer(controller) == [(8, [(1, "migrate", 0.0, 0.75)]), (32, [])]
+    assert cluster.ops.applied[0].helpers == (0,)
+    record = next(r for r in controller.log.records if r["step"] == 8)
+    assert record["decision"]["predicted_times"] == pytest.approx([1.6e-3, 1.6e-3])
+    # While attached both ranks take 1.6 ms, and the detector still reads the device's 4x.
+    slow = [d for d in controller.detections if 11 <= d.step < 30]
+    assert all(d.slowdown == pytest.approx((1.0, 4.0)) and d.stragglers == (1,) for d in slow)
+
+
+def test_semi_executes_its_pick(monkeypatch):
+    """With a re-plan too costly to pay, SEMI's in-layer pick for rank 1 is what runs; with a
+    cheap one the re-plan runs (in-layer ops removed first); the planner's stand-in leaves
+    rank 1 at 0.53 units x 4 = 2.1 ms against 1.47 ms, which SEMI then resizes."""
+    cluster = _Cluster()
+    controller = _controller(cluster, "semi", monkeypatch, move_cost_s=1e6)
     _drive(controller, cluster, 15)
-    semi = [r["decision"] for r in controller.log.records if "semi" in r["decision"]]
-    picked = [d for d in semi if d["semi"]["action"] == "in_layer"]
-    assert all("not executable: layer ops not built" in d["semi_reason"] for d in picked)
-    assert all(d["executed"] in ("none", "replan") for d in semi)
-    assert cluster.moves == [SKEW]  # the re-plan ran as the executable fallback
+    picks = [r for r in controller.log.records if r["decision"]["action"] == "in_layer"]
+    assert picks and cluster.moves == []
+    for record in picks:
+        choice = record["decision"]["semi"]["choices"][0]
+        assert record["decision"]["offloads"][0]["action"] == choice["action"]
+        assert record["decision"]["executed"] == "in_layer"
+    cheap = _Cluster()
+    controller = _controller(cheap, "semi", monkeypatch)
+    _drive(controller, cheap, 15)
+    assert cheap.moves == [SKEW]  # stable at 11: the re-plan pays
+    replans = [r for r in controller.log.records if r["decision"].get("executed") == "replan"]
+    assert [r["step"] for r in replans] == [11]
+    assert cheap.ops.clears == 1
+    assert [step for step, _ in _in_layer(controller) if step > 11] == [14]

@@ -1,5 +1,5 @@
 """The SEMI policy (pure): the digest's oracles O-S1..O-S4 that apply to a policy without the
-layer ops, hand-computed gains, the executable fallback; and the re-planner's pure parts."""
+layer ops, hand-computed gains, replan against in-layer; and the re-planner's pure parts."""
 
 from __future__ import annotations
 
@@ -10,13 +10,11 @@ import pytest
 
 from colossal_hetero.balance.replan import decide_replan, measured_config, predicted_saving
 from colossal_hetero.balance.semi import (
-    NOT_BUILT,
     SemiInputs,
     SemiSettings,
     choose_straggler,
     decide,
     dropped_mass,
-    executable,
 )
 from colossal_hetero.config.schema import DeviceSpec, HeteroConfig, ParallelConfig
 
@@ -99,23 +97,19 @@ def test_o_s4_predicted_compute_balanced_in_simulated_clusters():
         assert max(predicted) <= 1.10 * min(predicted), (times, decision)
 
 
-def test_replan_value_and_executable_fallback():
+def test_replan_value_against_in_layer():
     """One 4x straggler of 2 ranks: migrate would leave the helper at 1.75 s, a re-plan
-    balances at tau = 1 / (0.5 / 1 + 0.5 / 4) = 1.6 s: replan, executable today. One 1.3x
-    straggler of 8: migrate (helpers + 0.3 / 1.3 / 7) beats a re-plan that costs 10 s once,
-    but is not built: the fallback is the re-plan while it pays, else none."""
+    balances at tau = 1 / (0.5 / 1 + 0.5 / 4) = 1.6 s: replan. One 1.3x straggler of 8:
+    migrate (helpers + 0.3 / 1.3 / 7) beats a re-plan that costs 10 s once."""
     settings = SemiSettings(replan_cost_s=10.0, horizon_steps=100)
     heavy = decide(_inputs([1.0, 4.0]), settings)
     assert heavy.action == "replan" and heavy.predicted_times == (pytest.approx(1.6),) * 2
     assert heavy.replan_value == pytest.approx(100 * (4.0 - 1.6) - 10.0)
-    assert executable(heavy, frozenset({"none", "replan"})) == ("replan", "chosen")
     light = decide(_inputs([1.0] * 7 + [1.3]), settings)
     assert light.action == "in_layer" and light.choices[0].action == "migrate"
     assert light.in_layer_value > light.replan_value > 0
-    run, why = executable(light, frozenset({"none", "replan"}))
-    assert run == "replan" and NOT_BUILT in why
     costly = decide(_inputs([1.0] * 7 + [1.3]), SemiSettings(replan_cost_s=1e6, horizon_steps=100))
-    assert executable(costly, frozenset({"none", "replan"})) == ("none", f"in_layer {NOT_BUILT}")
+    assert costly.action == "in_layer" and costly.replan_value < 0
 
 
 def test_dropped_mass():
