@@ -1,0 +1,201 @@
+"""Resizable 2D tensor parallelism: place devices on a q x q mesh and size its blocks (pure).
+
+Rank (i, j) of a 2D mesh computes every linear on its batch share b_i and its column's output
+width, which is a_j whole heads (attention, QKV, projection) and proportional MLP and vocabulary
+blocks (``ffn_j = ffn a_j / heads``, ``v_j = V a_j / heads``, rounded). So its compute is
+proportional to b_i a_j, and every SUMMA step waits for the slowest block:
+
+    step ~ max over (i, j) of  b_i a_j / speed(device at (i, j)).
+
+``plan_resizable_2d`` minimises that over device placements, batch shares and head counts:
+
+* for a fixed placement and fixed batch shares, column j's time is a_j / c_j with
+  c_j = min_i speed_ij / b_i; handing out heads one at a time to the column whose time after
+  the hand-out is smallest is optimal (a min-max allocation with a linear cost per unit);
+* batch shares are enumerated (every split of the batch over the q rows, zeros allowed);
+* placements are enumerated up to row and column permutations (permuting rows permutes the
+  batch shares with them, so one placement per class is enough): exact for small meshes,
+  within ``max_evaluations``; larger meshes get a pairwise-swap local search from a
+  speed-sorted start (not proven optimal: the docstring says so where it is used).
+
+``place_2d`` in ``tp2d_cost`` is the brute force over every permutation and every pair of
+splits that the tests check this against.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from colossal_hetero.planner.tp2d_cost import block_time
+
+
+@dataclass(frozen=True)
+class Resizable2D:
+    """Devices on mesh positions and the block sizes of every mesh row and column.
+
+    ``positions[p]``: the device (index into the speeds, a global rank of the TP group) at
+    mesh position p = i * q + j. ``slowest``: max_ij b_i a_j / speed, in sample-heads per unit
+    speed; ``even_slowest``: the same for even blocks with devices in order.
+    """
+
+    positions: tuple[int, ...]
+    batch_sizes: tuple[int, ...]
+    head_counts: tuple[int, ...]
+    ffn_sizes: tuple[int, ...]
+    vocab_sizes: tuple[int, ...]
+    slowest: float
+    even_slowest: float
+    exact: bool
+
+    @property
+    def q(self) -> int:
+        return math.isqrt(len(self.positions))
+
+    @property
+    def predicted_speedup(self) -> float:
+        """Even layout's slowest block over this one's (compute only)."""
+        return self.even_slowest / self.slowest
+
+    def placement(self) -> dict[int, tuple[int, int]]:
+        """Device (global rank) -> mesh position (i, j), as ``Mesh2D.build`` takes it."""
+        return {device: divmod(p, self.q) for p, device in enumerate(self.positions)}
+
+
+def proportional(total: int, weights: Sequence[int]) -> tuple[int, ...]:
+    """``total`` split in proportion to ``weights`` (largest remainder; ties to the lower
+    index); all zero weights: ValueError."""
+    weight = sum(weights)
+    if weight <= 0 or min(weights) < 0:
+        raise ValueError(f"cannot split {total} in proportion to {list(weights)}")
+    exact = [total * w / weight for w in weights]
+    sizes = [math.floor(x) for x in exact]
+    order = sorted(range(len(weights)), key=lambda k: (sizes[k] - exact[k], k))
+    for k in order[: total - sum(sizes)]:
+        sizes[k] += 1
+    return tuple(sizes)
+
+
+def best_heads(capacities: Sequence[float], heads: int) -> tuple[tuple[int, ...], float]:
+    """Head counts minimising max_j a_j / c_j (greedy hand-out, optimal) and that maximum.
+
+    A column of capacity 0 (a row share with no speed behind it cannot happen: speeds > 0;
+    capacity is inf when every b_i is 0) gets heads only when nothing else can.
+    """
+    counts = [0] * len(capacities)
+    for _ in range(heads):
+        j = min(range(len(counts)), key=lambda k: ((counts[k] + 1) / capacities[k], k))
+        counts[j] += 1
+    worst = max((a / c for a, c in zip(counts, capacities, strict=True) if a), default=0.0)
+    return tuple(counts), worst
+
+
+def _compositions(total: int, parts: int) -> list[tuple[int, ...]]:
+    if parts == 1:
+        return [(total,)]
+    return [(k, *rest) for k in range(total + 1) for rest in _compositions(total - k, parts - 1)]
+
+
+def _capacities(speeds: Sequence[float], positions: Sequence[int], batch: Sequence[int]):
+    q = len(batch)
+    caps = []
+    for j in range(q):
+        loads = [batch[i] / speeds[positions[i * q + j]] for i in range(q)]
+        caps.append(math.inf if max(loads) == 0 else 1.0 / max(loads))
+    return caps
+
+
+def _best_for_placement(
+    speeds: Sequence[float], positions: Sequence[int], batches: list[tuple[int, ...]], heads: int
+) -> tuple[float, tuple[int, ...], tuple[int, ...]]:
+    best: tuple[float, tuple[int, ...], tuple[int, ...]] | None = None
+    for b in batches:
+        a, worst = best_heads(_capacities(speeds, positions, b), heads)
+        if best is None or worst < best[0] - 1e-12:
+            best = (worst, b, a)
+    assert best is not None
+    return best
+
+
+def _canonical_placements(q: int) -> list[tuple[int, ...]]:
+    """One placement per class under row and column permutations: the rows sorted by their
+    smallest device, the first row's devices ascending."""
+    out = []
+    for perm in itertools.permutations(range(q * q)):
+        rows = [perm[i * q : (i + 1) * q] for i in range(q)]
+        if list(rows[0]) != sorted(rows[0]):
+            continue
+        if [min(r) for r in rows] != sorted(min(r) for r in rows):
+            continue
+        # Column order is fixed by the first row; rows by their minima: one per class.
+        out.append(perm)
+    return out
+
+
+def plan_resizable_2d(
+    speeds: Sequence[float],
+    batch: int,
+    heads: int,
+    ffn: int,
+    vocab: int,
+    *,
+    max_evaluations: int = 300_000,
+) -> Resizable2D:
+    """The placement and block sizes minimising the slowest block (see the module docstring).
+
+    ``speeds``: one per device of the TP group (q * q of them, > 0). Exact when the search fits
+    ``max_evaluations`` (placement classes x batch splits); else local search (``exact`` False).
+    ValueError, naming the field, when the group is not a square or a speed is not positive.
+    """
+    n = len(speeds)
+    q = math.isqrt(n)
+    if n == 0 or q * q != n:
+        raise ValueError(f"parallel.tp: 2D tensor parallelism needs a square size, got {n}")
+    if min(speeds) <= 0:
+        raise ValueError(f"cluster.devices: speeds must be > 0, got {list(speeds)}")
+    if batch < 1 or heads < 1:
+        raise ValueError(f"2D plan needs batch >= 1 and heads >= 1, got {batch}, {heads}")
+    batches = _compositions(batch, q)
+    classes = math.factorial(n) // (math.factorial(q) ** 2)
+    exact = classes * len(batches) <= max_evaluations
+    if exact:
+        candidates = _canonical_placements(q)
+        scored = [(_best_for_placement(speeds, p, batches, heads), p) for p in candidates]
+        (worst, b, a), positions = min(scored, key=lambda item: item[0][0])
+    else:
+        (worst, b, a), positions = _local_search(speeds, q, batches, heads)
+    even, even_heads = _even(batch, q), _even(heads, q)
+    return Resizable2D(
+        positions=tuple(positions),
+        batch_sizes=b,
+        head_counts=a,
+        ffn_sizes=proportional(ffn, a),
+        vocab_sizes=proportional(vocab, a),
+        slowest=worst,
+        even_slowest=block_time(speeds, tuple(range(n)), even, even_heads),
+        exact=exact,
+    )
+
+
+def _even(total: int, parts: int) -> tuple[int, ...]:
+    """Sizes differing by at most one, larger first (``tp2d.layout.even_sizes``)."""
+    base, extra = divmod(total, parts)
+    return tuple(base + (1 if k < extra else 0) for k in range(parts))
+
+
+def _local_search(speeds: Sequence[float], q: int, batches: list[tuple[int, ...]], heads: int):
+    """Pairwise swaps from devices sorted fastest first, row-major; first improvement."""
+    positions = sorted(range(q * q), key=lambda d: (-speeds[d], d))
+    best = _best_for_placement(speeds, positions, batches, heads)
+    improved = True
+    while improved:
+        improved = False
+        for x, y in itertools.combinations(range(q * q), 2):
+            trial = list(positions)
+            trial[x], trial[y] = trial[y], trial[x]
+            score = _best_for_placement(speeds, trial, batches, heads)
+            if score[0] < best[0] - 1e-12:
+                positions, best, improved = trial, score, True
+    return best, positions

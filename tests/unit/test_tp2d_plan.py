@@ -1,0 +1,170 @@
+"""Resizable 2D placement against brute force, the GPT-2 activation accounting against hand
+counts, and the 1D/2D mode pick (all pure)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from colossal_hetero.planner.tp2d_choice import (
+    ModeEstimate,
+    choose_tp_mode,
+    estimate_modes,
+    format_choice,
+)
+from colossal_hetero.planner.tp2d_cost import LayerDims, block_time, place_2d
+from colossal_hetero.planner.tp2d_memory import gpt2_activation_bytes
+from colossal_hetero.planner.tp2d_plan import (
+    _canonical_placements,
+    best_heads,
+    plan_resizable_2d,
+    proportional,
+)
+
+
+def test_exact_placement_equals_brute_force_on_2x2_meshes():
+    rng = random.Random(7)
+    for _ in range(40):
+        speeds = [rng.choice([0.25, 0.5, 0.7, 1.0, 1.3]) for _ in range(4)]
+        batch, heads = rng.randint(1, 7), rng.randint(1, 7)
+        plan = plan_resizable_2d(speeds, batch, heads, ffn=4 * heads, vocab=16)
+        brute = place_2d(speeds, batch, heads)
+        assert plan.exact
+        assert plan.slowest == pytest.approx(brute.slowest, rel=1e-12), (speeds, batch, heads)
+        # The reported value is the real slowest block of the returned layout.
+        assert block_time(speeds, plan.positions, plan.batch_sizes, plan.head_counts) == (
+            pytest.approx(plan.slowest)
+        )
+        assert sum(plan.batch_sizes) == batch and sum(plan.head_counts) == heads
+
+
+def test_one_half_speed_device_hand_computed():
+    # Even 2 x 2: every block 6 samples x 6 heads; the half-speed one takes 36 / 0.5 = 72.
+    # Resized: rows 6 / 6, columns 8 / 4 heads with the slow device in the 4-head column:
+    # fast blocks 6 x 8 = 48 and 6 x 4 = 24, the slow one 6 x 4 / 0.5 = 48. Nothing beats 48
+    # (brute force agrees), so 1.5x predicted.
+    plan = plan_resizable_2d([1, 1, 1, 0.5], 12, 12, ffn=1536, vocab=256)
+    assert plan.slowest == pytest.approx(48.0)
+    assert plan.even_slowest == pytest.approx(72.0)
+    assert plan.predicted_speedup == pytest.approx(1.5)
+    assert sorted(plan.head_counts) == [4, 8]
+    slow_position = plan.positions.index(3)
+    i, j = divmod(slow_position, 2)
+    assert plan.head_counts[j] == 4 and plan.batch_sizes[i] == 6
+    assert plan.placement()[3] == (i, j)
+    # MLP and vocabulary follow the heads: 1536 * 8/12 = 1024; 256 * 8/12 = 170.67 -> 171.
+    assert sorted(plan.ffn_sizes) == [512, 1024]
+    assert sorted(plan.vocab_sizes) == [85, 171]
+    # batch 8, heads 8 (docs/tp2d.md): 24 against 32.
+    small = plan_resizable_2d([1, 1, 1, 0.5], 8, 8, ffn=32, vocab=8)
+    assert (small.slowest, small.even_slowest) == (24.0, 32.0)
+
+
+def test_greedy_heads_are_optimal():
+    rng = random.Random(3)
+    for _ in range(50):
+        caps = [rng.choice([0.1, 0.25, 0.5, 1.0, 2.0]) for _ in range(rng.randint(2, 3))]
+        heads = rng.randint(1, 8)
+        counts, worst = best_heads(caps, heads)
+        best = min(
+            max(a / c for a, c in zip(split, caps, strict=True) if a)
+            for split in itertools.product(range(heads + 1), repeat=len(caps))
+            if sum(split) == heads
+        )
+        assert sum(counts) == heads
+        assert worst == pytest.approx(best)
+
+
+def test_canonical_placements_cover_every_class_once():
+    canon = _canonical_placements(2)
+    assert len(canon) == 24 // (2 * 2)
+
+    def grid(perm):
+        rows = [perm[0:2], perm[2:4]]
+        return {
+            tuple(tuple(rows[r][c] for c in cols) for r in row_order)
+            for row_order in itertools.permutations(range(2))
+            for cols in itertools.permutations(range(2))
+        }
+
+    classes = [frozenset(grid(p)) for p in canon]
+    assert len(set(classes)) == len(canon)
+    everything = set().union(*classes)
+    assert everything == {(p[0:2], p[2:4]) for p in itertools.permutations(range(4))}
+
+
+def test_local_search_never_worse_than_even_and_equal_speeds_stay_even():
+    forced = plan_resizable_2d([1, 1, 1, 0.5], 12, 12, 48, 12, max_evaluations=1)
+    assert not forced.exact
+    assert forced.slowest <= forced.even_slowest
+    assert forced.slowest >= 48.0  # never better than the exact optimum
+    equal = plan_resizable_2d([1.0] * 9, 6, 6, 24, 9, max_evaluations=1)
+    assert equal.slowest == pytest.approx(equal.even_slowest) == pytest.approx(4.0)
+
+
+def test_proportional_and_bad_input():
+    assert proportional(256, [8, 4]) == (171, 85)
+    assert proportional(10, [1, 1, 1]) == (4, 3, 3)
+    assert proportional(7, [0, 2]) == (0, 7)
+    with pytest.raises(ValueError, match="parallel.tp"):
+        plan_resizable_2d([1, 1, 1], 4, 4, 16, 8)
+    with pytest.raises(ValueError, match="cluster.devices"):
+        plan_resizable_2d([1, 1, 1, 0], 4, 4, 16, 8)
+
+
+def test_gpt2_activation_bytes_hand_counted():
+    # 1 layer, batch 2 x 16 tokens (T = 32), h = 64, 4 heads, f = 256, V = 256, tp = 4, fp32.
+    # 1D per layer: whole 4 T h = 8192; split (4 T h + 5 T f + a s T) / 4 = (8192 + 40960 +
+    # 2048) / 4 = 12800; LN statistics 4 T = 128 -> 21120 floats = 84480 B, causal mask 256 B.
+    # Final: ln_f input and LM head input 2 T h = 4096 floats, statistics 64, loss
+    # exp-logits 30 x 64 = 1920 floats -> 6080 floats = 24320 B, + 30 bools + 30 int64 (270 B).
+    # Indices: 32 ids + 16 positions, int64 = 384 B. Total 84480 + 256 + 24320 + 270 + 384.
+    kw = dict(layers=1, batch=2, seq=16, hidden=64, heads=4, vocab=256, tp=4)
+    assert gpt2_activation_bytes("1d", **kw) == 84480 + 256 + 24320 + 270 + 384
+    # 1D + SP: whole 2 T h = 4096; split (8 T h + 5 T f + a s T) / 4 = 14848; statistics 32.
+    assert gpt2_activation_bytes("1d-sp", **kw) == 4 * (4096 + 14848 + 32) + 256 + 24320 + 654
+    # 2D, rank (0, 0): T_i = 16, h_j = 32, f_j = 128, a_j = 2: 10 T_i h_j + 5 T_i f_j +
+    # a_j s T_i + 2 T_i = 5120 + 10240 + 512 + 32 = 15904 floats; final: 3 T_i h_j + T_i +
+    # 15 x 128 + 15 = 3487 floats, + 15 int64 + 15 bools; indices: 48 int64 + 32 floats.
+    two_d = 4 * 15904 + 256 + 4 * 3487 + 15 * 9 + 48 * 8 + 32 * 4
+    assert gpt2_activation_bytes("2d", **kw) == two_d
+    with pytest.raises(ValueError, match="tp_mode"):
+        gpt2_activation_bytes("3d", **kw)  # type: ignore[arg-type]
+
+
+def _estimate(mode: str, memory: float, comm: float, fits: bool) -> ModeEstimate:
+    return ModeEstimate(mode, 0, 0.0, memory, 0.0, 0, comm, fits)
+
+
+def test_mode_pick_rules():
+    both = {"1d": _estimate("1d", 10, 2.0, True), "2d": _estimate("2d", 8, 3.0, True)}
+    assert choose_tp_mode(both, 4).mode == "1d"  # both fit: less communication wins
+    only_2d = {"1d": _estimate("1d", 10, 2.0, False), "2d": _estimate("2d", 8, 3.0, True)}
+    assert choose_tp_mode(only_2d, 4).mode == "2d"
+    neither = {"1d": _estimate("1d", 10, 2.0, False), "2d": _estimate("2d", 8, 3.0, False)}
+    assert choose_tp_mode(neither, 4).mode == "2d"
+    assert choose_tp_mode(only_2d, 2).mode == "1d"  # not a square
+    assert choose_tp_mode(only_2d, 4, supports_2d=False).mode == "1d"
+
+
+def test_estimates_from_the_cost_models():
+    dims = LayerDims(batch=8, seq=128, hidden=256, heads=8, elem_bytes=4, dropout=False)
+    roomy = estimate_modes(
+        dims, 4, 2, 256, bandwidth_bytes_s=1e9, latency_s=1e-5, memory_bytes=2**40
+    )
+    assert set(roomy) == {"1d", "1d-sp", "2d"}
+    # 2D moves 3 (7 bsh + 12 h^2) / q words per layer, 1D 8 bsh (P - 1) / P (tp2d_cost).
+    bsh, h2 = 8 * 128 * 256, 256 * 256
+    assert roomy["1d"].comm_bytes == pytest.approx(2 * 4 * 8 * bsh * 3 / 4)
+    assert roomy["2d"].comm_bytes == pytest.approx(2 * 4 * 3 * (7 * bsh + 12 * h2) / 2, rel=0.02)
+    assert roomy["2d"].activation_bytes < roomy["1d"].activation_bytes
+    # A budget between the two: only 2D fits, so auto picks it.
+    budget = (roomy["1d"].memory_bytes + roomy["2d"].memory_bytes) / 2
+    tight = estimate_modes(
+        dims, 4, 2, 256, bandwidth_bytes_s=1e9, latency_s=1e-5, memory_bytes=budget
+    )
+    choice = choose_tp_mode(tight, 4)
+    assert choice.mode == "2d" and "only 2D fits" in choice.reason
+    assert "tp_mode auto: 2d" in format_choice(choice, "auto")
