@@ -281,6 +281,9 @@ COLLECTIVES: dict[str, Collective] = {
     "send": Collective("p2p", _sends("tensor"), _send),
     "recv": Collective("p2p", _sends_nothing, _recv),
     "batch_isend_irecv": Collective("p2p", _batch_sent, _batch_p2p),
+    # The pipeline's kFkB schedule (pipeline/p2p.py) posts single non-blocking sends/receives.
+    "isend": Collective("p2p", _sends("tensor"), _send),
+    "irecv": Collective("p2p", _sends_nothing, _recv),
     "barrier": Collective("other", _sends_nothing, _barrier),
     "gather": Collective("other", _non_root_sends("dst"), _rooted("dst")),
     "scatter": Collective("other", _root_sends("scatter_list", "src", True), _rooted("src")),
@@ -291,3 +294,6 @@ COLLECTIVES: dict[str, Collective] = {
 """Every wrapped function name -> what its calls move and their metrics kind."""
 
 WRAPPED_NAMES: tuple[str, ...] = tuple(COLLECTIVES)
+
+ALWAYS_ASYNC: frozenset[str] = frozenset({"batch_isend_irecv", "isend", "irecv"})
+"""Names whose calls always return works to wait on (they take no ``async_op``)."""

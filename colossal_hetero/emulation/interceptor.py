@@ -32,6 +32,7 @@ import torch
 
 from colossal_hetero.config.schema import EmulationConfig
 from colossal_hetero.emulation.collectives import (
+    ALWAYS_ASYNC,
     COLLECTIVES,
     CallArgs,
     Collective,
@@ -202,11 +203,23 @@ class CollectiveInterceptor:
         finally:
             self.end_step()
 
+    def flush_compute(self) -> None:
+        """Stretch the compute since the last boundary now, not at the next collective.
+
+        For callers that time their own compute (the pipeline schedule times each pass): the
+        slowdown of a pass then lands in the pass, not in the wait that follows it. A no-op
+        without a slowdown, outside a step, in another thread or inside a collective.
+        """
+        if self.slowdown is None or not self.stepping_here() or self._depth:
+            return
+        self._arrive()
+        self._work_boundary = self._work_clock()
+
     # -- the wrappers -------------------------------------------------------------------------
 
     def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         positions, spec = parameter_positions(original), COLLECTIVES[name]
-        returns_works = name == "batch_isend_irecv"  # always async: a list of works
+        returns_works = name in ALWAYS_ASYNC  # works to wait on, whatever the arguments
 
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:

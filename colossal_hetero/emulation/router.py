@@ -145,6 +145,15 @@ class CollectiveRouter:
         return routed
 
 
+def flush_compute() -> None:
+    """Apply the emulated slowdown to the calling thread's compute so far, now
+    (``CollectiveInterceptor.flush_compute`` of the interceptor whose step is open here; a
+    no-op when none is)."""
+    target = CollectiveRouter.shared()._target()
+    if target is not None:
+        target.flush_compute()
+
+
 def compatible(a: CollectiveInterceptor, b: CollectiveInterceptor) -> str | None:
     """None if ``a`` and ``b`` may be attached together, else why not (one phrase).
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 COMM_KINDS: tuple[str, ...] = ("all_reduce", "all_to_all", "p2p", "other")
 """The kinds per-kind metrics are kept for: all-reduce; all-to-all (list or single); p2p
-(send, recv, batch_isend_irecv); other (gathers, scatters, broadcast, reduce, barrier and the
-object collectives)."""
+(send, recv, isend, irecv, batch_isend_irecv); other (gathers, scatters, broadcast, reduce,
+barrier and the object collectives)."""
 
 
 def zero_by_kind() -> dict[str, float]:

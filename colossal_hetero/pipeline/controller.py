@@ -8,37 +8,37 @@ Whether a step retunes depends on the step number alone, so the collective seque
 on every rank. Call :meth:`AdaKController.after_step` on every rank after each training step
 (a step boundary: the schedule is idle).
 
-Link time is not measured here: ``link_seconds(message_bytes)`` converts this rank's message size
-into seconds on its outgoing link (from the network metrics or the configured bandwidth), and
-``latency_s`` adds the per-message latency.
+Link time is measured: each rank's row is its :class:`~colossal_hetero.pipeline.profile.RankRecord`
+of the last step (compute seconds, activation bytes and a clock time per message sent or
+received), so :func:`~colossal_hetero.pipeline.profile.profile_from_records` derives every
+boundary's link seconds from both ends' timestamps, the same on every rank. Under the emulation's
+model mode those are the modelled transfers (the interceptor books the schedule's
+``isend``/``irecv`` on the link timeline), on shaped links the real ones. ``latency_s`` adds a
+configured per-message latency on top (0 in the plugin: the measurement includes it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from colossal_hetero.pipeline.profile import profile_from_records, record_from_vector, vector_width
 from colossal_hetero.pipeline.schedule import KFKBSchedule
-from colossal_hetero.pipeline.tuner import (
-    ROW_WIDTH,
-    LocalMeasurement,
-    agree_profile,
-    choose_k,
-)
+from colossal_hetero.pipeline.tuner import PipelineProfile, choose_k
 
 
 class AdaKController:
     """Retunes ``schedule.k`` every ``period`` steps under each stage's activation budget.
 
     Args:
-        schedule: this rank's :class:`KFKBSchedule` (its ``last_stats`` are the measurements).
+        schedule: this rank's :class:`KFKBSchedule` (its ``last_record`` is the measurement).
         stage_of_rank: pipeline stage of every rank of ``group``, in group-rank order.
         memory_budget_bytes: bytes this rank may spend on in-flight activations.
-        link_seconds: seconds one message of the given bytes holds this rank's outgoing link.
-        latency_s: seconds added per message on this rank's outgoing link.
+        latency_s: seconds added per message on this rank's outgoing link, beyond the measured
+            link time.
         period: retune after steps ``period - 1, 2 * period - 1, ...`` (0-based step numbers).
         min_gain: candidates predicted within this fraction of the fastest tie, and the smallest
             of them wins: measured compute jitters, and a k chosen on noise would flap.
@@ -49,7 +49,6 @@ class AdaKController:
         schedule: KFKBSchedule,
         stage_of_rank: list[int],
         memory_budget_bytes: float,
-        link_seconds: Callable[[int], float],
         latency_s: float = 0.0,
         period: int = 10,
         group: dist.ProcessGroup | None = None,
@@ -58,39 +57,32 @@ class AdaKController:
         if period < 1:
             raise ValueError(f"period: retune every >= 1 steps, got {period}")
         self.schedule, self.stage_of_rank, self.period = schedule, stage_of_rank, period
-        self.memory_budget_bytes, self.link_seconds = memory_budget_bytes, link_seconds
+        self.memory_budget_bytes = memory_budget_bytes
         self.latency_s, self.group, self.min_gain = latency_s, group, min_gain
 
-    def local_row(self) -> list[float]:
-        """This rank's measurement row from the last step (the last stage sends nothing)."""
-        stats = self.schedule.last_stats
-        assert stats is not None, "after_step before any training step"
-        last = self.schedule.stage_manager.is_last_stage()
-        return LocalMeasurement(
-            forward_s=stats.forward_s,
-            backward_s=stats.backward_s,
-            transfer_s=0.0 if last else self.link_seconds(stats.message_bytes),
-            activation_bytes=float(stats.activation_bytes),
-            memory_budget_bytes=self.memory_budget_bytes,
-            latency_s=0.0 if last else self.latency_s,
-        ).to_row()
+    def local_row(self, num_microbatches: int) -> list[float]:
+        """This rank's row: its last step's record, then its budget and outgoing latency."""
+        record = self.schedule.last_record
+        assert record is not None, "after_step before any training step"
+        latency = 0.0 if record.next_rank is None else self.latency_s
+        return [*record.to_vector(num_microbatches), self.memory_budget_bytes, latency]
 
     def after_step(self, step: int) -> dict[str, Any] | None:
         """At retuning steps: gather, decide, ``set_k``; returns the decision record, else None.
 
-        Collective: one ``all_gather`` of a float64 ``[ROW_WIDTH]`` tensor over ``group``.
+        Collective: one ``all_gather`` of a float64 row per rank over ``group`` (the record's
+        ``4 m + 8`` values, budget, latency).
         """
         if (step + 1) % self.period:
             return None
-        mine = torch.tensor(self.local_row(), dtype=torch.float64)
-        size = dist.get_world_size(self.group)
-        rows = [torch.empty(ROW_WIDTH, dtype=torch.float64) for _ in range(size)]
-        dist.all_gather(rows, mine, group=self.group)
-        matrix = [r.tolist() for r in rows]
-        num_stages = self.schedule.stage_manager.num_stages
-        profile = agree_profile(matrix, self.stage_of_rank, num_stages)
         m = self.schedule.num_microbatches
         assert m is not None
+        mine = torch.tensor(self.local_row(m), dtype=torch.float64)
+        size = dist.get_world_size(self.group)
+        rows = [torch.empty_like(mine) for _ in range(size)]
+        dist.all_gather(rows, mine, group=self.group)
+        num_stages = self.schedule.stage_manager.num_stages
+        profile = agreed_profile([r.tolist() for r in rows], self.stage_of_rank, num_stages, m)
         decision = choose_k(profile, m, rel_tol=self.min_gain)
         previous = self.schedule.k
         self.schedule.set_k(decision.k)
@@ -98,7 +90,34 @@ class AdaKController:
         return {
             "step": step,
             "controller": "ada_kfkb",
-            "inputs": {"rows": matrix},
+            "inputs": {
+                "forward_s": profile.forward_s,
+                "backward_s": profile.backward_s,
+                "transfer_s": profile.transfer_s,
+                "latency_s": profile.latency_s,
+                "activation_bytes": profile.activation_bytes,
+                "memory_budget_bytes": profile.memory_budget_bytes,
+            },
             "decision": {"k": decision.k, "previous_k": previous},
             "predicted_gain": None if before is None else before / decision.predicted_step_s - 1,
         }
+
+
+def agreed_profile(
+    rows: list[list[float]], stage_of_rank: list[int], num_stages: int, num_microbatches: int
+) -> PipelineProfile:
+    """The profile every rank derives from the gathered rows (pure; order of rows irrelevant):
+    measured compute, activations and link times, each stage's smallest budget, each
+    boundary's largest configured latency."""
+    width = vector_width(num_microbatches)
+    records = [record_from_vector(r[:width], num_microbatches) for r in rows]
+    budgets = [
+        min(r[width] for r, s in zip(rows, stage_of_rank, strict=True) if s == st)
+        for st in range(num_stages)
+    ]
+    latency = [
+        max(r[width + 1] for r, s in zip(rows, stage_of_rank, strict=True) if s == b)
+        for b in range(num_stages - 1)
+    ]
+    profile = profile_from_records(records, num_stages, budgets)
+    return replace(profile, latency_s=tuple(latency))

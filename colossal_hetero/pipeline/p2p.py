@@ -11,17 +11,50 @@ Wire format of one message (an object: a pytree of tensors, e.g. ``{"hidden_stat
 the header and payload travel only with a step's first message on the link (shapes do not change
 within a step: micro-batches have equal size) or with every message whose object carries
 non-tensor leaves. Metadata is not cached across steps, so a new batch size is always safe.
+
+Accounting (per step, for the Ada tuner and the benchmark): each box keeps a :class:`LinkLog`
+of its direction: the bytes it moved, the seconds it was blocked in ``wait()``, and a clock time
+per message (``time.time()``: when a message went onto the link, or when a blocked receive
+returned; see ``pipeline/profile.py`` for how link time follows from them). The boxes call
+``torch.distributed.isend``/``irecv`` by name at call time, so the emulation interceptor sees
+them too: its model books them on the link timeline and its per-kind metrics count them as p2p.
 """
 
 from __future__ import annotations
 
 import pickle
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from colossalai.pipeline.p2p import P2PMetadata, create_send_metadata
 from torch.utils._pytree import tree_unflatten
+
+from colossal_hetero.pipeline.profile import NOT_BLOCKED
+
+BLOCKED_S = 1e-4
+"""A ``wait()`` longer than this waited for data (shorter: the data had already landed)."""
+
+
+@dataclass(slots=True)
+class LinkLog:
+    """One step's traffic in one direction of one boundary, as this rank saw it."""
+
+    times: list[float] = field(default_factory=list)
+    """Per message, in order: when it went onto the link (a sender), or when its blocked wait
+    returned, ``NOT_BLOCKED`` when the wait did not block (a receiver); ``time.time()``."""
+    posted: list[float] = field(default_factory=list)
+    """A receiver's: per message, when its tensors' receives were posted."""
+    nbytes: int = 0
+    """Bytes of the tensors moved, headers and metadata included."""
+    wait_s: float = 0.0
+    """Seconds spent blocked in ``wait()`` on this direction's operations."""
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 class Outbox:
@@ -35,6 +68,8 @@ class Outbox:
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
         self._sent = 0
         self._every_message_has_header = False
+        self.log = LinkLog()
+        """This step's traffic (:meth:`take_log` hands it over and starts a fresh one)."""
 
     def send(self, obj: Any) -> int:
         """Post the sends of ``obj``; returns the bytes of its tensors (metadata excluded)."""
@@ -52,19 +87,30 @@ class Outbox:
         for tensor in tensors:
             self._isend(tensor.detach().contiguous())
         self._sent += 1
-        return sum(t.numel() * t.element_size() for t in tensors)
+        # After the isends returned: an emulated slow device's stretch of the pass happens at
+        # the first of them, so this is when the output really went onto the link.
+        self.log.times.append(time.time())
+        return sum(_nbytes(t) for t in tensors)
 
     def _isend(self, tensor: torch.Tensor) -> None:
         work = dist.isend(tensor, dst=self.dst, group=self.group)
         assert work is not None
         self._pending.append((work, tensor))
+        self.log.nbytes += _nbytes(tensor)
 
     def finish(self) -> None:
         """Wait for every send of this step; the next step starts a fresh link state."""
+        start = time.perf_counter()
         for work, _ in self._pending:
             work.wait()
+        self.log.wait_s += time.perf_counter() - start
         self._pending.clear()
         self._sent = 0
+
+    def take_log(self) -> LinkLog:
+        """This step's log; the box starts a fresh one."""
+        log, self.log = self.log, LinkLog()
+        return log
 
 
 class Inbox:
@@ -81,6 +127,9 @@ class Inbox:
         self._metadata: P2PMetadata | None = None
         self._header: tuple[dist.Work, torch.Tensor] | None = None
         self._tensors: tuple[list[dist.Work], list[torch.Tensor]] | None = None
+        self.log = LinkLog()
+        """This step's traffic (:meth:`take_log` hands it over and starts a fresh one)."""
+        self._posted_at = 0.0
 
     def start(self, count: int) -> None:
         """Begin a step that will receive ``count`` messages: post the first receive now."""
@@ -91,6 +140,7 @@ class Inbox:
     def get(self) -> Any:
         """The next object, waiting only for what has not landed yet."""
         assert self._taken < self._count, "more receives than the step announced"
+        start = time.perf_counter()
         if self._header is not None:
             work, header = self._header
             work.wait()
@@ -98,11 +148,17 @@ class Inbox:
             dist.irecv(payload, src=self.src, group=self.group).wait()  # type: ignore[union-attr]
             self._metadata = pickle.loads(payload.cpu().numpy().tobytes())
             self._header = None
+            self.log.nbytes += _nbytes(header) + _nbytes(payload)
             self._post_tensors()
         assert self._tensors is not None and self._metadata is not None
         works, buffers = self._tensors
         for work in works:
             work.wait()
+        waited = time.perf_counter() - start
+        self.log.wait_s += waited
+        self.log.nbytes += sum(_nbytes(b) for b in buffers)
+        self.log.times.append(time.time() if waited > BLOCKED_S else NOT_BLOCKED)
+        self.log.posted.append(self._posted_at)
         meta = self._metadata
         self._tensors = None
         self._taken += 1
@@ -111,6 +167,11 @@ class Inbox:
         for idx, obj in zip(meta.non_tensor_obj_idx, meta.non_tensor_objs, strict=True):
             leaves.insert(idx, obj)
         return tree_unflatten(leaves, meta.tree_spec)
+
+    def take_log(self) -> LinkLog:
+        """This step's log; the box starts a fresh one."""
+        log, self.log = self.log, LinkLog()
+        return log
 
     def _post_next(self) -> None:
         if self._taken == self._count:
@@ -130,4 +191,5 @@ class Inbox:
             for m in self._metadata.tensor_metadata
         ]
         works = [dist.irecv(b, src=self.src, group=self.group) for b in buffers]
+        self._posted_at = time.time()
         self._tensors = ([w for w in works if w is not None], buffers)

@@ -27,7 +27,7 @@ back the send its peer is waiting for. A NCCL version needs Colossal-AI-style fu
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -41,8 +41,10 @@ from colossalai.pipeline.stage_manager import PipelineStageManager
 from colossalai.utils import get_current_device
 from torch.nn import Module
 
-from colossal_hetero.pipeline.order import check_pipeline_args, kfkb_order
-from colossal_hetero.pipeline.p2p import Inbox, Outbox
+from colossal_hetero.emulation.router import flush_compute
+from colossal_hetero.pipeline.order import Step, check_pipeline_args, kfkb_order
+from colossal_hetero.pipeline.p2p import Inbox, LinkLog, Outbox
+from colossal_hetero.pipeline.profile import RankRecord
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,10 +52,18 @@ class StepStats:
     """What one rank measured in one training step (seconds of wall time, bytes)."""
 
     forward_s: float
-    """Mean seconds of a forward pass, from its input's arrival to its output."""
+    """Mean seconds of a forward pass, from its input's arrival until its output's sends are
+    issued (an emulated slow device's stretch of the pass happens at those sends)."""
     backward_s: float
     recv_wait_s: float
     """Total seconds the stage waited for activations and gradients to arrive."""
+    send_wait_s: float
+    """Seconds the stage waited at the step's end for its sends to complete."""
+    sent_bytes: int
+    """Bytes this rank put on its pipeline links this step (both directions)."""
+    received_bytes: int
+    step_s: float
+    """Wall seconds of the whole step's schedule on this rank."""
     message_bytes: int
     """Tensor bytes of one activation message to the next stage (0 on the last stage)."""
     activation_bytes: int
@@ -100,11 +110,16 @@ class _StatsBuilder:
             yield
         self.activation_bytes = max(self.activation_bytes, total)
 
-    def build(self, num_microbatches: int) -> StepStats:
+    def build(self, num_microbatches: int, step_s: float, logs: dict[str, LinkLog]) -> StepStats:
+        sends, recvs = (logs["to_next"], logs["to_prev"]), (logs["from_prev"], logs["from_next"])
         return StepStats(
             forward_s=self.seconds["forward"] / num_microbatches,
             backward_s=self.seconds["backward"] / num_microbatches,
             recv_wait_s=self.seconds["wait"],
+            send_wait_s=sum(log.wait_s for log in sends),
+            sent_bytes=sum(log.nbytes for log in sends),
+            received_bytes=sum(log.nbytes for log in recvs),
+            step_s=step_s,
             message_bytes=self.message_bytes,
             activation_bytes=self.activation_bytes,
         )
@@ -119,8 +134,10 @@ class KFKBSchedule(OneForwardOneBackwardSchedule):
         k: group size, ``1 <= k <= num_microbatches`` (checked when the batch is split).
 
     After each training step ``peak_saved`` holds the most micro-batches whose activations the
-    stage kept at once (``min(k * (p - s), m)`` by construction) and ``last_stats`` this rank's
-    measurements (:class:`StepStats`), the local inputs of the Ada tuner.
+    stage kept at once (``min(k * (p - s), m)`` by construction), ``last_stats`` this rank's
+    measurements (:class:`StepStats`) and ``last_record`` the same step as a
+    :class:`~colossal_hetero.pipeline.profile.RankRecord` with per-message link timestamps: the
+    inputs of the Ada tuner and of the simulator's validation.
     """
 
     def __init__(
@@ -136,6 +153,9 @@ class KFKBSchedule(OneForwardOneBackwardSchedule):
         self.k = k
         self.peak_saved = 0
         self.last_stats: StepStats | None = None
+        self.last_record: RankRecord | None = None
+        """This rank's :class:`~colossal_hetero.pipeline.profile.RankRecord` of the last training
+        step (gather every rank's for ``profile.predict_from_records``)."""
         device = get_current_device()
         group = stage_manager.get_p2p_process_group()
         if dist.get_backend(group) != "gloo":
@@ -169,6 +189,7 @@ class KFKBSchedule(OneForwardOneBackwardSchedule):
     ) -> dict:
         """One training step in kFkB order; returns ``{"loss", "outputs"}`` like 1F1B."""
         assert not self.forward_only
+        begin = time.perf_counter()
         self.load_batch(data_iter)
         m, sm = self.num_microbatches, self.stage_manager
         assert m is not None
@@ -180,17 +201,40 @@ class KFKBSchedule(OneForwardOneBackwardSchedule):
         if return_loss and sm.is_last_stage():
             accum_loss = torch.scalar_tensor(0, device=get_current_device())
         outputs: list[Any] | None = [] if return_outputs and sm.is_last_stage() else None
+        stats = _StatsBuilder(model)
+        self._run_order(order, model, criterion, optimizer, accum_loss, outputs, stats)
+        for outbox in (self._to_next, self._to_prev):
+            if outbox is not None:
+                outbox.finish()
+        self._record(stats, m, time.perf_counter() - begin)
+        if outputs is not None:
+            if isinstance(model, ModelWrapper):
+                model = model.unwrap()
+            outputs = merge_batch(outputs, getattr(model, "batch_size_dim", 0))
+        return {"loss": accum_loss, "outputs": outputs}
+
+    def _run_order(
+        self,
+        order: Sequence[Step],
+        model: Module,
+        criterion: Callable[..., Any],
+        optimizer: OptimizerWrapper | None,
+        accum_loss: torch.Tensor | None,
+        outputs: list[Any] | None,
+        stats: _StatsBuilder,
+    ) -> None:
+        """Run one step's passes in ``order``; a pass's timing includes issuing its sends."""
         saved: dict[int, tuple[Any, Any]] = {}
         self.peak_saved = 0
-        stats = _StatsBuilder(model)
         for op, mb in order:
             if op == "F":
                 with stats.waiting():
                     input_obj = None if self._from_prev is None else self._from_prev.get()
                 with stats.forward():
                     output_obj = self.forward_step(model, input_obj, criterion, accum_loss, outputs)
-                if self._to_next is not None:
-                    stats.message_bytes = self._to_next.send(output_obj)
+                    flush_compute()  # an emulated slow device's stretch belongs to the pass
+                    if self._to_next is not None:
+                        stats.message_bytes = self._to_next.send(output_obj)
                 saved[mb] = (input_obj, output_obj)
                 self.peak_saved = max(self.peak_saved, len(saved))
             else:
@@ -199,15 +243,35 @@ class KFKBSchedule(OneForwardOneBackwardSchedule):
                 input_obj, output_obj = saved.pop(mb)
                 with stats.backward():
                     input_grad = self.backward_step(optimizer, input_obj, output_obj, grad)
-                if self._to_prev is not None:
-                    self._to_prev.send(input_grad)
-        for outbox in (self._to_next, self._to_prev):
-            if outbox is not None:
-                outbox.finish()
+                    flush_compute()
+                    if self._to_prev is not None:
+                        self._to_prev.send(input_grad)
         assert not saved
-        self.last_stats = stats.build(m)
-        if outputs is not None:
-            if isinstance(model, ModelWrapper):
-                model = model.unwrap()
-            outputs = merge_batch(outputs, getattr(model, "batch_size_dim", 0))
-        return {"loss": accum_loss, "outputs": outputs}
+
+    def _record(self, stats: _StatsBuilder, m: int, step_s: float) -> None:
+        """Set ``last_stats`` and ``last_record`` from this step's measurements and link logs."""
+        boxes = {
+            "to_next": self._to_next,
+            "to_prev": self._to_prev,
+            "from_prev": self._from_prev,
+            "from_next": self._from_next,
+        }
+        logs = {name: LinkLog() if box is None else box.take_log() for name, box in boxes.items()}
+        self.last_stats = stats.build(m, step_s, logs)
+        sm = self.stage_manager
+        self.last_record = RankRecord(
+            rank=dist.get_rank(),
+            stage=sm.stage,
+            next_rank=None if sm.is_last_stage() else sm.get_next_rank(),
+            forward_s=self.last_stats.forward_s,
+            backward_s=self.last_stats.backward_s,
+            step_s=step_s,
+            activation_bytes=float(self.last_stats.activation_bytes),
+            message_bytes=float(self.last_stats.message_bytes),
+            sent_next=tuple(logs["to_next"].times),
+            arrived_prev=tuple(logs["from_prev"].times),
+            posted_prev=tuple(logs["from_prev"].posted),
+            sent_prev=tuple(logs["to_prev"].times),
+            arrived_next=tuple(logs["from_next"].times),
+            posted_next=tuple(logs["from_next"].posted),
+        )

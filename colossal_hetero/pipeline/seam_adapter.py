@@ -5,11 +5,11 @@ ada_kfkb) and, for ada_kfkb, returns an :class:`AdaKSeamController` for the plug
 after every step it calls :meth:`AdaKController.after_step` (one ``all_gather`` every
 ``parallel.pp_retune_every`` steps, on every rank) and writes each decision record.
 
-Link time: the controller needs seconds per message on each rank's outgoing link. It comes
-from the config (:func:`link_model`): ``emulation.network.bandwidth_gbps`` when set, else this
-rank's ``cluster.devices[r].bandwidth_gbps``, else free links; latency from
-``emulation.network.latency_us``. It is not measured online: the collective interceptor does
-not see KFKBSchedule's ``isend``/``irecv`` (it times send, recv and batch_isend_irecv).
+Link time is measured online (``KFKBSchedule.last_record``'s per-message timestamps; see
+``pipeline/profile.py``). :func:`link_model` is the config's prior of it, for planning before any
+step has run: ``emulation.network.bandwidth_gbps`` when set, else this rank's
+``cluster.devices[r].bandwidth_gbps``, else free links; latency from
+``emulation.network.latency_us``.
 """
 
 from __future__ import annotations
@@ -98,14 +98,11 @@ def install_schedule(engine: Any, config: HeteroConfig, rank: int) -> AdaKSeamCo
     world = dist.get_world_size()
     layout = stage_of_rank(parallel.pp, parallel.tp, world // (parallel.pp * parallel.tp))
     budget = budget_bytes(config)
-    link_seconds, latency_s = link_model(config, rank)
     controller = AdaKController(
         schedule,
         layout,
         # No limit: the largest finite float, since the gathered rows must be finite.
         sys.float_info.max if budget is None else budget,
-        link_seconds,
-        latency_s=latency_s,
         period=parallel.pp_retune_every,
     )
     return AdaKSeamController(controller, config)

@@ -75,9 +75,7 @@ def _check_controller(schedule: KFKBSchedule, booster, model, optimizer, criteri
     layout = stage_of_rank(pp=2, tp=1, dp=torch.distributed.get_world_size() // 2)
     budgets = {"large": 1e12, "two micro-batches": 2.0 * stats.activation_bytes + 1.0}
     for name, want in (("large", 2), ("two micro-batches", 1), ("large", 2)):
-        control = AdaKController(
-            schedule, layout, budgets[name], link_seconds=lambda b: 0.0, latency_s=5.0, period=2
-        )
+        control = AdaKController(schedule, layout, budgets[name], latency_s=5.0, period=2)
         assert control.after_step(0) is None  # not a retuning step: no collective
         record = control.after_step(1)
         assert record is not None, name
