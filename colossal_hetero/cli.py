@@ -99,6 +99,11 @@ def _plan(args: argparse.Namespace) -> int:
     print(f"planned in {time.perf_counter() - started:.2f} s")
     if config.parallel.pp == 1 and world_size > 1:
         print(_format_layouts(compare_layouts(auto, world_size, validate_run), config.parallel.tp))
+    if config.parallel.tp > 1:  # 1D against 2D tensor parallelism, and tp_mode auto's pick
+        from colossal_hetero.planner.tp2d_choice import choose_for_config, format_choice
+
+        mode = getattr(config.parallel, "tp_mode", "1d")
+        print(format_choice(choose_for_config(config, world_size), mode))
     if args.out:
         dump_plan(plan, args.out)
         print(f"wrote {args.out}; train with plan: {{mode: file, path: {args.out}}}")
@@ -144,6 +149,10 @@ def _profile(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.name == "tp2d":  # 2D (SUMMA) vs stock 1D TP and 1D + sequence parallelism
+        from colossal_hetero.bench.tp2d_report import run_tp2d_benchmark
+
+        return run_tp2d_benchmark(quick=args.quick, json_path=args.json)
     from colossal_hetero.bench import run_benchmark
 
     return run_benchmark(args.name, quick=args.quick, json_path=args.json, only=args.only)
@@ -187,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     profile.set_defaults(handler=_profile)
 
     bench = commands.add_parser("bench", help="run a benchmark against stock Colossal-AI")
-    bench.add_argument("name", choices=["static", "network"])
+    bench.add_argument("name", choices=["static", "network", "tp2d"])
     bench.add_argument("--quick", action="store_true", help="fewer cases and steps")
     bench.add_argument("--json", default="", help="write results here")
     bench.add_argument(
@@ -209,11 +218,11 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     quiet_third_party_warnings(pipeline=True)
+    no_idle_compile_workers()
     try:
         return int(args.handler(args))
     except ConfigError as error:
         print(error_line(error), file=sys.stderr)
-    no_idle_compile_workers()
         return 2
     except FileNotFoundError as error:
         print(f"colossal-hetero: error: {error}", file=sys.stderr)

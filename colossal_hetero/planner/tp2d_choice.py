@@ -19,10 +19,11 @@ same in both (the same GEMMs split P ways) and is left out.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from colossal_hetero.planner.tp2d_cost import LayerDims, Shares2D, cost_1d, cost_2d
 from colossal_hetero.planner.tp2d_memory import gpt2_activation_bytes
+from colossal_hetero.planner.tp2d_plan import Resizable2D, plan_resizable_2d
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,9 @@ class ModeChoice:
     mode: str
     reason: str
     estimates: dict[str, ModeEstimate]
+    resizable: Resizable2D | None = None
+    """The planner's placement and block sizes for the first TP group's device speeds, when
+    they differ (``tp2d_plan.plan_resizable_2d``)."""
 
 
 def estimate_modes(
@@ -128,7 +132,8 @@ def format_choice(choice: ModeChoice, configured: str) -> str:
     """The comparison table ``plan`` prints, per rank and step, and the pick."""
     lines = [
         "",
-        "1D vs 2D tensor parallelism (per rank, one step; planner/tp2d_choice.py):",
+        "1D vs 2D tensor parallelism (per rank, one step; params of the transformer layers;"
+        " planner/tp2d_choice.py):",
         f"  {'mode':<6} {'params':>10} {'activations':>12} {'memory':>10} "
         f"{'traffic':>10} {'calls':>6} {'comm':>10}  fits",
     ]
@@ -138,6 +143,15 @@ def format_choice(choice: ModeChoice, configured: str) -> str:
             f"  {e.mode:<6} {e.params:>10,} {e.activation_bytes / mib:>9.1f} MiB "
             f"{e.memory_bytes / mib:>6.0f} MiB {e.comm_bytes / mib:>6.1f} MiB {e.calls:>6} "
             f"{e.comm_seconds * 1e3:>7.2f} ms  {'yes' if e.fits else 'no'}"
+        )
+    plan = choice.resizable
+    if plan is not None:
+        lines.append(
+            f"resizable 2D for the first TP group's speeds: devices {list(plan.positions)} "
+            f"row-major on the mesh, batch {list(plan.batch_sizes)} per row, heads "
+            f"{list(plan.head_counts)} / MLP {list(plan.ffn_sizes)} / vocab "
+            f"{list(plan.vocab_sizes)} per column: {plan.predicted_speedup:.2f}x even 2D "
+            f"(compute, predicted)"
         )
     if configured == "auto":
         lines.append(f"tp_mode auto: {choice.mode} ({choice.reason})")
@@ -180,4 +194,9 @@ def choose_for_config(config: object, world_size: int) -> ModeChoice:
         latency_s=plan.latency_us * 1e-6,
         memory_bytes=memory_gib * 2**30,
     )
-    return choose_tp_mode(estimates, tp)
+    choice = choose_tp_mode(estimates, tp)
+    speeds = [d.speed for d in devices[:tp]]
+    if len(speeds) == tp and len(set(speeds)) > 1 and "2d" in estimates:
+        resized = plan_resizable_2d(speeds, dims.batch, dims.heads, dims.ffn, hf.vocab_size)
+        choice = replace(choice, resizable=resized)
+    return choice
