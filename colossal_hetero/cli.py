@@ -153,6 +153,10 @@ def _bench(args: argparse.Namespace) -> int:
         from colossal_hetero.bench.tp2d_report import run_tp2d_benchmark
 
         return run_tp2d_benchmark(quick=args.quick, json_path=args.json)
+    if args.name == "dynamic":
+        from colossal_hetero.bench.dynamic import run_dynamic_benchmark
+
+        return run_dynamic_benchmark(quick=args.quick, json_path=args.json, only=args.only)
     from colossal_hetero.bench import run_benchmark
 
     return run_benchmark(args.name, quick=args.quick, json_path=args.json, only=args.only)
@@ -196,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     profile.set_defaults(handler=_profile)
 
     bench = commands.add_parser("bench", help="run a benchmark against stock Colossal-AI")
-    bench.add_argument("name", choices=["static", "network", "tp2d"])
+    bench.add_argument("name", choices=["static", "network", "pipeline", "dynamic", "tp2d"])
     bench.add_argument("--quick", action="store_true", help="fewer cases and steps")
     bench.add_argument("--json", default="", help="write results here")
     bench.add_argument(

@@ -33,8 +33,12 @@ def run_benchmark(name: str, *, quick: bool, json_path: str = "", only: str = ""
         from colossal_hetero.bench.network import run_network_benchmark
 
         return run_network_benchmark(quick=quick, json_path=json_path)
+    if name == "pipeline":  # kFkB / Ada-Grouper vs Colossal-AI's 1F1B on shaped links
+        from colossal_hetero.bench.pipeline import run_pipeline_benchmark
+
+        return run_pipeline_benchmark(quick=quick, json_path=json_path)
     if name != "static":
-        raise ValueError(f"bench: unknown benchmark {name!r}; known: static, network")
+        raise ValueError(f"bench: unknown benchmark {name!r}; known: static, network, pipeline")
     from colossal_hetero.bench import static
     from colossal_hetero.bench.spawn import spawn_ranks
 

@@ -1,0 +1,347 @@
+"""``colossal-hetero bench pipeline``: kFkB and Ada-Grouper against Colossal-AI's 1F1B.
+
+Two layouts of a small GPT-2 on 4 CPU ranks, PP=4 and PP=2 x TP=2, each one launch on real
+shaped links (``bench.shaped_spawn``; model mode when shaped links cannot be built, said in
+``network_mode``). In each launch every variant (``bench.pipeline_worker``) runs side by side,
+interleaved round by round on the rounds helper, through three phases:
+
+- (a) no preemption;
+- (b) a preemption trace: a tenant process pushes real TCP into one stage's rank, paced to take
+  80-90% of its link, for stretches of rounds (``kind: tenant`` preemptions, applied by the
+  shaped launcher at the round numbers the ranks report);
+- (c) one stage's devices at half speed (``bench.pipeline_stretch``), no preemption; the
+  planned variants use the split planned for that (``planner.stages.split_layers``).
+
+Every figure is a median of per-round ratios of the slowest rank's step times (paired: one
+round's variants saw the same load and network state) with a bootstrap 95% interval
+(``bench.stats``). The summary keys, each the worst over the two layouts:
+
+- ``ada_vs_1f1b_preempted`` / ``_unpreempted``: Colossal-AI's 1F1B (stock plugin, even split)
+  step time over ada_kfkb's, in phase (b)'s preempted rounds / in phase (a);
+- ``ada_vs_best_static_k``: the best static ``k``'s median step time over ada's, per phase;
+- ``planned_vs_even_split_slow_stage``: phase (c), Colossal-AI's 1F1B on the even split over
+  the same schedule on the planned split;
+- ``sim_max_error``: per kFkB variant and phase, the median over rounds of
+  ``|simulated - measured| / measured`` step time (execute_pipeline), the simulator fed with
+  that step's own per-stage compute and message bytes; the largest;
+- ``memory_limit_exceeded``: whether any measured stage peak of ada exceeded its budget.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from colossal_hetero.bench.stats import ratio_interval
+from colossal_hetero.config.schema import PreemptionSpec
+from colossal_hetero.planner.stages import split_layers, stage_speeds
+
+WORLD = 4
+RATE_GBPS = 0.02
+"""Stage links: 20 Mbit/s, so one micro-batch's activation takes a few ms, as its compute."""
+FAST_GBPS = 1.0
+"""TP pairs inside a stage."""
+SHAPED_TIMEOUT_S = 900.0
+PREEMPT_PATTERN = (1.0, 0.15, 0.15, 0.15, 1.0, 0.1, 0.1, 0.1)
+"""Phase (b)'s job share of the targeted link per round: 1 is free; 0.15 and 0.1 leave 15% and
+10% (the tenant takes 85% and 90%). Repeated to the phase's length."""
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    """One launch: a layout, the model, the variants and the round plan (see module doc)."""
+
+    name: str
+    pp: int
+    tp: int
+    m: int
+    target_rank: int
+    slow_stage: int
+    quick: bool = True
+    layers: int = 12
+    hidden: int = 128
+    heads: int = 4
+    seq_len: int = 32
+    batch_size: int = 16
+    ks: tuple[int, ...] = (1, 2, 4)
+    retune_every: int = 1
+    budget_microbatches: float = 0.0
+    """ada's budget in micro-batches of the largest measured activations (0: 3/4 of m)."""
+    rate_gbps: float = RATE_GBPS
+    fast_gbps: float = FAST_GBPS
+    slow_factor: float = 2.0
+    settle_s: float = 0.3
+    network_mode: str = "shaped"
+    phases: dict[str, dict[str, int]] = field(default_factory=dict)
+    shares: list[float] = field(default_factory=list)
+    splits: dict[str, list[int]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["ks"] = list(self.ks)
+        return out
+
+
+def phase_plan(quick: bool) -> dict[str, dict[str, int]]:
+    """Global round numbers: each phase's first round (warm-up included), rounds, warm-up."""
+    quick_sizes = {"a": (0, 4), "b": (0, 8), "c": (0, 4)}
+    full_sizes = {"a": (1, 12), "b": (0, 24), "c": (1, 12)}
+    sizes = quick_sizes if quick else full_sizes
+    plan, start = {}, 0
+    for name, (warmup, rounds) in sizes.items():
+        plan[name] = {"start": start, "rounds": rounds, "warmup": warmup}
+        start += warmup + rounds
+    return plan
+
+
+def job_shares(phases: dict[str, dict[str, int]]) -> list[float]:
+    """Per global round, the share of the targeted link left to the job (1 outside phase b)."""
+    total = sum(p["warmup"] + p["rounds"] for p in phases.values())
+    shares = [1.0] * total
+    b = phases["b"]
+    for i in range(b["rounds"]):
+        shares[b["start"] + b["warmup"] + i] = PREEMPT_PATTERN[i % len(PREEMPT_PATTERN)]
+    return shares
+
+
+def preemptions(shares: list[float], target_rank: int) -> list[PreemptionSpec]:
+    """Tenant preemptions for each run of equal shares below 1 (round numbers as steps)."""
+    specs, i = [], 0
+    while i < len(shares):
+        j = i
+        while j < len(shares) and shares[j] == shares[i]:
+            j += 1
+        if shares[i] < 1.0:
+            specs.append(
+                PreemptionSpec(
+                    factor=shares[i], start_step=i, end_step=j, ranks=[target_rank], kind="tenant"
+                )
+            )
+        i = j
+    return specs
+
+
+def planned_splits(layers: int, pp: int, tp: int, slow_stage: int, factor: float) -> dict:
+    """Colossal-AI's even split and the planner's splits for equal stages and the slow one."""
+    equal = split_layers(layers, stage_speeds([1.0] * (pp * tp), pp, tp, 1))
+    speeds = [1.0 / factor if (r // tp) == slow_stage else 1.0 for r in range(pp * tp)]
+    slow = split_layers(layers, stage_speeds(speeds, pp, tp, 1))
+    return {"even": equal, "equal": equal, "slow": slow}
+
+
+def build_specs(quick: bool, network_mode: str) -> list[BenchSpec]:
+    """PP=4 (m=16, micro-batches of 1) and PP=2 x TP=2 (m=8 of 2); tenant into stage 2 / 1."""
+    phases = phase_plan(quick)
+    shares = job_shares(phases)
+    layouts = [
+        ("pp4", 4, 1, 16, 2, 1),
+        ("pp2xtp2", 2, 2, 8, 2, 0),
+    ]
+    specs = []
+    for name, pp, tp, m, target, slow_stage in layouts:
+        spec = BenchSpec(
+            name=name,
+            pp=pp,
+            tp=tp,
+            m=m,
+            target_rank=target,
+            slow_stage=slow_stage,
+            quick=quick,
+            budget_microbatches=0.75 * m,
+            network_mode=network_mode,
+            phases=phases,
+            shares=shares,
+        )
+        splits = planned_splits(spec.layers, pp, tp, slow_stage, spec.slow_factor)
+        specs.append(BenchSpec(**{**asdict(spec), "splits": splits}))
+    return specs
+
+
+# -- summary (pure) ------------------------------------------------------------------------
+
+
+def _ratios(num: list[float], den: list[float]) -> list[float]:
+    return [a / b for a, b in zip(num, den, strict=True)]
+
+
+def _interval(ratios: list[float]) -> dict[str, Any]:
+    if len(ratios) < 2:
+        value = ratios[0] if ratios else float("nan")
+        return {"value": value, "ci": [value, value], "rounds": len(ratios)}
+    interval = ratio_interval(ratios)
+    return {"value": interval.value, "ci": [interval.low, interval.high], "rounds": len(ratios)}
+
+
+def _preempted_rounds(spec: dict[str, Any], phase: dict[str, Any]) -> list[int]:
+    """Indices (within the phase's recorded rounds) of rounds with the tenant on."""
+    first = phase["first_round"]
+    return [i for i in range(phase["rounds"]) if spec["shares"][first + i] < 1.0]
+
+
+def _static_names(series: dict[str, list[float]]) -> list[str]:
+    return sorted({key.split(".")[0] for key in series if key[0] == "k" and key[1:2].isdigit()})
+
+
+def layout_figures(spec: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
+    """One layout's figures (each a median with its interval) from its worker result."""
+    a, b, c = (result["phases"][p]["series"] for p in "abc")
+    hit = _preempted_rounds(spec, result["phases"]["b"])
+    free_b = [i for i in range(result["phases"]["b"]["rounds"]) if i not in hit]
+
+    def pick(values: list[float], rounds: list[int]) -> list[float]:
+        return [values[i] for i in rounds]
+
+    figures: dict[str, Any] = {
+        "ada_vs_1f1b_unpreempted": _interval(_ratios(a["stock.step"], a["ada.step"])),
+        "ada_vs_1f1b_preempted": _interval(
+            _ratios(pick(b["stock.step"], hit), pick(b["ada.step"], hit))
+        ),
+        "ada_vs_k1_preempted": _interval(
+            _ratios(pick(b["k1.step"], hit), pick(b["ada.step"], hit))
+        ),
+        "ada_vs_1f1b_phase_b_free_rounds": _interval(
+            _ratios(pick(b["stock.step"], free_b), pick(b["ada.step"], free_b))
+        ),
+        "planned_vs_even_split_slow_stage": _interval(
+            _ratios(c["stock.step"], c["planned_1f1b.step"])
+        ),
+    }
+    for phase, series, rounds in (("a", a, None), ("b_preempted", b, hit), ("c", c, None)):
+        names = _static_names(series)
+        use = rounds if rounds is not None else list(range(len(series["ada.step"])))
+        medians = {n: statistics.median(pick(series[f"{n}.step"], use)) for n in names}
+        best = min(medians, key=lambda n: medians[n])
+        ratios = _ratios(pick(series[f"{best}.step"], use), pick(series["ada.step"], use))
+        figure = _interval(ratios)
+        figures[f"ada_vs_best_static_k_{phase}"] = {**figure, "best": best}
+    figures["sim_error"] = sim_errors(result)
+    figures["memory"] = memory_check(result)
+    return figures
+
+
+def sim_errors(result: dict[str, Any]) -> dict[str, float]:
+    """Median relative error of the simulated execute_pipeline time, per phase and kFkB variant."""
+    out = {}
+    for phase, data in result["phases"].items():
+        series = data["series"]
+        for key in series:
+            if key.endswith(".sim"):
+                name = key[: -len(".sim")]
+                errors = [
+                    abs(s - p) / p for s, p in zip(series[key], series[f"{name}.meas"], strict=True)
+                ]
+                out[f"{phase}.{name}"] = statistics.median(errors)
+    return out
+
+
+def memory_check(result: dict[str, Any]) -> dict[str, Any]:
+    """ada's largest measured stage peak per phase against its budget (bytes)."""
+    out: dict[str, Any] = {"exceeded": False}
+    for phase, data in result["phases"].items():
+        split = "slow" if phase == "c" else "equal"
+        budget = result["ada"][split]["budget_mib"] * 2**20
+        series = data["series"]
+        peaks = [max(series[key]) for key in series if key.startswith("ada.mem")]
+        out[phase] = {"peak_bytes": max(peaks), "budget_bytes": budget}
+        out["exceeded"] = out["exceeded"] or max(peaks) > budget
+    return out
+
+
+def summarise(network_mode: str, layouts: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The issue's summary keys from every layout's figures (the worst layout for each)."""
+
+    def worst(key: str) -> float:
+        return min(f[key]["value"] for f in layouts.values())
+
+    static = [
+        f[key]["value"] for f in layouts.values() for key in f if key.startswith("ada_vs_best")
+    ]
+    return {
+        "network_mode": network_mode,
+        "ada_vs_1f1b_preempted": worst("ada_vs_1f1b_preempted"),
+        "ada_vs_1f1b_unpreempted": worst("ada_vs_1f1b_unpreempted"),
+        "ada_vs_best_static_k": min(static),
+        "planned_vs_even_split_slow_stage": worst("planned_vs_even_split_slow_stage"),
+        "sim_max_error": max(e for f in layouts.values() for e in f["sim_error"].values()),
+        "memory_limit_exceeded": any(f["memory"]["exceeded"] for f in layouts.values()),
+    }
+
+
+# -- running -------------------------------------------------------------------------------
+
+
+def _network_mode() -> tuple[str, str]:
+    from colossal_hetero.config import ConfigError
+    from colossal_hetero.emulation.shaped.netns import check_shaped_support
+
+    try:
+        check_shaped_support()
+    except ConfigError as error:
+        return "model", str(error)
+    return "shaped", ""
+
+
+def run_layout(spec: BenchSpec) -> dict[str, Any]:
+    """One launch of 4 ranks; rank 0's result (every rank's is the same)."""
+    from dataclasses import replace
+
+    from colossal_hetero.bench.pipeline_model import network_config
+    from colossal_hetero.bench.pipeline_worker import run_pipeline_worker
+    from colossal_hetero.bench.shaped_spawn import run_bench_ranks
+
+    data = spec.to_dict()
+    network = None
+    if spec.network_mode == "shaped":
+        network = replace(
+            network_config(data, "shaped"), preemptions=preemptions(spec.shares, spec.target_rank)
+        )
+    results = run_bench_ranks(
+        run_pipeline_worker, WORLD, network=network, timeout_s=SHAPED_TIMEOUT_S, spec=data
+    )
+    return results[0]  # type: ignore[no-any-return]
+
+
+def run_pipeline_benchmark(*, quick: bool, json_path: str = "") -> int:
+    """``colossal-hetero bench pipeline``: print the table, write JSON; 0 when it ran."""
+    from rich.console import Console
+
+    from colossal_hetero.bench.pipeline_report import print_report, variant_table
+
+    console = Console()
+    started = time.perf_counter()
+    mode, why = _network_mode()
+    if why:
+        console.print(f"shaped links unavailable ({why}); falling back to the network model")
+    layouts: dict[str, Any] = {}
+    for spec in build_specs(quick, mode):
+        console.print(f"[bold]bench pipeline[/]: {spec.name} on {WORLD} ranks ({mode} links)")
+        t0 = time.perf_counter()
+        result = run_layout(spec)
+        figures = layout_figures(spec.to_dict(), result)
+        layouts[spec.name] = {
+            "spec": spec.to_dict(),
+            "figures": figures,
+            "table": variant_table(spec.to_dict(), result),
+            "wall_s": time.perf_counter() - t0,
+            "result": result,
+        }
+    report: dict[str, Any] = {
+        "benchmark": "pipeline",
+        "quick": quick,
+        "measured_under_load": True,
+        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}",
+        "network_note": why or "real tc-shaped links; tenant preemptions are real TCP traffic",
+        "summary": summarise(mode, {n: v["figures"] for n, v in layouts.items()}),
+        "layouts": layouts,
+    }
+    report["wall_time_s"] = time.perf_counter() - started
+    print_report(console, report)
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=2))
+        console.print(f"wrote {json_path}")
+    return 0

@@ -1,0 +1,114 @@
+"""What ``bench pipeline`` runs, as data: the model, the links, the variants' configs. Pure.
+
+Shared by the driver (``bench.pipeline``) and the ranks (``bench.pipeline_worker``); nothing
+here touches ``torch.distributed``. ``spec`` is ``BenchSpec.to_dict()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from colossal_hetero.config.schema import (
+    EmulationConfig,
+    HeteroConfig,
+    LinkSpec,
+    ModelConfig,
+    NetworkEmulationConfig,
+    ParallelConfig,
+    PlanConfig,
+)
+
+ROW = ("step", "pipe", "k", "peak_bytes", "stretch_s")
+"""One rank's numbers for one step, as all-gathered: seconds of the step and of its
+execute_pipeline, the k it ran, peak activation bytes, seconds the half-speed stretch slept."""
+
+
+def model_config(spec: dict[str, Any]) -> ModelConfig:
+    """A small GPT-2 (byte vocabulary, no dropout) sized by the spec."""
+    return ModelConfig(
+        arch="gpt2",
+        hf={
+            "n_layer": spec["layers"],
+            "n_embd": spec["hidden"],
+            "n_head": spec["heads"],
+            "n_positions": spec["seq_len"],
+            "vocab_size": 256,
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+        },
+    )
+
+
+def network_config(spec: dict[str, Any], mode: str) -> NetworkEmulationConfig:
+    """Every link at ``rate_gbps`` except the TP pairs inside a stage (``fast_gbps``): the stage
+    links carry the pipeline's activations and gradients and are the ones preempted.
+
+    The preemption trace itself is the launcher's (it acts on the reported round numbers), so
+    it is not repeated here."""
+    tp, pp = spec["tp"], spec["pp"]
+    links = [
+        LinkSpec(ranks=[s * tp + a, s * tp + b], bandwidth_gbps=spec["fast_gbps"])
+        for s in range(pp)
+        for a in range(tp)
+        for b in range(a + 1, tp)
+    ]
+    return NetworkEmulationConfig(
+        mode="shaped" if mode == "shaped" else "model",
+        bandwidth_gbps=spec["rate_gbps"],
+        links=links,
+    )
+
+
+def build_configs(
+    spec: dict[str, Any], split: str, device: Any, ada_budget_mib: float | None = None
+) -> tuple[ModelConfig, dict[str, Any]]:
+    """The model and each variant's config for one split (``"equal"`` or ``"slow"``).
+
+    ``stock`` (equal split only) is HybridParallelPlugin keyword arguments with Colossal-AI's
+    even split; the others are HeteroConfigs with the planned split, ``plan.mode: even`` (no
+    uneven TP: every stage's TP ranks run at one speed)."""
+    from colossal_hetero.plugin.engine import engine_kwargs
+
+    layers = list(spec["splits"][split])
+    network = network_config(spec, spec["network_mode"])
+    emulation = EmulationConfig(network=network)
+
+    def hetero(schedule: str, k: int = 1, budget: float | None = None) -> HeteroConfig:
+        parallel = ParallelConfig(
+            tp=spec["tp"],
+            pp=spec["pp"],
+            num_microbatches=spec["m"],
+            pp_schedule=schedule,  # type: ignore[arg-type]
+            pp_k=k,
+            pp_retune_every=spec["retune_every"],
+            pp_memory_budget_mib=budget,
+            num_layers_per_stage=layers,
+        )
+        return HeteroConfig(parallel=parallel, emulation=emulation, plan=PlanConfig(mode="even"))
+
+    configs: dict[str, Any] = {}
+    if split == "equal":
+        even = HeteroConfig(
+            parallel=ParallelConfig(tp=spec["tp"], pp=spec["pp"], num_microbatches=spec["m"])
+        )
+        configs["stock"] = engine_kwargs(even, device)
+    if split == "slow":  # for equal stages the planned split is the even one: that is stock
+        configs["planned_1f1b"] = hetero("1f1b")
+    for k in spec["ks"]:
+        configs[f"k{k}"] = hetero("kfkb", k)
+    configs["ada"] = hetero("ada_kfkb", 1, ada_budget_mib)
+    return model_config(spec), configs
+
+
+def _per_stage(
+    rows: Sequence[Sequence[float]], layout: Sequence[int], pp: int, field: str
+) -> list[float]:
+    col = ROW.index(field)
+    return [max(r[col] for r, s in zip(rows, layout, strict=True) if s == st) for st in range(pp)]
+
+
+def stage_peaks(rows: Sequence[Sequence[float]], layout: Sequence[int], pp: int) -> list[float]:
+    """Each stage's peak activation bytes (its largest rank's)."""
+    return _per_stage(rows, layout, pp, "peak_bytes")

@@ -1,0 +1,316 @@
+"""Rank side of ``colossal-hetero bench pipeline``: build the variants, run the three phases.
+
+Started on every rank by ``bench.shaped_spawn.run_bench_ranks`` (shaped links) or spawned on
+loopback (model mode), as ``run_pipeline_worker(rank=, world_size=, device=, spec=)`` where
+``spec`` is :meth:`bench.pipeline.BenchSpec.to_dict`. One process per rank holds every variant
+side by side (each its own plugin, process groups and model copy); the rounds helper steps
+them in rotating order, so every round's variants share the machine load and the network
+state. Rounds are numbered globally across the phases; each round's first step reports that
+number to the shaped launcher's preemption controller (tenant traffic on or off) and waits
+``settle_s`` for it to take effect.
+
+Variants (names used in the JSON):
+
+- ``stock``: Colossal-AI's HybridParallelPlugin, its 1F1B, even split;
+- ``planned_1f1b``: HeteroParallelPlugin, Colossal-AI's 1F1B on the planned split;
+- ``k{n}``: HeteroParallelPlugin, ``KFKBSchedule`` with a fixed ``k = n``, planned split;
+- ``ada``: HeteroParallelPlugin ``ada_kfkb``, planned split, under the memory budget.
+
+Phases (a) and (b) share one set (equal speeds: the planned split is the planner's for equal
+stages); phase (c) slows one stage to half speed (``bench.pipeline_stretch``) and uses a second
+set planned for that (``stock`` is shared: its even split ignores speeds).
+
+Each step returns the slowest rank's seconds (``step``: execute_pipeline + optimizer step,
+``pipe``: execute_pipeline alone), the ``k`` it ran, each stage's peak activation bytes
+(measured: saved-tensor bytes per micro-batch times the micro-batches held at once), and for
+kFkB-scheduled variants the simulator's prediction of ``pipe`` from that step's own per-stage
+forward/backward times and message bytes at the round's link rate.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from colossalai.booster import Booster
+
+from colossal_hetero.bench.measure import text_batch
+from colossal_hetero.bench.pipeline_model import ROW, build_configs, stage_peaks
+from colossal_hetero.bench.pipeline_stretch import Stretch
+from colossal_hetero.bench.rounds import (
+    Figure,
+    RoundsPolicy,
+    Variant,
+    rank0_decides,
+    run_rounds,
+)
+from colossal_hetero.bench.shaped_spawn import report_bench_step
+from colossal_hetero.compat.attention import keep_gpt2_causal
+from colossal_hetero.config.schema import HeteroConfig, ModelConfig
+from colossal_hetero.models import build_model, loss_from_outputs
+from colossal_hetero.pipeline.profile import (
+    predict_from_records,
+    record_from_vector,
+    vector_width,
+)
+from colossal_hetero.pipeline.schedule import KFKBSchedule
+from colossal_hetero.pipeline.tuner import stage_of_rank
+
+WARM_SEED = 10**6
+"""Batch seed of each variant's unrecorded first step (rounds use their global number)."""
+
+
+class InFlightMeter:
+    """Peak activation bytes of a stock (Colossal-AI) schedule, measured like ``KFKBSchedule``
+    does: bytes autograd saves in each ``forward_step`` (parameters excluded, a storage once),
+    held from that forward to the micro-batch's ``backward_step`` (which frees them, FIFO)."""
+
+    def __init__(self, schedule: Any, model: Any) -> None:
+        self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.live: list[int] = []
+        self.peak_bytes = 0
+        forward, backward = schedule.forward_step, schedule.backward_step
+
+        def forward_step(*args: Any, **kwargs: Any) -> Any:
+            seen: set[int] = set()
+            total = 0
+
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                nonlocal total
+                ptr = t.untyped_storage().data_ptr()
+                if ptr not in self._params and ptr not in seen:
+                    seen.add(ptr)
+                    total += t.untyped_storage().nbytes()
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = forward(*args, **kwargs)
+            self.live.append(total)
+            self.peak_bytes = max(self.peak_bytes, sum(self.live))
+            return out
+
+        def backward_step(*args: Any, **kwargs: Any) -> Any:
+            out = backward(*args, **kwargs)
+            if self.live:
+                self.live.pop(0)
+            return out
+
+        schedule.forward_step, schedule.backward_step = forward_step, backward_step
+
+    def take_peak(self) -> int:
+        peak, self.peak_bytes, self.live = self.peak_bytes, 0, []
+        return peak
+
+
+class Runner:
+    """One variant: a plugin, its boosted model and optimizer, stepped with a batch on demand."""
+
+    def __init__(self, name: str, plugin: Any, model_cfg: ModelConfig, spec: dict[str, Any]):
+        self.name, self.plugin, self.spec = name, plugin, spec
+        torch.manual_seed(0)
+        model = build_model(model_cfg)
+        keep_gpt2_causal(model)  # every variant computes the same causal model
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        self.booster = Booster(plugin=plugin)
+        self.model, self.optimizer, self.criterion, _, _ = self.booster.boost(
+            model, optimizer, loss_from_outputs
+        )
+        engine = getattr(plugin, "engine", plugin)
+        self.schedule = engine.scheduler
+        self.kfkb = isinstance(self.schedule, KFKBSchedule)
+        self.meter = None if self.kfkb else InFlightMeter(self.schedule, self.model)
+        self.blocks = list(self.model.unwrap().transformer.h)
+        self.stretch: Stretch | None = None
+        """Set on the slowed stage's ranks for the variants of phase (c)."""
+
+    @property
+    def k(self) -> int:
+        return int(self.schedule.k) if self.kfkb else 1
+
+    def step(self, seed: int) -> list[float]:
+        """One training step; this rank's row (``pipeline_model.ROW``), not yet gathered."""
+        batch = text_batch(self.spec["batch_size"], self.spec["seq_len"], seed)
+        k = self.k
+        slept = 0.0 if self.stretch is None else self.stretch.slept_s
+        dist.barrier()
+        started = time.perf_counter()
+        self.booster.execute_pipeline(iter([batch]), self.model, self.criterion, self.optimizer)
+        piped = time.perf_counter()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        ended = time.perf_counter()
+        if self.kfkb:
+            peak = self.schedule.last_stats.activation_bytes * self.schedule.peak_saved
+        else:
+            assert self.meter is not None
+            peak = self.meter.take_peak()
+        if self.stretch is not None:
+            slept = self.stretch.slept_s - slept
+        return [ended - started, piped - started, float(k), float(peak), slept]
+
+    def prediction(self) -> tuple[float, float]:
+        """(simulated, measured) seconds of the last step's schedule, from every rank's
+        ``last_record`` (``pipeline.profile.predict_from_records``; one all_gather)."""
+        m = self.spec["m"]
+        rows = _gather(self.schedule.last_record.to_vector(m))
+        records = [record_from_vector(row, m) for row in rows]
+        assert len(rows[0]) == vector_width(m)
+        found = predict_from_records(records, m, self.k)
+        return found.predicted_s, found.measured_s
+
+
+def _gather(row: list[float]) -> list[list[float]]:
+    mine = torch.tensor(row, dtype=torch.float64)
+    rows = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, mine)
+    return [r.tolist() for r in rows]
+
+
+class Phases:
+    """Global round numbering, tenant settling, and each variant as a rounds-helper variant."""
+
+    def __init__(self, spec: dict[str, Any], rank: int) -> None:
+        self.spec, self.rank = spec, rank
+        self.layout = stage_of_rank(spec["pp"], spec["tp"], 1)
+        self.offset = 0
+        """Global number of the running phase's first round (its warm-up included)."""
+        self._reported = -1
+
+    def _enter_round(self, index: int) -> int:
+        number = self.offset + index
+        if number != self._reported:  # the round's first step: report, let the tenant settle
+            report_bench_step(self.rank, number)
+            time.sleep(self.spec["settle_s"])
+            dist.barrier()
+            self._reported = number
+        return number
+
+    def variant(self, runner: Runner) -> Variant:
+        spec, layout = self.spec, self.layout
+
+        def run(index: int, *, warmup: bool) -> dict[str, float] | None:
+            number = self._enter_round(index)
+            rows = _gather(runner.step(seed=number))
+            if warmup:
+                return None
+            out = {
+                "step": max(r[0] for r in rows),
+                "pipe": max(r[1] for r in rows),
+                "k": rows[0][ROW.index("k")],
+            }
+            for s, peak in enumerate(stage_peaks(rows, layout, spec["pp"])):
+                out[f"mem{s}"] = peak
+            out["stretch"] = max(r[ROW.index("stretch_s")] for r in rows)
+            if runner.kfkb:
+                out["sim"], out["meas"] = runner.prediction()
+            return out
+
+        return run
+
+
+def _figures(variants: list[str]) -> dict[str, Figure]:
+    """Per-round speedups of each variant over Colossal-AI's stock 1F1B (time ratios)."""
+
+    def over_stock(name: str) -> Figure:
+        return lambda v: v["stock.step"] / v[f"{name}.step"]
+
+    return {f"{name}_vs_stock": over_stock(name) for name in variants if name != "stock"}
+
+
+def _plugins(configs: dict[str, HeteroConfig | dict[str, Any]], device: torch.device) -> dict:
+    from colossalai.booster.plugin import HybridParallelPlugin
+
+    from colossal_hetero.plugin import HeteroParallelPlugin
+
+    built: dict[str, Any] = {}
+    for name, config in configs.items():
+        if isinstance(config, dict):  # stock: HybridParallelPlugin keyword arguments
+            built[name] = HybridParallelPlugin(**config)
+        else:
+            built[name] = HeteroParallelPlugin(config)
+    return built
+
+
+def _budget_from(runner: Runner, spec: dict[str, Any]) -> float:
+    """MiB for ada: ``budget_microbatches`` times the largest measured micro-batch (all ranks)."""
+    act = torch.tensor([float(runner.schedule.last_stats.activation_bytes)], dtype=torch.float64)
+    dist.all_reduce(act, op=dist.ReduceOp.MAX)
+    return spec["budget_microbatches"] * float(act.item()) / 2**20
+
+
+def _build_set(
+    spec: dict[str, Any], split: str, device: torch.device, shared: dict[str, Runner]
+) -> dict[str, Runner]:
+    """The variants of one split; ada last, with a budget from the k=1 variant's measurement."""
+    model_cfg, configs = build_configs(spec, split, device)
+    runners = dict(shared)
+    ada_config = configs.pop("ada")
+    for name, plugin in _plugins(configs, device).items():
+        runners[name] = Runner(name, plugin, model_cfg, spec)
+        runners[name].step(seed=WARM_SEED)  # warm: lazy initialisation, first allocations
+    budget = _budget_from(runners["k1"], spec)
+    assert isinstance(ada_config, HeteroConfig)
+    ada_config = build_configs(spec, split, device, ada_budget_mib=budget)[1]["ada"]
+    runners["ada"] = Runner("ada", _plugins({"ada": ada_config}, device)["ada"], model_cfg, spec)
+    runners["ada"].step(seed=WARM_SEED)
+    runners["ada"].budget_mib = budget  # type: ignore[attr-defined]
+    return runners
+
+
+def _rounds(phases: Phases, runners: dict[str, Runner], rounds: int, warmup: int) -> Any:
+    policy = RoundsPolicy(warmup=warmup, min_rounds=rounds, max_rounds=rounds, budget_s=1e9)
+    variants = {name: phases.variant(r) for name, r in runners.items()}
+    decide = rank0_decides(torch.device("cpu"))
+    return run_rounds(variants, _figures(list(runners)), policy, decide=decide)
+
+
+def run_pipeline_worker(
+    *, rank: int, world_size: int, device: torch.device, spec: dict[str, Any]
+) -> dict[str, Any]:
+    """Every phase on this rank; rank-identical results (from all-gathered rows)."""
+    from colossal_hetero.plugin import prepare_device
+
+    prepare_device(device)  # the gloo/CPU fixes Colossal-AI's stock plugin needs too
+    started = time.perf_counter()
+    phases = Phases(spec, rank)
+    equal = _build_set(spec, "equal", device, {})
+    slow = _build_set(spec, "slow", device, {"stock": equal["stock"]})
+    stretch = Stretch(spec["slow_factor"])
+    if phases.layout[rank] == spec["slow_stage"]:
+        for runner in slow.values():
+            stretch.attach(runner.blocks)
+            runner.stretch = stretch
+    setup_s = time.perf_counter() - started
+    out: dict[str, Any] = {"setup_s": setup_s, "phases": {}}
+    for name, runners in (("a", equal), ("b", equal), ("c", slow)):
+        phase = spec["phases"][name]
+        stretch.enabled = name == "c"
+        phases.offset = phase["start"]
+        result = _rounds(phases, runners, phase["rounds"], phase["warmup"])
+        out["phases"][name] = result.to_dict()
+        out["phases"][name]["figure_series"] = result.figure_series
+        out["phases"][name]["first_round"] = phase["start"] + phase["warmup"]
+    out["ada"] = {
+        split: {
+            "budget_mib": runners["ada"].budget_mib,  # type: ignore[attr-defined]
+            "decisions": _decisions(runners["ada"]),
+        }
+        for split, runners in (("equal", equal), ("slow", slow))
+    }
+    for runner in {id(r): r for r in (*equal.values(), *slow.values())}.values():
+        close = getattr(runner.plugin, "close", None)
+        if close is not None:
+            close()
+    return out
+
+
+def _decisions(runner: Runner) -> list[dict[str, Any]]:
+    control = getattr(runner.plugin, "pipeline_control", None)
+    if control is None or control.log is None:
+        return []
+    return [
+        {"step": r["step"], **r["decision"], "predicted_gain": r["predicted_gain"]}
+        for r in control.log.records
+    ]

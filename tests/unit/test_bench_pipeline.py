@@ -1,0 +1,173 @@
+"""bench pipeline's pure parts: the round plan, the tenant trace, the planned splits, the
+simulator prediction from gathered rows, and the summary arithmetic. No timing."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+
+from colossal_hetero.bench.pipeline import (
+    PREEMPT_PATTERN,
+    build_specs,
+    job_shares,
+    layout_figures,
+    phase_plan,
+    planned_splits,
+    preemptions,
+    summarise,
+)
+from colossal_hetero.bench.pipeline_model import ROW, network_config, stage_peaks
+
+
+def test_round_plan_and_tenant_trace():
+    plan = phase_plan(quick=True)
+    assert [plan[p]["start"] for p in "abc"] == [0, 4, 12]
+    shares = job_shares(plan)
+    assert len(shares) == 16
+    b = plan["b"]
+    inside = range(b["start"], b["start"] + b["rounds"])
+    assert all(shares[r] == 1.0 for r in range(len(shares)) if r not in inside)
+    assert shares[b["start"] : b["start"] + 8] == list(PREEMPT_PATTERN)
+    # The tenant takes 80-90% of the link whenever it is on.
+    assert all(0.1 <= s <= 0.2 for s in shares if s < 1.0)
+    specs = preemptions(shares, target_rank=2)
+    assert [(p.start_step, p.end_step, p.factor) for p in specs] == [(5, 8, 0.15), (9, 12, 0.1)]
+    assert all(p.kind == "tenant" and p.ranks == [2] for p in specs)
+    # Every preempted round is covered by exactly the spec with its share.
+    for r, share in enumerate(shares):
+        active = [p.factor for p in specs if p.start_step <= r < p.end_step]
+        assert active == ([] if share == 1.0 else [share])
+
+
+def _brute_force_max(layers: int, speeds: list[float]) -> float:
+    best = float("inf")
+    for split in itertools.product(range(1, layers + 1), repeat=len(speeds)):
+        if sum(split) == layers:
+            best = min(best, max(n / v for n, v in zip(split, speeds, strict=True)))
+    return best
+
+
+@pytest.mark.parametrize(("pp", "tp", "slow"), [(4, 1, 1), (2, 2, 0)])
+def test_planned_splits(pp, tp, slow):
+    splits = planned_splits(12, pp, tp, slow, factor=2.0)
+    assert splits["even"] == splits["equal"] == [12 // pp] * pp
+    speeds = [0.5 if s == slow else 1.0 for s in range(pp)]
+    got = max(n / v for n, v in zip(splits["slow"], speeds, strict=True))
+    assert sum(splits["slow"]) == 12
+    assert got == _brute_force_max(12, speeds)
+    # the even split leaves the slow stage 1.5x the planned bottleneck (6/0.5 vs 8 per unit)
+    assert (12 // pp) / 0.5 / got == pytest.approx(1.5)
+
+
+def test_specs_and_network():
+    pp4, mixed = build_specs(quick=True, network_mode="shaped")
+    assert (pp4.pp, pp4.tp, pp4.m, pp4.budget_microbatches) == (4, 1, 16, 12.0)
+    assert (mixed.pp, mixed.tp, mixed.m) == (2, 2, 8)
+    assert pp4.batch_size % pp4.m == 0 and mixed.batch_size % mixed.m == 0
+    net = network_config(mixed.to_dict(), "shaped")
+    assert net.mode == "shaped" and net.bandwidth_gbps == mixed.rate_gbps
+    # TP pairs inside each stage get their own fast class; stage links use the default.
+    assert [link.ranks for link in net.links] == [[0, 1], [2, 3]]
+    assert network_config(pp4.to_dict(), "model").links == []
+
+
+def test_stage_peaks():
+    rows = [[0.0, 0.0, 1.0, peak, 0.0] for peak in (3.0, 5.0, 1.0)]
+    assert len(rows[0]) == len(ROW)
+    assert stage_peaks(rows, [0, 0, 1], 2) == [5.0, 1.0]
+
+
+def _result(stock: float, ada: float, k2: float, *, ada_peak: float) -> dict[str, Any]:
+    rounds = 4
+
+    def series(step: dict[str, float]) -> dict[str, list[float]]:
+        out: dict[str, list[float]] = {}
+        for name, t in step.items():
+            out[f"{name}.step"] = [t] * rounds
+            out[f"{name}.pipe"] = [t] * rounds
+            out[f"{name}.mem0"] = [ada_peak if name == "ada" else 1.0] * rounds
+            if name.startswith("k") or name == "ada":
+                out[f"{name}.sim"] = [t * 1.1] * rounds
+                out[f"{name}.meas"] = [t] * rounds
+        return out
+
+    steps = {"stock": stock, "planned_1f1b": stock, "k1": stock, "k2": k2, "ada": ada}
+    slow = {**steps, "planned_1f1b": stock / 1.4}
+    return {
+        "phases": {
+            "a": {"series": series(steps), "rounds": rounds, "first_round": 0},
+            "b": {"series": series(steps), "rounds": rounds, "first_round": 4},
+            "c": {"series": series(slow), "rounds": rounds, "first_round": 8},
+        },
+        "ada": {"equal": {"budget_mib": 1.0}, "slow": {"budget_mib": 1.0}},
+    }
+
+
+def test_summary_arithmetic():
+    spec = {"shares": [1.0] * 4 + [1.0, 0.1, 0.1, 1.0] + [1.0] * 4}
+    good = layout_figures(spec, _result(2.0, 1.0, 1.02, ada_peak=2**20))
+    assert good["ada_vs_1f1b_preempted"]["value"] == pytest.approx(2.0)
+    assert good["ada_vs_1f1b_preempted"]["rounds"] == 2
+    assert good["ada_vs_best_static_k_a"]["best"] == "k2"
+    assert good["ada_vs_best_static_k_a"]["value"] == pytest.approx(1.02)
+    assert good["planned_vs_even_split_slow_stage"]["value"] == pytest.approx(1.4)
+    assert max(good["sim_error"].values()) == pytest.approx(0.1)
+    worse = layout_figures(spec, _result(1.5, 1.0, 0.9, ada_peak=2**20 + 1))
+    summary = summarise("shaped", {"x": good, "y": worse})
+    assert summary == {
+        "network_mode": "shaped",
+        "ada_vs_1f1b_preempted": pytest.approx(1.5),
+        "ada_vs_1f1b_unpreempted": pytest.approx(1.5),
+        "ada_vs_best_static_k": pytest.approx(0.9),
+        "planned_vs_even_split_slow_stage": pytest.approx(1.4),
+        "sim_max_error": pytest.approx(0.1),
+        "memory_limit_exceeded": True,
+    }
+    assert not good["memory"]["exceeded"] and worse["memory"]["exceeded"]
+
+
+def test_stretch_sleeps_in_proportion_and_keeps_gradients():
+    import torch
+
+    from colossal_hetero.bench.pipeline_stretch import Stretch
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(256, 256)
+
+        def forward(self, hidden: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor]:
+            return (torch.tanh(self.linear(hidden)) * scale,)
+
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList([Block(), Block()])
+    x = torch.randn(64, 256, requires_grad=True)
+
+    def run() -> list[torch.Tensor]:
+        h = x
+        for block in blocks:
+            h = block(h, scale=0.5)[0]
+        h.sum().backward()
+        grads = [x.grad.clone(), *(p.grad.clone() for p in blocks.parameters())]
+        x.grad = None
+        blocks.zero_grad()
+        return grads
+
+    want = run()
+    slept: list[float] = []
+    stretch = Stretch(factor=3.0, sleep=slept.append)  # record each stretch, sleep none
+    stretch.attach(blocks)
+    assert all(torch.equal(a, b) for a, b in zip(run(), want, strict=True))
+    assert slept == []  # disabled: nothing stretched
+    stretch.enabled = True
+    got = run()
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    # two forwards and two backwards, each stretched once, by the block's own CPU time
+    assert len(slept) == 4 and all(s > 0.0 for s in slept)
+    assert stretch.slept_s == pytest.approx(sum(slept))
+    stretch.detach()
+    slept.clear()
+    run()
+    assert slept == []
