@@ -26,6 +26,10 @@ class ParallelConfig:
     dp: int = 0
     """Data-parallel size; 0 means world_size // (tp * pp)."""
 
+    ep: int = 1
+    """Expert-parallel size (Mixtral): each expert lives on one of ep ranks, which exchange
+    tokens by all-to-all; ep divides dp and the experts (the moe section, docs/moe.md)."""
+
     zero_stage: Literal[0, 1, 2] = 0
     """ZeRO stage for data parallelism (1 or 2 need precision fp16 or bf16)."""
 
@@ -64,7 +68,7 @@ class ParallelConfig:
     """ada_kfkb: MiB each rank may spend on in-flight activations; null: no limit."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "num_microbatches", "pp_k", "pp_retune_every"):
+        for name in ("tp", "pp", "ep", "num_microbatches", "pp_k", "pp_retune_every"):
             value = getattr(self, name)
             _require(value >= 1, f"{name}", f"must be >= 1, got {value}")
         _require(self.dp >= 0, "dp", f"must be >= 0 (0 = derive), got {self.dp}")

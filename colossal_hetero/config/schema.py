@@ -13,9 +13,10 @@ from typing import Any, Literal
 
 from colossal_hetero.config.balancer import BalancerConfig
 from colossal_hetero.config.fields import require as _require
+from colossal_hetero.config.moe import MoeConfig
 from colossal_hetero.config.parallel import ParallelConfig
 
-Arch = Literal["gpt2", "llama", "bert", "vit"]
+Arch = Literal["gpt2", "llama", "mixtral", "bert", "vit"]
 DeviceKind = Literal["auto", "cpu", "cuda"]
 
 
@@ -24,11 +25,12 @@ class ModelConfig:
     """Which Hugging Face model to build, initialised locally (nothing is downloaded)."""
 
     arch: Arch = "gpt2"
-    """Model family: gpt2, llama (causal LM), bert (masked LM) or vit (image classifier)."""
+    """Model family: gpt2, llama, mixtral (causal LM; mixtral is a mixture of experts), bert
+    (masked LM) or vit (image classifier)."""
 
     hf: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the family's transformers config class (GPT2Config, LlamaConfig,
-    BertConfig, ViTConfig). Unknown names are errors."""
+    MixtralConfig, BertConfig, ViTConfig). Unknown names are errors."""
 
     init_seed: int = 0
     """Seed of the random initialisation; equal on every rank so shards agree."""
@@ -436,6 +438,9 @@ class HeteroConfig:
     balancer: BalancerConfig = field(default_factory=BalancerConfig)
     """Runtime straggler balancing."""
 
+    moe: MoeConfig = field(default_factory=MoeConfig)
+    """Mixture-of-experts gradient reduction (parallel.ep > 1)."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "emulation", _emulation_for(self.emulation, self.cluster))
 
@@ -465,6 +470,9 @@ class RunConfig:
     balancer: BalancerConfig = field(default_factory=BalancerConfig)
     """Runtime straggler balancing."""
 
+    moe: MoeConfig = field(default_factory=MoeConfig)
+    """Mixture-of-experts gradient reduction (parallel.ep > 1)."""
+
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """Optimizer."""
 
@@ -488,4 +496,5 @@ class RunConfig:
             emulation=self.emulation,
             plan=self.plan,
             balancer=self.balancer,
+            moe=self.moe,
         )

@@ -12,6 +12,7 @@ from typing import Any
 
 from colossal_hetero.config.loader import ConfigError
 from colossal_hetero.config.schema import EmulationConfig, HeteroConfig, ModelConfig, RunConfig
+from colossal_hetero.moe.checks import check_moe_layout, check_moe_model
 from colossal_hetero.pipeline.validate import check_pipeline_config, check_stage_split
 
 
@@ -43,6 +44,7 @@ def validate_layout(config: HeteroConfig, world_size: int) -> int:
         )
     _validate_emulation(config.emulation, world_size)
     check_pipeline_config(config)
+    check_moe_layout(config.parallel, config.moe, world_size)
     return dp
 
 
@@ -83,6 +85,7 @@ def validate_run(config: RunConfig, world_size: int) -> int:
     planned = wants_plan(config.plugin_config())
     hf_config = checked_hf_config(config.model)
     _validate_model_shape(config, hf_config, planned=planned)
+    check_moe_model(config.parallel, config.moe, hf_config, world_size)
     parallel = config.parallel
     if hf_config.num_hidden_layers < parallel.pp:
         raise ConfigError(
@@ -158,6 +161,7 @@ _STANDARD_NAMES = {
 _HF_NAMES = {
     "gpt2": {"hidden": "n_embd", "heads": "n_head", "layers": "n_layer", "ffn": "n_inner"},
     "llama": _STANDARD_NAMES,
+    "mixtral": _STANDARD_NAMES,
     "bert": _STANDARD_NAMES,
     "vit": _STANDARD_NAMES,
 }

@@ -7,7 +7,7 @@ from colossal_hetero.data.bundle import DataBundle
 from colossal_hetero.data.digits import DigitsData
 from colossal_hetero.data.text import BERT_VOCAB_SIZE, TEXT_VOCAB_SIZE, TextData, load_pydoc_corpus
 
-CAUSAL_LM_ARCHS = ("gpt2", "llama")
+CAUSAL_LM_ARCHS = ("gpt2", "llama", "mixtral")
 """Families trained as causal LMs on ``pydoc_topics``."""
 
 MASKED_LM_ARCHS = ("bert",)

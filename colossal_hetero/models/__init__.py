@@ -18,6 +18,8 @@ from colossal_hetero.config.schema import ModelConfig
 _DATA_DEFAULTS: dict[str, dict[str, Any]] = {
     "gpt2": {"vocab_size": 256},
     "llama": {"vocab_size": 256},
+    # The router's load-balancing loss is part of the training loss (router_aux_loss_coef).
+    "mixtral": {"vocab_size": 256, "output_router_logits": True},
     # Byte ids 0..255 plus the mask id 256, rounded up so TP can split the vocabulary.
     "bert": {"vocab_size": 320},
     "vit": {"image_size": 8, "patch_size": 2, "num_channels": 1, "num_labels": 10},
@@ -40,6 +42,7 @@ def _classes(arch: str) -> tuple[type, type]:
     return {
         "gpt2": (hf.GPT2Config, hf.GPT2LMHeadModel),
         "llama": (hf.LlamaConfig, hf.LlamaForCausalLM),
+        "mixtral": (hf.MixtralConfig, hf.MixtralForCausalLM),
         "bert": (hf.BertConfig, hf.BertForMaskedLM),
         "vit": (hf.ViTConfig, hf.ViTForImageClassification),
     }[arch]

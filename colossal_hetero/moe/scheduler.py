@@ -83,6 +83,7 @@ class ChunkedGradReducer:
         max_inflight: int | None = 2,
         priority: bool = True,
         average: bool = False,
+        divisor: int | None = None,
     ) -> None:
         if group is None:
             raise ValueError("ChunkedGradReducer: group is required (None means the world group)")
@@ -96,7 +97,13 @@ class ChunkedGradReducer:
         self._group = group
         self._max_inflight = max_inflight
         self._priority = priority
-        self._average = average
+        # The sum is divided by ``divisor`` when given, else by the group size if ``average``
+        # (expert gradients: summed over their replicas, averaged over all data-parallel ranks).
+        self._divisor: int | None = divisor
+        if divisor is None and average:
+            self._divisor = dist.get_world_size(group)
+        if self._divisor is not None and self._divisor < 1:
+            raise ValueError(f"ChunkedGradReducer: divisor must be >= 1, got {divisor}")
         self._chunks_of: list[list[int]] = [[] for _ in self._params]
         for chunk in self.chunks:
             for param in chunk.params:
@@ -116,6 +123,11 @@ class ChunkedGradReducer:
         self._missing = [len(c.params) for c in self.chunks]
         self._next = 0
 
+    @property
+    def touched(self) -> bool:
+        """Whether any gradient arrived since the last flush (a backward ran here)."""
+        return any(self._ready)
+
     def _hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def on_grad(_: torch.Tensor) -> None:
             self._mark_ready(index)
@@ -131,6 +143,17 @@ class ChunkedGradReducer:
         self._ready[index] = True
         for c in self._chunks_of[index]:
             self._missing[c] -= 1
+
+    @property
+    def priority(self) -> bool:
+        """Whether open a2a's hold chunks back; settable between steps (not inside an a2a)."""
+        return self._priority
+
+    @priority.setter
+    def priority(self, value: bool) -> None:
+        if self._open_a2a:
+            raise RuntimeError("change priority between steps, not inside an a2a")
+        self._priority = value
 
     @property
     def gated(self) -> bool:
@@ -168,8 +191,8 @@ class ChunkedGradReducer:
         entry.work.wait()
         entry.event.t_done = time.perf_counter()
         flat = entry.flat
-        if self._average:
-            flat = flat / dist.get_world_size(self._group)
+        if self._divisor is not None and self._divisor != 1:
+            flat = flat / self._divisor
         offset = 0
         for s in entry.chunk.segments:
             grad = self._params[s.param].grad
@@ -185,18 +208,34 @@ class ChunkedGradReducer:
         Open it when the a2a becomes pending and close it after its handle is waited. ``group``
         (optional) is the a2a's group, checked to differ from the gradient group.
         """
-        if group is not None and group is self._group:
-            raise ValueError("the a2a must run on a different process group than the gradients")
         event = Event("a2a", self._a2a_count, time.perf_counter())
+        self.open_a2a(group)
         self._a2a_count += 1
-        self._open_a2a += 1
         self.events.append(event)
         try:
             yield event
         finally:
-            self._open_a2a -= 1
             event.t_done = time.perf_counter()
-            self._pump()
+            self.close_a2a()
+
+    def open_a2a(self, group: ProcessGroup | None = None) -> None:
+        """Open the gate for an a2a that is pending now (the explicit form of :meth:`a2a`, for
+        a span that crosses function boundaries, such as autograd's backward); unlogged."""
+        if group is not None and group is self._group:
+            raise ValueError("the a2a must run on a different process group than the gradients")
+        self._open_a2a += 1
+
+    def close_a2a(self) -> None:
+        """Close one gate opened by :meth:`open_a2a`; queued chunks may launch now."""
+        if self._open_a2a <= 0:
+            raise RuntimeError("close_a2a() without an open a2a")
+        self._open_a2a -= 1
+        self._pump()
+
+    def clear_log(self) -> None:
+        """Forget the logged events and collectives (a new step's log starts empty)."""
+        self.events.clear()
+        self.collectives.clear()
 
     def flush(self) -> None:
         """Zero-fill missing gradients, launch every remaining chunk in order, wait for all."""

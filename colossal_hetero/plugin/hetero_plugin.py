@@ -44,6 +44,8 @@ from colossal_hetero.config.validate import validate_layout
 from colossal_hetero.emulation import CollectiveInterceptor, build_interceptor
 from colossal_hetero.emulation.ddp import route_ddp_through_interceptor
 from colossal_hetero.metrics.decisions import DecisionWriter
+from colossal_hetero.moe.engine import build_moe_engine
+from colossal_hetero.moe.wiring import MoeStepLog, install_reducers, moe_policy
 from colossal_hetero.pipeline.seam_adapter import install_schedule
 from colossal_hetero.pipeline.validate import check_stage_split
 from colossal_hetero.planner.plan import Plan
@@ -125,7 +127,9 @@ class HeteroParallelPlugin(PipelinePluginBase):
             config.emulation, self.rank, self.world_size, self.device
         ).install()
         try:
-            self.engine = build_engine(config, self.device, policy)
+            # parallel.ep > 1: Colossal-AI's MoE plugin (groups, optimizers), our reducers
+            build = build_moe_engine if config.parallel.ep > 1 else build_engine
+            self.engine = build(config, self.device, policy)
             # parallel.pp_schedule: kfkb / ada_kfkb replace the engine's 1F1B (gloo only)
             self.pipeline_control = install_schedule(self.engine, config, self.rank)
         except BaseException:
@@ -133,6 +137,8 @@ class HeteroParallelPlugin(PipelinePluginBase):
             raise
         self.seam = StepSeam(self.timer)
         self.balancer: Any = None  # the balance controller, wired at configure (balancer.mode)
+        self.moe_reducers: dict[str, Any] = {}  # parallel.ep > 1 without ZeRO, at configure
+        self.moe_log: Any = None  # parallel.ep > 1: the a2a/chunk event log (MoeStepLog)
         self._run_dir = None if metrics_dir is None else Path(metrics_dir)
         if metrics_dir is not None and step_metrics:
             self.seam.add(StepMetrics(self.seam, metrics_dir, self.rank))
@@ -208,6 +214,10 @@ class HeteroParallelPlugin(PipelinePluginBase):
         if self._policy is None and resizes and self.tp_size > 1:
             widths = self.plan.widths if self.plan is not None else {}  # {}: even
             self.engine.custom_policy = resizable_policy(model, widths)
+        moe = None  # expert parallelism: checked here, on every rank, before any collective
+        if self.config.parallel.ep > 1 and self._policy is None:
+            moe = moe_policy(self.config, model, self.world_size)
+            self.engine.custom_policy = moe.policy
         sfb = planned_sfb(self.plan, self.config.parallel, self.dp_size)
         exclude_sfb_from_ddp(model, sfb)  # SFB modules sync by gathered factors, not DDP
         boosted = self.engine.configure(model, optimizer, criterion, dataloader, lr_scheduler)
@@ -221,6 +231,13 @@ class HeteroParallelPlugin(PipelinePluginBase):
         # Steps open at training forwards and close after optimizer.step(); under pipeline
         # parallelism the loss comes from execute_pipeline, not from per-micro-batch backward.
         self.seam.attach(boosted[0], boosted[1], note_losses=self.pp_size == 1)
+        if moe is not None:  # flushed by optimizer.step (after the seam's wrapper is on)
+            if not self.engine.reduces_gradients:
+                self.moe_reducers = install_reducers(
+                    self.config, boosted[0], boosted[1], moe.comm, self.dp_size
+                )
+            log = MoeStepLog(moe.comm, moe.placement, self._run_dir, self.rank)
+            self.moe_log = self.seam.add(log)
         if self.config.balancer.mode != "none":  # after the metrics writer: it logs first
             balancer = build_balancer(self, boosted[0], boosted[1], self._run_dir)
             self.balancer = self.seam.add(balancer)

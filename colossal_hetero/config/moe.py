@@ -1,0 +1,47 @@
+"""The ``moe`` section of the configuration tree (mixture-of-experts communication).
+
+A part of ``config.schema``, kept in its own module for size; documented in
+``docs/config.md`` like every other section. The expert-parallel size itself is
+``parallel.ep``; this section says how the gradients of an expert-parallel run are reduced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from colossal_hetero.config.fields import require as _require
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class MoeConfig:
+    """Gradient reduction and expert layout under expert parallelism (parallel.ep > 1; see
+    docs/moe.md). Used with parallel.zero_stage 0; with ZeRO, Colossal-AI's own MoE
+    optimizer reduces the gradients and this section's reducer settings are unused."""
+
+    chunk_kib: int = 256
+    """Size of one gradient all-reduce chunk, KiB. Chunks are fixed by parameter shapes, never
+    by routing, so every rank issues the same all-reduces."""
+
+    max_inflight: int = 2
+    """Most gradient chunks on the wire at once, per gradient group."""
+
+    priority: bool = True
+    """true: no gradient chunk is launched while an expert all-to-all is open (Lina's
+    priority); false: each chunk goes as soon as it is ready (plain bucketed overlap)."""
+
+    placement: list[list[int]] = field(default_factory=list)
+    """Experts held by each expert-parallel rank, ``placement[r]`` for rank r of an ep group;
+    every expert exactly once. Empty: Colossal-AI's contiguous blocks."""
+
+    log_events: bool = True
+    """Keep each step's log of all-to-all and chunk launch/finish times (written as
+    ``moe_rank{r}.jsonl`` beside the metrics when the plugin has a metrics folder)."""
+
+    def __post_init__(self) -> None:
+        _require(self.chunk_kib >= 1, "chunk_kib", f"must be >= 1, got {self.chunk_kib}")
+        _require(self.max_inflight >= 1, "max_inflight", f"must be >= 1, got {self.max_inflight}")
+
+    @property
+    def chunk_bytes(self) -> int:
+        """The chunk size in bytes."""
+        return self.chunk_kib * 1024

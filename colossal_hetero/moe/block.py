@@ -1,0 +1,203 @@
+"""Expert-parallel Mixtral block whose all-to-alls go through the gradient reducers' gate.
+
+``HeteroEPMixtralSparseMoeBlock`` subclasses Colossal-AI's ``EPMixtralSparseMoeBlock`` (so
+Colossal-AI's checkpoint and optimizer code recognise it, and its expert parameters carry the
+ep group) and replaces its dispatch:
+
+- Experts live where a :class:`.placement.Placement` puts them (Colossal-AI: contiguous
+  blocks only). Each (token, choice) is sent to the device of its expert, sorted there by the
+  device's own expert order, computed, sent back and weighted as Hugging Face's
+  ``MixtralSparseMoeBlock`` does: the same function, so an EP run equals the dense model.
+- Every a2a is a call on ``ep_group`` inside :meth:`.comm.MoeComm.a2a_call`, and the expert
+  computation between dispatch and combine is a *pending span* (forward, and in backward from
+  the combine's a2a to the dispatch's), during which no gradient chunk launches (priority on).
+- Every rank issues the same a2a sequence whatever the routing: a rank that receives no
+  tokens still takes part in both a2a's, forward and backward (the combine's input then is
+  the empty received tensor itself, so autograd keeps the backward a2a). Colossal-AI's
+  per-step all-reduce of active experts over ``moe_dp_group`` is not issued: our reducers
+  average expert gradients over all data-parallel ranks instead of rescaling them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from colossalai.lazy import LazyInitContext
+from colossalai.shardformer.modeling.mixtral import EPMixtralSparseMoeBlock
+from colossalai.shardformer.shard.utils import set_tensors_to_none
+from colossalai.tensor.moe_tensor.api import set_moe_tensor_ep_group
+from torch.distributed import ProcessGroup
+
+from colossal_hetero.moe.comm import MoeComm, Span
+from colossal_hetero.moe.placement import Placement
+
+
+def _all_to_all(
+    x: torch.Tensor, send: list[int], recv: list[int], group: ProcessGroup, comm: MoeComm
+) -> torch.Tensor:
+    """Rows ``send[d]`` of ``x`` to rank ``d`` of ``group``; returns ``recv[d]`` rows from each."""
+    x = x.contiguous()
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    with comm.a2a_call(group, x.numel() * x.element_size()):
+        work = dist.all_to_all_single(out, x, recv, send, group=group, async_op=True)
+        assert work is not None
+        work.wait()
+    return out
+
+
+class _Dispatch(torch.autograd.Function):
+    """Forward: the dispatch a2a (inside the span the caller opened). Backward: the reverse
+    a2a, which closes the backward span opened by :class:`_Combine`'s backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, send: list[int], recv: list[int], block: Any) -> Any:
+        ctx.send, ctx.recv, ctx.block = send, recv, block
+        return _all_to_all(x, send, recv, block.ep_group, block.comm)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        block = ctx.block
+        try:
+            out = _all_to_all(grad, ctx.recv, ctx.send, block.ep_group, block.comm)
+        finally:
+            span = block.backward_spans.pop() if block.backward_spans else None
+            if span is not None:
+                block.comm.close_span(span)
+        return out, None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """Forward: the combine a2a. Backward: opens the backward span, then the reverse a2a."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, send: list[int], recv: list[int], block: Any) -> Any:
+        ctx.send, ctx.recv, ctx.block = send, recv, block
+        return _all_to_all(y, send, recv, block.ep_group, block.comm)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        block = ctx.block
+        block.backward_spans.append(block.comm.open_span(block.ep_group))
+        return _all_to_all(grad, ctx.recv, ctx.send, block.ep_group, block.comm), None, None, None
+
+
+class HeteroEPMixtralSparseMoeBlock(EPMixtralSparseMoeBlock):
+    """Colossal-AI's EP Mixtral block with placed experts and gated a2a's (see the module)."""
+
+    comm: MoeComm
+    placement: Placement
+    held: tuple[int, ...]
+    backward_spans: list[Span]
+
+    @staticmethod
+    def from_native_module(  # type: ignore[override]
+        module: Any,
+        tp_group: ProcessGroup | None = None,
+        moe_dp_group: ProcessGroup | None = None,
+        ep_group: ProcessGroup | None = None,
+        *args: Any,
+        comm: MoeComm | None = None,
+        placement: Placement | None = None,
+        **kwargs: Any,
+    ) -> HeteroEPMixtralSparseMoeBlock:
+        """Turn a ``MixtralSparseMoeBlock`` into this block in place (shardformer's hook)."""
+        if ep_group is None or comm is None or placement is None:
+            raise ValueError("HeteroEPMixtralSparseMoeBlock needs ep_group, comm and placement")
+        LazyInitContext.materialize(module)
+        module.__class__ = HeteroEPMixtralSparseMoeBlock
+        module.setup_placement(ep_group, moe_dp_group, comm, placement)
+        return module
+
+    def setup_placement(
+        self,
+        ep_group: ProcessGroup,
+        moe_dp_group: ProcessGroup | None,
+        comm: MoeComm,
+        placement: Placement,
+    ) -> None:
+        """Keep the experts ``placement`` gives this ep rank; drop the others' tensors."""
+        self.ep_group, self.ep_size = ep_group, dist.get_world_size(ep_group)
+        self.ep_rank = dist.get_rank(ep_group)
+        self.moe_dp_group = moe_dp_group
+        if placement.num_experts != self.num_experts or placement.num_devices != self.ep_size:
+            raise ValueError(
+                f"moe.placement: places {placement.num_experts} experts on "
+                f"{placement.num_devices} ranks, the model has {self.num_experts} on ep "
+                f"{self.ep_size}"
+            )
+        self.comm, self.placement, self.backward_spans = comm, placement, []
+        self.held = placement.experts_on(self.ep_rank)
+        # Slot order: experts grouped by device, each device's in increasing index.
+        order = [e for d in range(self.ep_size) for e in placement.experts_on(d)]
+        slot_of = [0] * self.num_experts
+        for slot, expert in enumerate(order):
+            slot_of[expert] = slot
+        self.slot_of = torch.tensor(slot_of, dtype=torch.long)
+        self.device_sizes = [len(placement.experts_on(d)) for d in range(self.ep_size)]
+        kept = {self.experts[e] for e in self.held}
+        set_tensors_to_none(self.experts, exclude=kept)
+        for expert in kept:
+            for param in expert.parameters():
+                set_moe_tensor_ep_group(param, ep_group)
+
+    def expert_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters of the experts this rank holds (reduced over their replicas)."""
+        return [p for e in self.held for p in self.experts[e].parameters()]
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, seq, hidden = hidden_states.shape
+        if self.training and self.jitter_noise > 0:
+            noise = torch.empty_like(hidden_states)
+            hidden_states = hidden_states * noise.uniform_(
+                1 - self.jitter_noise, 1 + self.jitter_noise
+            )
+        x = hidden_states.view(-1, hidden)
+        router_logits = self.gate(x)
+        weights = F.softmax(router_logits, dim=1, dtype=torch.float)
+        weights, selected = torch.topk(weights, self.top_k, dim=-1)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        span = self.comm.open_span(self.ep_group)
+        try:
+            combined = self._exchange(x, selected)
+        finally:
+            self.comm.close_span(span)
+        out = (combined.view(-1, self.top_k, hidden) * weights.unsqueeze(-1)).sum(dim=1)
+        return out.view(batch, seq, hidden), router_logits
+
+    def _exchange(self, x: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+        """Rows ``t * k + j``: expert ``selected[t, j]``'s output for token ``t``."""
+        slots = self.slot_of.to(selected.device)[selected.reshape(-1)]
+        order = torch.argsort(slots, stable=True)
+        dispatch = x[order // self.top_k]
+        counts = torch.bincount(slots, minlength=self.num_experts)
+        local = len(self.held)
+        # Each rank learns, from every peer, how many rows each of its experts gets.
+        peer_counts = _all_to_all_counts(counts, self.device_sizes, local, self)
+        send = [int(c.sum()) for c in counts.split(self.device_sizes)]
+        recv = peer_counts.view(self.ep_size, local).sum(dim=1).tolist()
+        received = _Dispatch.apply(dispatch, send, recv, self)
+        pieces = received.split(peer_counts.tolist())
+        outputs = []
+        for index, piece in enumerate(pieces):
+            if piece.shape[0] == 0:
+                continue
+            expert = self.experts[self.held[index % local]]
+            outputs.append(expert.w2(expert.act_fn(expert.w1(piece)) * expert.w3(piece)))
+        # No rows here: the empty received tensor stands in, so both backward a2a's still run.
+        expert_out = torch.cat(outputs) if outputs else received
+        back = _Combine.apply(expert_out, recv, send, self)
+        restore = torch.empty_like(order)
+        restore[order] = torch.arange(order.numel(), device=order.device)
+        return back[restore]
+
+
+def _all_to_all_counts(
+    counts: torch.Tensor, device_sizes: list[int], local: int, block: Any
+) -> torch.Tensor:
+    """Row counts per (source rank, held expert): ``local`` values from each of ep peers."""
+    recv = [local] * block.ep_size
+    with torch.no_grad():
+        return _all_to_all(counts, device_sizes, recv, block.ep_group, block.comm)

@@ -1,0 +1,151 @@
+"""The meeting point of the MoE all-to-alls and the gradient reducers: gate and event log.
+
+The expert-parallel blocks (moe/block.py) call :meth:`MoeComm.a2a_call` around every
+all-to-all and open a *pending span* from the first a2a of a dispatch to the last a2a of its
+combine (forward), and from the combine's backward a2a to the dispatch's backward a2a
+(backward): the expert computation between the two is exactly when an a2a is pending. While a
+span is open every attached :class:`ChunkedGradReducer` holds its chunks back (priority on).
+
+``events`` is the log of one step: a2a calls, pending spans and every reducer's chunks, each
+``(kind, group, id, t_launch, t_done, nbytes)``; see :meth:`step_log`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from torch.distributed import ProcessGroup
+
+from colossal_hetero.moe.scheduler import ChunkedGradReducer
+
+LogRow = tuple[str, str, int, float, float, int]
+"""One row of a step's log: (kind, group, id, t_launch, t_done, nbytes)."""
+
+
+@dataclass(slots=True)
+class CommEvent:
+    """An a2a call (``kind`` "a2a") or a pending span ("pending"); times from perf_counter."""
+
+    kind: str
+    id: int
+    t_launch: float
+    t_done: float | None = None
+    nbytes: int = 0
+
+
+@dataclass(slots=True)
+class Span:
+    """One open pending span; closed once (a second close is a no-op)."""
+
+    event: CommEvent
+    open: bool = True
+
+
+@dataclass
+class MoeComm:
+    """Gate and log shared by the MoE blocks and the gradient reducers of one model.
+
+    ``reducers`` are named (``dense``, ``expert``); attach them with :meth:`attach` once the
+    model is sharded. Without reducers the blocks still log their a2a calls.
+    """
+
+    log: bool = True
+    reducers: dict[str, ChunkedGradReducer] = field(default_factory=dict)
+    events: list[CommEvent] = field(default_factory=list)
+    _open: int = 0
+    _count: int = 0
+
+    def attach(self, reducers: dict[str, ChunkedGradReducer]) -> None:
+        """Gate ``reducers`` from now on (spans open now are not applied to them)."""
+        if self._open:
+            raise RuntimeError("attach reducers between steps, not inside a pending a2a")
+        self.reducers = dict(reducers)
+
+    def _event(self, kind: str, nbytes: int = 0) -> CommEvent:
+        event = CommEvent(kind, self._count, time.perf_counter(), nbytes=nbytes)
+        self._count += 1
+        if self.log:
+            self.events.append(event)
+        return event
+
+    def _gate(self, group: ProcessGroup) -> None:
+        for reducer in self.reducers.values():
+            reducer.open_a2a(group)
+        self._open += 1
+
+    def _ungate(self) -> None:
+        self._open -= 1
+        for reducer in self.reducers.values():
+            reducer.close_a2a()
+
+    def open_span(self, group: ProcessGroup) -> Span:
+        """An a2a on ``group`` is pending from now: gradient chunks wait (priority on)."""
+        self._gate(group)
+        return Span(self._event("pending"))
+
+    def close_span(self, span: Span) -> None:
+        """End ``span``; chunks that became ready meanwhile may go now."""
+        if not span.open:
+            return
+        span.open = False
+        span.event.t_done = time.perf_counter()
+        self._ungate()
+
+    @contextmanager
+    def a2a_call(self, group: ProcessGroup, nbytes: int) -> Iterator[CommEvent]:
+        """Gate and log one a2a call, from before it is issued until it has completed."""
+        self._gate(group)
+        event = self._event("a2a", nbytes)
+        try:
+            yield event
+        finally:
+            event.t_done = time.perf_counter()
+            self._ungate()
+
+    def flush(self) -> None:
+        """Flush every reducer (before the optimizer step), unless no backward ran since the
+        last flush: a rank whose experts got no tokens flushes its expert reducer all the
+        same, because its dense gradients arrived (every data-parallel rank runs backward)."""
+        if self._open:
+            raise RuntimeError("flush with an a2a still pending: a MoE block's span never closed")
+        if not any(reducer.touched for reducer in self.reducers.values()):
+            return
+        for reducer in self.reducers.values():
+            reducer.flush()
+
+    def clear(self) -> None:
+        """Start a new step's log."""
+        self.events.clear()
+        for reducer in self.reducers.values():
+            reducer.clear_log()
+
+    def step_log(
+        self, origin: float | None = None
+    ) -> list[tuple[str, str, int, float, float, int]]:
+        """This step's events ``(kind, group, id, t_launch, t_done, nbytes)`` sorted by launch;
+        times in seconds from ``origin`` (default: the first launch). Chunks carry their
+        reducer's name as ``group``; a2a calls and spans carry ``ep``."""
+        rows: list[LogRow] = []
+        for event in self.events:
+            done = event.t_done if event.t_done is not None else event.t_launch
+            rows.append((event.kind, "ep", event.id, event.t_launch, done, event.nbytes))
+        for name, reducer in self.reducers.items():
+            sizes = {index: numel for _, index, numel in reducer.collectives}
+            for chunk in reducer.events:
+                if chunk.kind != "chunk":
+                    continue
+                done = chunk.t_done if chunk.t_done is not None else chunk.t_launch
+                nbytes = sizes.get(chunk.id, 0) * reducer.chunks[chunk.id].dtype.itemsize
+                rows.append(("chunk", name, chunk.id, chunk.t_launch, done, nbytes))
+        rows.sort(key=lambda row: row[3])
+        start = origin if origin is not None else (rows[0][3] if rows else 0.0)
+        return [(k, g, i, a - start, b - start, n) for k, g, i, a, b, n in rows]
+
+
+def chunks_inside(log: Sequence[LogRow], kind: str) -> int:
+    """How many chunk launches fall strictly inside an event of ``kind`` ("a2a" or "pending")."""
+    spans = [(a, b) for k, _, _, a, b, _ in log if k == kind]
+    return sum(1 for k, _, _, t, _, _ in log if k == "chunk" and any(a < t < b for a, b in spans))

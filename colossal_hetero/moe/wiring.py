@@ -1,0 +1,132 @@
+"""Wiring of expert parallelism into the plugin: policy before sharding, reducers after.
+
+The plugin (a composition root) calls :func:`moe_policy` at ``configure`` before the engine
+shards the model, and :func:`install_reducers` after, with the boosted model and optimizer.
+The reducers then run on the step seam:
+
+- gradients of dense parameters are reduced over all data-parallel ranks, those of the experts
+  a rank holds over the ranks holding the same experts (``moe_dp``), both averaged over all
+  data-parallel ranks, in fixed chunks, on process groups of their own (never the a2a's);
+- the boosted optimizer's ``step`` first flushes both reducers, so every gradient is reduced
+  before the update (and before clipping);
+- :class:`MoeStepLog`, a seam controller, starts each step's event log and, with a metrics
+  folder, writes it as one record per step to ``moe_rank{r}.jsonl`` (with the placement in
+  the first record).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from colossal_hetero.config.schema import HeteroConfig
+from colossal_hetero.metrics.decisions import DecisionWriter
+from colossal_hetero.moe.block import HeteroEPMixtralSparseMoeBlock
+from colossal_hetero.moe.checks import check_moe_model
+from colossal_hetero.moe.comm import MoeComm
+from colossal_hetero.moe.placement import Placement
+from colossal_hetero.moe.policy import HeteroMixtralForCausalLMPolicy
+from colossal_hetero.moe.scheduler import ChunkedGradReducer
+
+
+@dataclass(frozen=True, slots=True)
+class MoeSetup:
+    """What ``configure`` builds before sharding: the policy, its gate and the placement."""
+
+    policy: HeteroMixtralForCausalLMPolicy
+    comm: MoeComm
+    placement: Placement
+
+
+def moe_policy(config: HeteroConfig, model: nn.Module, world_size: int) -> MoeSetup:
+    """Check the model against ``parallel.ep`` and ``moe`` (ConfigError, on every rank, before
+    any collective) and build the policy that installs our expert-parallel blocks."""
+    placement = check_moe_model(config.parallel, config.moe, model.config, world_size)
+    assert placement is not None  # ep > 1 here
+    comm = MoeComm(log=config.moe.log_events)
+    return MoeSetup(HeteroMixtralForCausalLMPolicy(comm, placement), comm, placement)
+
+
+def gradient_groups(world_size: int, ep: int) -> tuple[ProcessGroup, ProcessGroup]:
+    """(dense group, expert group) of this rank, new groups of their own.
+
+    Colossal-AI's mesh ``(moe_dp, pp=1, ep, tp=1, sp=1)`` numbers rank ``i * ep + e`` for
+    replica ``i`` of ep index ``e``; the experts of index ``e`` are reduced over
+    ``{i * ep + e}``. Every rank creates every group, in the same order.
+    """
+    rank = dist.get_rank()
+    dense = dist.new_group(list(range(world_size)))
+    mine = None
+    for e in range(ep):
+        group = dist.new_group([i * ep + e for i in range(world_size // ep)])
+        if rank % ep == e:
+            mine = group
+    assert dense is not None and mine is not None
+    return dense, mine
+
+
+def install_reducers(
+    config: HeteroConfig, model: nn.Module, optimizer: Any, comm: MoeComm, dp_size: int
+) -> dict[str, ChunkedGradReducer]:
+    """Reducers for ``model`` (the booster's), attached to ``comm``; ``optimizer.step`` (the
+    booster's, on the instance) flushes them first."""
+    moe = config.moe
+    blocks = [m for m in model.modules() if isinstance(m, HeteroEPMixtralSparseMoeBlock)]
+    expert_ids = {id(p) for block in blocks for p in block.expert_parameters()}
+    params = [p for p in model.parameters() if p.requires_grad]
+    dense_params = [p for p in params if id(p) not in expert_ids]
+    expert_params = [p for p in params if id(p) in expert_ids]
+    dense_group, expert_group = gradient_groups(dist.get_world_size(), config.parallel.ep)
+    common: dict[str, Any] = {
+        "chunk_bytes": moe.chunk_bytes,
+        "max_inflight": moe.max_inflight,
+        "priority": moe.priority,
+        "divisor": dp_size,
+    }
+    reducers = {
+        "dense": ChunkedGradReducer(dense_params, dense_group, **common),
+        "expert": ChunkedGradReducer(expert_params, expert_group, **common),
+    }
+    comm.attach(reducers)
+    if optimizer is not None:
+        optimizer.step = _flush_first(optimizer.step, comm.flush)
+    return reducers
+
+
+def _flush_first(step: Callable[..., Any], flush: Callable[[], None]) -> Callable[..., Any]:
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        flush()
+        return step(*args, **kwargs)
+
+    return wrapped
+
+
+class MoeStepLog:
+    """Seam controller: a fresh event log per step, written per step when given a folder."""
+
+    def __init__(
+        self, comm: MoeComm, placement: Placement, folder: str | Path | None, rank: int
+    ) -> None:
+        self.comm, self.placement = comm, placement
+        self.writer = DecisionWriter(folder, "moe", rank)
+        self.last: list[tuple[str, str, int, float, float, int]] = []
+
+    def on_step_begin(self, step: int) -> None:
+        self.comm.clear()
+
+    def on_step_end(self, step: int, timing: Any) -> None:
+        self.last = self.comm.step_log()
+        record: dict[str, Any] = {"step": step, "controller": "moe", "events": self.last}
+        if step == 0:
+            record["placement"] = self.placement.record()
+        if self.writer.path is not None:
+            self.writer.write(record)
+
+    def close(self) -> None:
+        self.writer.close()

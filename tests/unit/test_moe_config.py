@@ -1,0 +1,77 @@
+"""Expert-parallel config: the shipped YAML validates; each bad input is one ConfigError naming
+its field (parallel.ep, model.hf.num_experts_per_tok, moe.chunk_kib, moe.placement)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from colossal_hetero.config.loader import ConfigError, from_dict, load_config
+from colossal_hetero.config.schema import RunConfig
+from colossal_hetero.config.validate import validate_run
+
+ROOT = Path(__file__).resolve().parents[2]
+HF = {
+    "num_hidden_layers": 2,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 64,
+}
+
+
+def _run(parallel: dict, moe: dict | None = None, hf: dict | None = None) -> RunConfig:
+    data = {
+        "model": {"arch": "mixtral", "hf": {**HF, **(hf or {})}},
+        "data": {"seq_len": 16, "global_batch_size": 8},
+        "parallel": parallel,
+        "moe": moe or {},
+        "train": {"eval_every": 0},
+    }
+    return from_dict(RunConfig, data)
+
+
+def test_shipped_config_validates_as_ep2_dp2() -> None:
+    config = load_config(ROOT / "configs" / "mixtral_ep2_dp2.yaml")
+    assert validate_run(config, 4) == 4
+    assert config.parallel.ep == 2 and config.model.hf["num_local_experts"] == 4
+    assert config.plugin_config().moe == config.moe
+
+
+@pytest.mark.parametrize(
+    ("parallel", "moe", "hf", "world", "fragment"),
+    [
+        ({"ep": 3}, None, {"num_local_experts": 6}, 4, "parallel.ep=3 does not divide the world"),
+        ({"ep": 4}, None, {"num_local_experts": 6}, 4, "parallel.ep=4 does not divide the number"),
+        ({"ep": 2, "tp": 2}, None, None, 4, "parallel.ep: expert parallelism runs with tp = pp"),
+        ({"ep": 2}, None, {"num_experts_per_tok": 5}, 4, "model.hf.num_experts_per_tok: top-5"),
+        ({"ep": 2}, {"placement": [[0, 1], [2]]}, None, 4, "moe.placement: expert 3 is placed"),
+        ({"ep": 2}, {"placement": [[0, 1], [2, 3, 0]]}, None, 4, "expert 0 is placed twice"),
+        ({"ep": 2}, {"placement": [[0, 1, 2, 3]]}, None, 4, "moe.placement: lists 1"),
+        ({}, {"placement": [[0, 1], [2, 3]]}, None, 4, "moe.placement: needs expert"),
+    ],
+)
+def test_bad_moe_layout_is_one_config_error(parallel, moe, hf, world, fragment) -> None:
+    with pytest.raises(ConfigError) as error:
+        validate_run(_run(parallel, moe, hf), world)
+    assert fragment in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("moe", "fragment"),
+    [({"chunk_kib": 0}, "moe.chunk_kib: must be >= 1, got 0"), ({"max_inflight": 0}, "moe.max")],
+)
+def test_bad_moe_field_names_it(moe, fragment) -> None:
+    with pytest.raises(ValueError) as error:
+        _run({"ep": 2}, moe)
+    assert fragment in str(error.value)
+
+
+def test_ep_needs_an_expert_model() -> None:
+    data = {"model": {"arch": "llama"}, "parallel": {"ep": 2}, "train": {"eval_every": 0}}
+    with pytest.raises(ConfigError, match="parallel.ep: 2 needs a mixture-of-experts model"):
+        validate_run(from_dict(RunConfig, data), 4)
