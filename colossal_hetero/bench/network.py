@@ -27,8 +27,6 @@ from __future__ import annotations
 import json
 import platform
 import statistics
-import sys
-import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -37,11 +35,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from colossal_hetero.bench.network_patterns import Phase, phase_json, run_patterns
-from colossal_hetero.bench.spawn import spawn_ranks
-from colossal_hetero.emulation.shaped.launcher import run_shaped
-from colossal_hetero.emulation.shaped.netns import list_namespaces
-from colossal_hetero.emulation.shaped.topology import new_prefix
+from colossal_hetero.bench.network_patterns import Phase, run_patterns
+from colossal_hetero.bench.shaped_spawn import run_bench_ranks, run_shaped_ranks
 
 _MIB = 1 << 20
 RATE_GBPS = 0.2
@@ -51,7 +46,7 @@ SHAPED_TIMEOUT_S = 300.0
 
 def phases(quick: bool) -> list[Phase]:
     """The two launches: 2 ranks for the patterns alone and in contention, 3 for preemption."""
-    repeats = 3 if quick else 7
+    repeats = 3 if quick else 15
     preemptions = [
         {"factor": PREEMPT_FACTOR, "start_step": 1, "end_step": 2, "ranks": [2]},
         {"factor": PREEMPT_FACTOR, "start_step": 2, "end_step": 3, "ranks": [2], "kind": "tenant"},
@@ -108,27 +103,20 @@ def _merge(results: list[dict[str, list[float]]]) -> dict[str, float]:
 
 def run_shaped_phase(phase: Phase) -> tuple[dict[str, float], int]:
     """Medians on shaped links, and how many of the launch's namespaces remain afterwards."""
-    with tempfile.TemporaryDirectory() as folder:
-        spec = Path(folder, "spec.json")
-        spec.write_text(phase_json(phase))
-        argv = [sys.executable, "-m", "colossal_hetero.bench.network_patterns"]
-        argv += ["--spec", str(spec), "--out", folder]
-        prefix = new_prefix()
-        code = run_shaped(
-            phase.network("shaped"), phase.world, argv, prefix=prefix, timeout_s=SHAPED_TIMEOUT_S
-        )
-        leftovers = len(list_namespaces(prefix))
-        if code != 0:
-            raise RuntimeError(f"bench network: shaped phase {phase.name} exited with {code}")
-        results = [
-            json.loads(Path(folder, f"result_{r}.json").read_text()) for r in range(phase.world)
-        ]
+    results, leftovers = run_shaped_ranks(
+        run_patterns,
+        phase.world,
+        phase.network("shaped"),
+        timeout_s=SHAPED_TIMEOUT_S,
+        phase=asdict(phase),
+        mode="shaped",
+    )
     return _merge(results), leftovers
 
 
 def run_model_phase(phase: Phase) -> dict[str, float]:
     """Medians on loopback under the interceptor's network model."""
-    results = spawn_ranks(run_patterns, phase.world, phase=asdict(phase), mode="model")
+    results = run_bench_ranks(run_patterns, phase.world, phase=asdict(phase), mode="model")
     return _merge(results)
 
 

@@ -1,12 +1,11 @@
 """The communication patterns of ``bench network``, run on every rank of either network mode.
 
-The same code runs on shaped links (started by the shaped launcher: ``python -m
-colossal_hetero.bench.network_patterns --spec S --out DIR``) and on loopback under the
-interceptor's network model (``spawn_ranks(run_patterns, ...)``): it builds the interceptor
-with ``build_interceptor`` from the phase's config, so model mode uses whatever model that
-gives, and shaped mode gets none. Every step first reports itself (the shaped controller then
-applies that step's preemptions) and pauses ``settle_s`` so a rate change or tenant burst is in
-place before the timed transfers.
+The same code runs on shaped links and on loopback under the interceptor's network model,
+both started by ``bench.shaped_spawn`` (``run_shaped_ranks``, ``run_bench_ranks``): it builds
+the interceptor with ``build_interceptor`` from the phase's config, so model mode uses whatever
+model that gives, and shaped mode gets none. Every step first reports itself (the shaped
+controller then applies that step's preemptions) and pauses ``settle_s`` so a rate change or
+tenant burst is in place before the timed transfers.
 
 Phases (``Phase.name``):
 - ``alone`` (2 ranks): step 0 times all-reduce, p2p 0->1 and all_to_all_single, each alone, and
@@ -17,21 +16,16 @@ Phases (``Phase.name``):
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
 import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
+from colossal_hetero.bench.shaped_spawn import report_bench_step
 from colossal_hetero.config.schema import EmulationConfig, NetworkEmulationConfig, PreemptionSpec
 from colossal_hetero.emulation import build_interceptor
-from colossal_hetero.emulation.shaped.controller import STEP_DIR_ENV, report_step
 
 _MIB = 1 << 20
 _ISSUE_LEAD_S = 0.02  # the large all-reduce is on the wire before the small all-to-all starts
@@ -131,14 +125,12 @@ def run_patterns(
     """This rank's timed transfers of ``phase`` (seconds per repeat, keyed by pattern)."""
     spec = Phase(**phase)
     emulation = EmulationConfig(network=spec.network(mode))
-    step_dir = os.environ.get(STEP_DIR_ENV)
     background = dist.new_group(list(range(world_size))) if spec.name == "alone" else None
     times: dict[str, list[float]] = {}
     steps = 1 if spec.name == "alone" else 3
     with build_interceptor(emulation, rank, world_size, device) as interceptor:
         for step in range(steps):
-            if step_dir:
-                report_step(step_dir, rank, step)
+            report_bench_step(rank, step)
             time.sleep(spec.settle_s)
             dist.barrier()
             with interceptor.step(step):
@@ -148,32 +140,3 @@ def run_patterns(
                     found = _preempt_step(rank, spec, step)
             times.update(found)
     return times
-
-
-def main(argv: list[str] | None = None) -> int:
-    """A shaped rank: run the phase in ``--spec`` and write ``--out/result_<rank>.json``."""
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--spec", required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    try:
-        phase = json.loads(Path(args.spec).read_text())
-        result = run_patterns(
-            rank=rank, world_size=world, device=torch.device("cpu"), phase=phase, mode="shaped"
-        )
-        Path(args.out, f"result_{rank}.json").write_text(json.dumps(result))
-    finally:
-        time.sleep(0.2)  # torch 2.5 gloo teardown race, see tests/dist_utils.py
-        dist.destroy_process_group()
-    return 0
-
-
-def phase_json(phase: Phase) -> str:
-    return json.dumps(asdict(phase))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

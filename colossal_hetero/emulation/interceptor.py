@@ -10,8 +10,9 @@ Between two collectives a rank computes; at each collective the interceptor
   (b) runs the real collective and times it (communication wait), by kind (``COMM_KINDS``),
       counting the bytes it sends;
   (c) books the call's modelled transfer on this rank's link (``LinkTimeline``: per
-      direction, a bounded queue wait, then the rate shared among process groups, each group
-      in order), from when the real call returned, and sleeps until the transfer completes;
+      direction, the receiver's ready notice and the data each wait behind a bounded queue,
+      then the rate is shared among process groups, each group in order), from when the real
+      call returned, and sleeps until the transfer completes;
   (d) starts the next compute interval.
 Async calls book their transfer at issue, so it runs while the rank computes; their ``wait()``
 is a boundary like a collective and sleeps only what remains of the transfer. With neither a
@@ -78,7 +79,11 @@ class CollectiveInterceptor:
         self.rank, self.world_size = rank, world_size
         self._sleep, self._clock = sleep, clock
         # This rank's link, kept across steps as transfers are.
-        self._link = LinkTimeline(network.queue if network is not None else math.inf)
+        self._link = (
+            LinkTimeline(network.queue, rendezvous=network.rendezvous)
+            if network is not None
+            else LinkTimeline(math.inf)
+        )
         self.slowdown = slowdown if slowdown is not None and slowdown.enabled else None
         self.network = network if network is not None and network.enabled else None
         self.device = device if device is not None else torch.device("cpu")

@@ -12,6 +12,11 @@ order. A transfer uses one or both directions, for its own duration of work on e
   switch port's buffer:
   ``start = issue + max over its directions d of min(backlog[d], queue)``, where
   ``backlog[d]`` is how long ``d`` stays busy after ``issue``;
+- with ``rendezvous``, the data on ``d`` waits first for the receiver's ready notice, a small
+  message that crosses the other direction ``d'`` behind its queue:
+  ``start = issue + max over d of (n_d + min(backlog[d] after n_d, queue))`` with
+  ``n_d = min(backlog[d'], queue)``. On an idle reverse direction the notice is free; behind a
+  bulk transfer both ways (a ring all-reduce) a transfer pays two queue waits;
 - from ``start`` it is served on each direction once its stream's earlier transfers there
   are done (a stream is first-in first-out);
 - a direction shares its rate equally among the streams it is serving (processor sharing, as
@@ -78,6 +83,11 @@ class LinkTimeline:
     """Seconds of traffic a direction's queue holds: the longest a transfer waits behind
     traffic booked before it (inf: behind everything)."""
 
+    rendezvous: bool = False
+    """Data moves only after the receiver's ready notice arrived (gloo's and NCCL's transports
+    send a transfer once the receiver has posted its buffer): the notice crosses the other
+    direction first, behind that direction's queue."""
+
     busy_until: list[float] = field(default_factory=lambda: [-math.inf, -math.inf])
     """When each direction drains everything booked on it."""
 
@@ -104,14 +114,23 @@ class LinkTimeline:
         for d in (EGRESS, INGRESS):  # what was served until now stays as it was
             self.lanes[d] = _serve(self.lanes[d], d, self.served_to, issue)
         self.served_to = issue
-        queued = [min(max(0.0, self.busy_until[d] - issue), self.queue) for d in used]
-        booking = Booking(stream, issue + max(queued, default=0.0))
+        booking = Booking(stream, issue + max((self._wait(d, issue) for d in used), default=0.0))
         for d in used:
             self.busy_until[d] = max(self.busy_until[d], booking.start) + seconds[d]
             self.lanes[d].append(_Share(booking, seconds[d]))
             # Project every share's end from now: the new one may slow those it overlaps.
             _serve([_Share(s.booking, s.remaining) for s in self.lanes[d]], d, issue, math.inf)
         return booking
+
+    def _wait(self, d: int, issue: float) -> float:
+        """Seconds from ``issue`` until data on direction ``d`` may move: the receiver's ready
+        notice behind the other direction's queue (with ``rendezvous``), then ``d``'s queue."""
+        notice = self._queued(1 - d, issue) if self.rendezvous else 0.0
+        return notice + self._queued(d, issue + notice)
+
+    def _queued(self, d: int, t: float) -> float:
+        """How long something sent on ``d`` at ``t`` waits behind the queue there."""
+        return min(max(0.0, self.busy_until[d] - t), self.queue)
 
 
 def _serve(lane: list[_Share], d: int, now: float, until: float) -> list[_Share]:

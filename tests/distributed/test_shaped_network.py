@@ -22,7 +22,9 @@ import pytest
 import yaml
 
 from colossal_hetero.bench.network import phases, predictions, run_shaped_phase
+from colossal_hetero.bench.shaped_spawn import run_bench_ranks
 from colossal_hetero.cli import launch_command
+from colossal_hetero.config.schema import NetworkEmulationConfig
 from colossal_hetero.emulation.shaped.netns import list_namespaces
 from colossal_hetero.emulation.shaped.topology import new_prefix
 from colossal_hetero.metrics import read_run
@@ -72,6 +74,37 @@ def test_rate_change_and_tenant_slow_only_the_targeted_rank():
     for untouched in (rate_other, tenant_other):
         assert untouched < 1.15, untouched  # same link rate: only noise (measured 1.00-1.03)
     assert leftovers == 0
+
+
+def timed_p2p_worker(*, rank: int, world_size: int, device: object, mib: float) -> dict:
+    """A bench worker for ``run_bench_ranks``: which links it ran on and a timed p2p 0 -> 1."""
+    import torch
+    import torch.distributed as dist
+
+    from colossal_hetero.bench.shaped_spawn import on_shaped_links
+
+    buffer = torch.ones(int(mib * (1 << 20)) // 4)
+    times = []
+    for _ in range(3):
+        dist.barrier()
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(buffer, 1)
+        else:
+            dist.recv(buffer, 0)
+        times.append(time.perf_counter() - start)
+    return {"shaped": on_shaped_links(), "seconds": sorted(times)[1], "world": world_size}
+
+
+def test_bench_helper_runs_a_worker_on_shaped_links():
+    network = NetworkEmulationConfig(mode="shaped", bandwidth_gbps=0.2)
+    results = run_bench_ranks(timed_p2p_worker, 2, network=network, timeout_s=120, mib=2.0)
+    assert [r["shaped"] for r in results] == [True, True]
+    assert [r["world"] for r in results] == [2, 2]
+    predicted = 2.0 * (1 << 20) * 8 / 0.2e9  # 84 ms at 200 Mbit/s
+    received = results[1]["seconds"]  # the receiver's clock: recv returns on arrival
+    assert abs(received - predicted) / predicted <= RATE_TOLERANCE, (received, predicted)
+    # run_bench_ranks raises if the run's own namespaces (its prefix) outlive it.
 
 
 _SLEEPER = (

@@ -131,9 +131,15 @@ def rig(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[FakeClock, Fakes]]:
 
 
 def _interceptor(
-    clock: FakeClock, modelled: bool = True, queue: float = 2 / 64
+    clock: FakeClock, modelled: bool = True, queue: float = 2 / 64, rendezvous: bool = True
 ) -> CollectiveInterceptor:
-    network = NetworkModel(world_size=2, enabled=True, default_bandwidth=BANDWIDTH, queue=queue)
+    network = NetworkModel(
+        world_size=2,
+        enabled=True,
+        default_bandwidth=BANDWIDTH,
+        queue=queue,
+        rendezvous=rendezvous,
+    )
     return CollectiveInterceptor(
         0, 2, network=network if modelled else None, sleep=clock.sleep, clock=clock
     )
@@ -209,13 +215,27 @@ def test_two_concurrent_transfers_on_one_link_take_the_sum(rig: Any) -> None:
 
 def test_a_send_and_a_receive_overlap_on_a_full_duplex_link(rig: Any) -> None:
     clock, _ = rig
-    with _interceptor(clock) as ic, ic.step(0):
+    with _interceptor(clock, rendezvous=False) as ic, ic.step(0):
         (sent,) = _isend(_floats(3))
         (received,) = _irecv(_floats(2))
         received.wait()
         sent.wait()
     assert clock.sleeps == [2 / 64, 1 / 64]  # each direction on its own: 2/64, then 3/64
     assert ic.last_timing.network_delay == 3 / 64
+
+
+def test_a_receive_waits_for_its_ready_notice_behind_the_send(rig: Any) -> None:
+    """Rendezvous: the receive's ready notice leaves on the egress, behind the send's bytes
+    (at most the 2/64 queue), so its data starts at 2/64 and arrives at 4/64; the send is done
+    at 3/64 by then."""
+    clock, _ = rig
+    with _interceptor(clock) as ic, ic.step(0):
+        (sent,) = _isend(_floats(3))
+        (received,) = _irecv(_floats(2))
+        received.wait()
+        sent.wait()
+    assert clock.sleeps == [4 / 64]
+    assert ic.last_timing.network_delay == 4 / 64
 
 
 def test_a_sync_call_queues_behind_an_async_one_in_flight(rig: Any) -> None:
@@ -246,15 +266,23 @@ def test_another_group_waits_for_the_queue_then_shares_the_link(
         work = dist.all_reduce(_floats(8), group=gradients, async_op=True)  # 8/64 s
         dist.all_to_all_single(torch.empty(0), _floats(4), group=experts)  # 2/64 s
         work.wait()
-    # The all-to-all is booked at 1/64 and starts after the queue's 2/64, at 3/64; sharing the
-    # link at half the rate, its 2/64 s take 4/64: done at 7/64 (sleeps 6/64). The all-reduce
-    # moved 3/64 alone, 2/64 shared, and its last 3/64 alone: done at 10/64, the sum of both
-    # (sleeps 10/64 - 7/64).
-    assert clock.sleeps == [6 / 64, 3 / 64]
+    # The all-to-all is booked at 1/64. Its ready notices cross the other direction behind the
+    # all-reduce's queue (2/64), then its data waits behind the queue (2/64): it starts at 5/64.
+    # Sharing the link at half the rate, its 2/64 s take 4/64: done at 9/64 (sleeps 8/64). The
+    # all-reduce moved 5/64 alone, 2/64 shared, and its last 1/64 alone: done at 10/64, the sum
+    # of both (sleeps 10/64 - 9/64).
+    assert clock.sleeps == [8 / 64, 1 / 64]
     timing = ic.last_timing
     assert (
-        timing.wait_by_kind["all_to_all"] == 7 / 64 and timing.wait_by_kind["all_reduce"] == 3 / 64
+        timing.wait_by_kind["all_to_all"] == 9 / 64 and timing.wait_by_kind["all_reduce"] == 1 / 64
     )
+    # Without the rendezvous only the data waits: starts at 3/64, done at 7/64, then 10/64.
+    clock.sleeps.clear()
+    with _interceptor(clock, rendezvous=False) as ic, ic.step(1):
+        work = dist.all_reduce(_floats(8), group=gradients, async_op=True)
+        dist.all_to_all_single(torch.empty(0), _floats(4), group=experts)
+        work.wait()
+    assert clock.sleeps == [6 / 64, 3 / 64]
 
 
 def test_transfers_stay_booked_across_steps_and_waits_outside_steps_are_not_counted(

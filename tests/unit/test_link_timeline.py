@@ -121,3 +121,27 @@ def test_completed_bookings_are_dropped_and_keep_their_times() -> None:
 def test_negative_durations_are_refused() -> None:
     with pytest.raises(ValueError, match=">= 0"):
         LinkTimeline().book(0.0, egress=-0.125)
+
+
+def test_rendezvous_notice_waits_behind_the_reverse_direction() -> None:
+    # Measured on shaped links: a small p2p whose receiver's ready notice queued behind a bulk
+    # flow the other way took ~16 ms more than with the receive posted earlier.
+    reverse_only = LinkTimeline(queue=0.25, rendezvous=True)
+    reverse_only.book(0.0, ingress=1.0, stream="bulk")  # the bulk flows into this rank
+    sent = reverse_only.book(0.125, egress=0.125, stream="p2p")
+    # notice on the ingress: min(0.875, 0.25); the egress is idle: data starts at 0.375
+    assert (sent.start, sent.completion) == (0.375, 0.5)
+    plain = LinkTimeline(queue=0.25)
+    plain.book(0.0, ingress=1.0, stream="bulk")
+    assert plain.book(0.125, egress=0.125, stream="p2p").completion == 0.25  # no notice
+
+
+def test_rendezvous_behind_a_two_way_bulk_pays_two_queue_waits() -> None:
+    link = LinkTimeline(queue=0.25, rendezvous=True)
+    link.book(0.0, egress=1.0, ingress=1.0, stream="bulk")  # a ring all-reduce, both ways
+    small = link.book(0.125, egress=0.125, ingress=0.125, stream="a2a")
+    # each direction: notice 0.25 on the other, then min(0.875 - 0.25, 0.25) = 0.25 of data
+    # queue: starts at 0.625, then shares with the bulk at half rate: 0.25 s for 0.125 s
+    assert (small.start, small.completion) == (0.625, 0.875)
+    idle = LinkTimeline(queue=0.25, rendezvous=True)
+    assert idle.book(0.0, egress=0.5).completion == 0.5  # an idle reverse: the notice is free

@@ -34,7 +34,12 @@ from colossal_hetero.emulation.shaped.launcher import (
     rank_env,
     run_shaped,
 )
-from colossal_hetero.emulation.shaped.netns import check_shaped_support, setup_commands
+from colossal_hetero.emulation.shaped.netns import (
+    check_netem_support,
+    check_shaped_support,
+    latency_field,
+    setup_commands,
+)
 from colossal_hetero.emulation.shaped.tc import (
     change_commands,
     queue_bytes,
@@ -82,10 +87,85 @@ def test_shape_commands_htb_classes_filters_and_leaves():
     peer = [c for c in cmds if "1:102" in c]  # peer 2's class, hex 0x100 + 2
     assert "rate 1000000000bit" in peer[0]
     assert "match ip dst 10.213.0.3/32 flowid 1:102" in peer[1]
-    assert peer[2].endswith("handle 203: netem delay 100us limit 10000")
+    # netem's packet limit: 100 us at 1 Gbit/s (12500 B) + the 20 ms queue (2.5 MB), in 9000 B
+    # packets: ceil(2512500 / 9000) = 280.
+    assert peer[2].endswith("handle 203: netem delay 100us limit 280")
     down = shape_commands("sw", "p2", rank_directions(NET, 3)[2][1], match="src", factor=0.5)
     assert "match ip src 10.213.0.1/32" in " ".join(down[-2])
     assert "rate 500000000bit" in " ".join(down[-3])  # 1 Gbit/s class at factor 0.5
+
+
+def test_latency_gets_netem_on_data_and_ack_classes():
+    # Default latency 50 us on every link, peer 2 at 100 us: data classes and ACKs delayed.
+    net = NetworkEmulationConfig(
+        mode="shaped",
+        bandwidth_gbps=0.2,
+        latency_us=50,
+        links=[LinkSpec(ranks=[0, 2], bandwidth_gbps=1.0, latency_us=100)],
+    )
+    up0 = rank_directions(net, 3)[0][0]
+    cmds = [" ".join(c) for c in shape_commands("ns0", "chs0", up0, match="dst")]
+    # default data class: ceil((25e6 * 50e-6 + 500000) / 9000) = ceil(501250 / 9000) = 56
+    assert "parent 1:1 handle 200: netem delay 50us limit 56" in cmds[2]
+    ack_default = [c for c in cmds if "parent 1:2 " in c and "qdisc" in c]
+    assert ack_default == [
+        "tc -n ns0 qdisc add dev chs0 parent 1:2 handle 3ff: netem delay 50us limit 10000"
+    ]
+    # peer 2's ACKs: own class 1:302, filtered at prio 1 (before the generic ACK filter at 2)
+    peer_ack = [c for c in cmds if "1:302" in c]
+    assert "class add dev chs0 parent 1: classid 1:302 htb" in peer_ack[0]
+    assert " prio 1 u32 " in peer_ack[1] and peer_ack[1].endswith(
+        "match ip dst 10.213.0.3/32 flowid 1:302"
+    )
+    assert peer_ack[2].endswith("handle 402: netem delay 100us limit 10000")
+    assert any(" prio 2 u32 " in c and c.endswith("flowid 1:2") for c in cmds)
+    assert any(" prio 3 u32 match ip dst 10.213.0.3/32 flowid 1:102" in c for c in cmds)
+    # A download (switch port) carries no latency: latency is added once, on the sender.
+    down2 = rank_directions(net, 3)[2][1]
+    assert not any("netem" in " ".join(c) for c in shape_commands("sw", "p2", down2, match="src"))
+    # Without latency: no netem anywhere, bfifo leaves, one generic ACK class.
+    plain = [
+        " ".join(c)
+        for c in shape_commands(
+            "ns0",
+            "chs0",
+            rank_directions(NetworkEmulationConfig(mode="shaped", bandwidth_gbps=0.2), 3)[0][0],
+            match="dst",
+        )
+    ]
+    assert not any("netem" in c for c in plain) and sum("classid" in c for c in plain) == 2
+
+
+def test_latency_needs_netem_checked_by_a_probe_first():
+    calls = []
+
+    def probe(found: bool):
+        def run() -> bool:
+            calls.append(found)
+            return found
+
+        return run
+
+    plain = NetworkEmulationConfig(mode="shaped", bandwidth_gbps=0.2)
+    assert latency_field(plain) is None
+    check_netem_support(plain, probe(False))
+    assert calls == []  # no latency asked: no probe (no namespace made)
+    assert latency_field(NET) == "emulation.network.links[0].latency_us"
+    with pytest.raises(ConfigError, match=r"^emulation.network.links\[0\].latency_us: .*netem"):
+        check_netem_support(NET, probe(False))
+    check_netem_support(NET, probe(True))
+    default = NetworkEmulationConfig(mode="shaped", bandwidth_gbps=0.2, latency_us=20)
+    assert latency_field(default) == "emulation.network.latency_us"
+    with pytest.raises(ConfigError, match="mode: model"):
+        check_netem_support(default, probe(False))
+    assert calls == [False, True, False]
+    # The launcher checks before it creates anything (no namespace, no process).
+    made = []
+    with pytest.raises(ConfigError, match="latency_us"):
+        run_shaped(
+            default, 2, ["true"], check=lambda: None, netem_probe=lambda: made.append(1) or False
+        )
+    assert made == [1]
 
 
 def test_change_commands_scale_every_class():

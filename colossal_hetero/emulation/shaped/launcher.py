@@ -28,8 +28,10 @@ from colossal_hetero.config.schema import NetworkEmulationConfig, RunConfig
 from colossal_hetero.emulation.shaped import tenant as tenant_script
 from colossal_hetero.emulation.shaped.controller import STEP_DIR_ENV, Controller
 from colossal_hetero.emulation.shaped.netns import (
+    check_netem_support,
     check_shaped_support,
     create_topology,
+    probe_netem,
     remove_namespaces,
 )
 from colossal_hetero.emulation.shaped.tc import rank_shape_commands
@@ -212,13 +214,17 @@ def run_shaped(
     timeout_s: float | None = None,
     prefix: str | None = None,
     check: Callable[[], None] = check_shaped_support,
+    netem_probe: Callable[[], bool] = probe_netem,
 ) -> int:
     """Run ``argv`` as ``world`` ranks on links shaped as ``net`` says; returns the exit code.
 
     Raises ConfigError from ``check`` (before anything is created) when shaped mode cannot
-    run. ``prefix`` (``chs-...-``) names the run's namespaces; a fresh one by default.
+    run, or when ``net`` asks for latency and ``netem_probe`` (a throw-away namespace, removed
+    at once) finds no netem. ``prefix`` (``chs-...-``) names the run's namespaces; a fresh one
+    by default.
     """
     check()
+    check_netem_support(net, netem_probe)
     directions = rank_directions(net, world)
     targets = tenant_targets(net.preemptions, world)
     topology = Topology(prefix or new_prefix(), world, tenant=bool(targets))

@@ -17,11 +17,13 @@ import time
 from collections.abc import Callable
 
 from colossal_hetero.config import ConfigError
+from colossal_hetero.config.schema import NetworkEmulationConfig
 from colossal_hetero.emulation.shaped.topology import (
     MTU,
     PREFIX_ROOT,
     RANK_IFNAME,
     Topology,
+    new_prefix,
 )
 
 _TIMEOUT_S = 30  # one ip/tc command; they take milliseconds
@@ -44,6 +46,44 @@ def check_shaped_support(
         raise ConfigError(
             f"emulation.network.mode: shaped needs {why} to build network namespaces and tc "
             "links; use mode: model (sleeps the modelled time, no privileges)"
+        )
+
+
+def latency_field(net: NetworkEmulationConfig) -> str | None:
+    """The config field that asks for latency (needing netem in shaped mode), or None. Pure."""
+    if net.latency_us > 0:
+        return "emulation.network.latency_us"
+    for i, spec in enumerate(net.links):
+        if spec.latency_us > 0:
+            return f"emulation.network.links[{i}].latency_us"
+    return None
+
+
+def probe_netem(prefix: str | None = None) -> bool:
+    """Whether this kernel has the netem qdisc: adds one on the loopback of a throw-away
+    namespace (``<prefix>nq``, removed before returning). Needs root."""
+    ns = f"{prefix or new_prefix()}nq"
+    try:
+        run_cmd(["ip", "netns", "add", ns])
+        done = _capture(
+            ["tc", "-n", ns, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"]
+        )
+        return done.returncode == 0
+    finally:
+        remove_namespaces([ns])
+
+
+def check_netem_support(
+    net: NetworkEmulationConfig, probe: Callable[[], bool] = probe_netem
+) -> None:
+    """ConfigError (one line naming the latency field, suggesting mode: model) when ``net``
+    asks for latency and ``probe`` finds no netem; probes only when latency is asked for."""
+    field = latency_field(net)
+    if field is not None and not probe():
+        raise ConfigError(
+            f"{field}: shaped mode adds latency with the netem qdisc (sch_netem), which this "
+            "kernel lacks; set it to 0 or use emulation.network.mode: model (which models "
+            "latency)"
         )
 
 
@@ -137,7 +177,8 @@ def cleanup_leftovers(prefix: str) -> list[str]:
 def create_topology(topology: Topology, shape_cmds: list[list[str]]) -> None:
     """Build the namespaces and links, then shape them; on any failure remove what was made.
 
-    Raises ConfigError when the config needs latency and the kernel has no netem qdisc.
+    The launcher checks netem first (``check_netem_support``); a netem that still fails here
+    raises the same one-line ConfigError.
     """
     try:
         for argv in setup_commands(topology) + shape_cmds:
@@ -147,7 +188,7 @@ def create_topology(topology: Topology, shape_cmds: list[list[str]]) -> None:
         if isinstance(error, RuntimeError) and " netem " in str(error):
             raise ConfigError(
                 "emulation.network.latency_us: shaped mode adds latency (also a link's) with the "
-                "netem qdisc (sch_netem), which this kernel lacks; set latency_us: 0 or use "
+                "netem qdisc (sch_netem), which failed here; set latency_us: 0 or use "
                 "mode: model"
             ) from None
         raise

@@ -10,6 +10,9 @@ ACKs bypass the shaping (``_ack_commands``). Preemptions change the classes' rat
 
 from __future__ import annotations
 
+import math
+
+from colossal_hetero.emulation.network import LINK_BUFFER_S
 from colossal_hetero.emulation.shaped.topology import (
     MTU,
     RANK_IFNAME,
@@ -19,9 +22,10 @@ from colossal_hetero.emulation.shaped.topology import (
 )
 
 _QUANTUM = 60000  # bytes per round between sibling classes; htb warns above 200000
-QUEUE_S = 0.02
-"""Seconds of traffic a link's queue holds (``queue_bytes``)."""
-_NETEM_LIMIT = 10000  # packets a delaying netem may hold (its default, 1000, drops at high rates)
+QUEUE_S = LINK_BUFFER_S
+"""Seconds of traffic a link's queue holds (``queue_bytes``); the network model derives its
+queue wait from the same buffer (``emulation.network.LINK_QUEUE_S``)."""
+_ACK_NETEM_LIMIT = 10000  # packets; pure ACKs of at most 64 bytes each
 
 
 def rate_arg(bps: float) -> str:
@@ -61,39 +65,81 @@ def _class_args(verb: str, ns: str, dev: str, peer: int | None, bps: float) -> l
     ]
 
 
-def _leaf_args(ns: str, dev: str, peer: int | None, bps: float, latency: float) -> list[str]:
-    """The queue under a class: netem when the link has latency, else a byte-limited FIFO."""
-    handle = f"{0x200 + (0 if peer is None else 1 + peer):x}:"
-    head = ["tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", _classid(peer), "handle", handle]
+def netem_limit(bps: float, latency: float) -> int:
+    """Packets a delaying netem holds: the bytes in flight on its delay line at the class's rate
+    plus the class's queue (``queue_bytes``), in MTU-sized packets. netem counts packets, not
+    bytes, so this stands in for the bfifo's byte limit (GSO super-packets larger than an MTU
+    make it hold more bytes)."""
+    held = bps / 8 * latency + queue_bytes(bps)
+    return max(1, math.ceil(held / MTU))
+
+
+def _leaf_args(
+    ns: str, dev: str, classid: str, handle: str, bps: float, latency: float
+) -> list[str]:
+    """The queue under a data class: netem when the link has latency, else a byte-limited
+    FIFO."""
+    head = ["tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", classid, "handle", handle]
     if latency > 0:
-        delay = f"{max(1, round(latency * 1e6))}us"
-        return [*head, "netem", "delay", delay, "limit", str(_NETEM_LIMIT)]
+        return [*head, *_delay(latency), "limit", str(netem_limit(bps, latency))]
     return [*head, "bfifo", "limit", str(queue_bytes(bps))]
 
 
+def _delay(latency: float) -> list[str]:
+    return ["netem", "delay", f"{max(1, round(latency * 1e6))}us"]
+
+
+def _ack_leaf(ns: str, dev: str, classid: str, handle: str, latency: float) -> list[str]:
+    """A netem delaying an ACK class; ACKs are tiny, so netem's packet limit is generous."""
+    head = ["tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", classid, "handle", handle]
+    return [*head, *_delay(latency), "limit", str(_ACK_NETEM_LIMIT)]
+
+
+def _data_leaf(ns: str, dev: str, peer: int | None, bps: float, latency: float) -> list[str]:
+    handle = f"{0x200 + (0 if peer is None else 1 + peer):x}:"
+    return _leaf_args(ns, dev, _classid(peer), handle, bps, latency)
+
+
 _ACK_CLASS = "1:2"
+_ACK_MATCH = (
+    *("match", "ip", "protocol", "6", "0xff"),
+    *("match", "u8", "0x05", "0x0f", "at", "0"),  # header length 5 words
+    *("match", "u16", "0x0000", "0xffc0", "at", "2"),  # total length < 64
+    *("match", "u8", "0x10", "0xff", "at", "33"),  # TCP flags: ACK alone
+)
 
 
-def _ack_commands(ns: str, dev: str) -> list[list[str]]:
-    """Pure TCP ACKs (IPv4, 20-byte header, under 64 bytes, only the ACK flag) skip the
-    shaping: in one FIFO with the reverse direction's data they would wait behind it, and a
-    full-duplex transfer (all-to-all) would then run at half its rate. They are ~2% of the
-    bytes."""
+def _ack_class(ns: str, dev: str, classid: str) -> list[str]:
     burst = str(burst_bytes(UNSHAPED_BPS))
-    ack_class = [
-        *("tc", "-n", ns, "class", "add", "dev", dev, "parent", "1:", "classid", _ACK_CLASS),
+    return [
+        *("tc", "-n", ns, "class", "add", "dev", dev, "parent", "1:", "classid", classid),
         *("htb", "rate", rate_arg(UNSHAPED_BPS), "burst", burst, "cburst", burst),
         *("quantum", str(_QUANTUM)),
     ]
-    ack_filter = [
-        *("tc", "-n", ns, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip"),
-        *("prio", "1", "u32", "match", "ip", "protocol", "6", "0xff"),
-        *("match", "u8", "0x05", "0x0f", "at", "0"),  # header length 5 words
-        *("match", "u16", "0x0000", "0xffc0", "at", "2"),  # total length < 64
-        *("match", "u8", "0x10", "0xff", "at", "33"),  # TCP flags: ACK alone
-        *("flowid", _ACK_CLASS),
-    ]
-    return [ack_class, ack_filter]
+
+
+def _ack_commands(ns: str, dev: str, direction: Direction, match: str) -> list[list[str]]:
+    """Pure TCP ACKs (IPv4, 20-byte header, under 64 bytes, only the ACK flag) skip the rate:
+    in one FIFO with the reverse direction's data they would wait behind it, and a
+    full-duplex transfer (all-to-all) would then run at half its rate. They are ~2% of the
+    bytes. They keep the link's latency (a netem under their class), so a connection's round
+    trip is both directions' latency; a peer whose latency differs from the default gets its
+    own ACK class (``1:<0x300 + peer>``, filtered first)."""
+    filt = ["tc", "-n", ns, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip"]
+    cmds: list[list[str]] = []
+    for peer, (_, latency) in sorted(direction.peers.items()):
+        if latency != direction.default_latency:
+            classid, address = f"1:{0x300 + peer:x}", f"{Topology.address(peer)}/32"
+            cmds.append(_ack_class(ns, dev, classid))
+            cmds.append([*filt, "prio", "1", "u32", *_ACK_MATCH])
+            cmds[-1] += ["match", "ip", match, address, "flowid", classid]
+            if latency > 0:
+                cmds.append(_ack_leaf(ns, dev, classid, f"{0x400 + peer:x}:", latency))
+    cmds.append(_ack_class(ns, dev, _ACK_CLASS))
+    cmds.append([*filt, "prio", "2", "u32", *_ACK_MATCH, "flowid", _ACK_CLASS])
+    if direction.default_latency > 0:
+        cmds.append(_ack_leaf(ns, dev, _ACK_CLASS, "3ff:", direction.default_latency))
+    return cmds
 
 
 def shape_commands(
@@ -109,18 +155,18 @@ def shape_commands(
     cmds[0] += ["default", "1"]
     default_bps = direction.default_bps * factor
     cmds.append(_class_args("add", ns, dev, None, default_bps))
-    cmds.append(_leaf_args(ns, dev, None, default_bps, direction.default_latency))
-    cmds += _ack_commands(ns, dev)
+    cmds.append(_data_leaf(ns, dev, None, default_bps, direction.default_latency))
+    cmds += _ack_commands(ns, dev, direction, match)
     for peer, (bps, latency) in sorted(direction.peers.items()):
         cmds.append(_class_args("add", ns, dev, peer, bps * factor))
         address = f"{Topology.address(peer)}/32"
         cmds.append(
             [
                 *("tc", "-n", ns, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip"),
-                *("prio", "2", "u32", "match", "ip", match, address, "flowid", _classid(peer)),
+                *("prio", "3", "u32", "match", "ip", match, address, "flowid", _classid(peer)),
             ]
         )
-        cmds.append(_leaf_args(ns, dev, peer, bps * factor, latency))
+        cmds.append(_data_leaf(ns, dev, peer, bps * factor, latency))
     return cmds
 
 
