@@ -200,3 +200,12 @@ def choose_for_config(config: object, world_size: int) -> ModeChoice:
         resized = plan_resizable_2d(speeds, dims.batch, dims.heads, dims.ffn, hf.vocab_size)
         choice = replace(choice, resizable=resized)
     return choice
+
+
+def resolved_tp_mode(config: object, world_size: int) -> str:
+    """``parallel.tp_mode`` with ``auto`` resolved to ``1d`` or ``2d`` (pure, the same on every
+    rank): what the plugin should run. A config without the field runs 1D."""
+    mode = getattr(config.parallel, "tp_mode", "1d")  # type: ignore[attr-defined]
+    if mode != "auto":
+        return str(mode)
+    return choose_for_config(config, world_size).mode

@@ -168,3 +168,29 @@ def test_estimates_from_the_cost_models():
     choice = choose_tp_mode(tight, 4)
     assert choice.mode == "2d" and "only 2D fits" in choice.reason
     assert "tp_mode auto: 2d" in format_choice(choice, "auto")
+
+
+def test_auto_resolves_from_a_run_config():
+    from dataclasses import replace
+
+    from colossal_hetero.config.schema import RunConfig
+    from colossal_hetero.planner.tp2d_choice import choose_for_config, resolved_tp_mode
+
+    base = RunConfig()
+    parallel = base.parallel
+    if not hasattr(parallel, "tp_mode"):
+        pytest.skip("parallel.tp_mode not in this schema yet")
+    hf = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 256}
+    config = replace(
+        base,
+        model=replace(base.model, arch="gpt2", hf=hf),
+        parallel=replace(parallel, tp=4, tp_mode="auto"),
+    )
+    assert resolved_tp_mode(config, 4) == choose_for_config(config, 4).mode
+    assert (
+        resolved_tp_mode(replace(config, parallel=replace(parallel, tp=2, tp_mode="auto")), 2)
+        == "1d"
+    )
+    assert (
+        resolved_tp_mode(replace(config, parallel=replace(parallel, tp=4, tp_mode="2d")), 4) == "2d"
+    )
