@@ -24,8 +24,9 @@ import yaml
 from colossal_hetero.bench.network import phases, predictions, run_shaped_phase
 from colossal_hetero.bench.shaped_spawn import run_bench_ranks
 from colossal_hetero.cli import launch_command
+from colossal_hetero.config import ConfigError
 from colossal_hetero.config.schema import NetworkEmulationConfig
-from colossal_hetero.emulation.shaped.netns import list_namespaces
+from colossal_hetero.emulation.shaped.netns import list_namespaces, probe_netem
 from colossal_hetero.emulation.shaped.topology import new_prefix
 from colossal_hetero.metrics import read_run
 
@@ -105,6 +106,50 @@ def test_bench_helper_runs_a_worker_on_shaped_links():
     received = results[1]["seconds"]  # the receiver's clock: recv returns on arrival
     assert abs(received - predicted) / predicted <= RATE_TOLERANCE, (received, predicted)
     # run_bench_ranks raises if the run's own namespaces (its prefix) outlive it.
+
+
+def ping_pong_worker(*, rank: int, world_size: int, device: object) -> float:
+    """Median round trip of a 4-byte message 0 -> 1 -> 0 (rank 0's clock)."""
+    import torch
+    import torch.distributed as dist
+
+    token, trips = torch.zeros(1), []
+    for _ in range(7):
+        dist.barrier()
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(token, 1)
+            dist.recv(token, 1)
+        else:
+            dist.recv(token, 0)
+            dist.send(token, 0)
+        trips.append(time.perf_counter() - start)
+    return sorted(trips)[3]
+
+
+def _netem_missing() -> str:
+    return "" if probe_netem() else "this kernel has no netem qdisc (sch_netem)"
+
+
+def test_latency_without_netem_is_one_error_naming_the_field():
+    if not _netem_missing():
+        pytest.skip("this kernel has netem: the latency path runs instead")
+    before = set(list_namespaces())
+    network = NetworkEmulationConfig(mode="shaped", bandwidth_gbps=0.2, latency_us=5000)
+    with pytest.raises(ConfigError, match=r"^emulation.network.latency_us: .*mode: model"):
+        run_bench_ranks(ping_pong_worker, 2, network=network, timeout_s=60)
+    assert set(list_namespaces()) <= before  # the probe's namespace is gone, nothing was built
+
+
+def test_latency_on_shaped_links_delays_each_direction():
+    missing = _netem_missing()
+    if missing:
+        pytest.skip(f"{missing}: shaped latency needs it (model mode models latency)")
+    network = NetworkEmulationConfig(mode="shaped", bandwidth_gbps=0.2, latency_us=5000)
+    rtt = run_bench_ranks(ping_pong_worker, 2, network=network, timeout_s=120)[0]
+    # 5 ms one way, each direction (data on the sender's upload): a round trip of 10 ms plus
+    # per-call overheads (a few ms on a loaded machine).
+    assert 0.010 <= rtt <= 0.020, rtt
 
 
 _SLEEPER = (
