@@ -1,0 +1,171 @@
+"""``colossal-hetero bench dynamic [--quick] [--json PATH]``: runtime straggler balancing.
+
+Throughput run (per model: GPT-2, Llama): TP=4 on 4 CPU ranks under a three-phase schedule
+(rank 1 at 1x, 4x, 1x; rank 3 at 2x throughout; ``dynamic_phases``). One spawned world
+trains, interleaved step by step, stock Colossal-AI (unperturbed and slowed), our even TP
+with each balancer mode that this build can run, and the oracle (the static planner given
+each phase's true speeds). Per phase: median step time, ideal bound, efficiency, speedup,
+slowdown removed, detection delay, bytes per step, validation loss.
+
+Accuracy run: a ViT on scikit-learn's digits, TP=4, rank 2 at 8x for the middle half of
+training, each mode's held-out accuracy against the unperturbed run (``dynamic_digits``).
+
+A mode the build cannot run (its config is refused) is listed with the refusal, and the
+summary keys that need it are null with that reason.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from colossal_hetero.bench.dynamic_digits import DigitsCase, digits_rank, vit_model
+from colossal_hetero.bench.dynamic_phases import (
+    accuracy_report,
+    summarise,
+    summarise_case,
+    three_phases,
+)
+from colossal_hetero.bench.dynamic_run import ThroughputCase, throughput_rank
+from colossal_hetero.config.schema import ModelConfig
+
+CANDIDATE_MODES = ("replan", "resize", "migrate", "semi")
+"""Balancer modes the benchmark runs when the build accepts them (``none`` always runs)."""
+
+
+def available_modes(tp: int = 4) -> tuple[tuple[str, ...], dict[str, str]]:
+    """(modes this build runs, {mode: why not}) from the config checks themselves: a mode
+    whose balancer section or layout check raises is unavailable, with that message."""
+    from colossal_hetero.balance.checks import check_balancer
+    from colossal_hetero.config.balancer import BalancerConfig
+    from colossal_hetero.config.schema import HeteroConfig, ParallelConfig
+
+    ok, refused = [], {}
+    for mode in CANDIDATE_MODES:
+        try:
+            config = HeteroConfig(
+                parallel=ParallelConfig(tp=tp),
+                balancer=BalancerConfig(mode=mode),  # type: ignore[arg-type]
+            )
+            check_balancer(config)
+        except ValueError as error:  # ConfigError is a ValueError
+            refused[mode] = str(error)
+        else:
+            ok.append(mode)
+    return tuple(ok), refused
+
+
+def _gpt2(width: int, heads: int, seq_len: int) -> ModelConfig:
+    return ModelConfig(
+        arch="gpt2",
+        hf={
+            "n_layer": 2,
+            "n_embd": width,
+            "n_head": heads,
+            "n_positions": seq_len,
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+        },
+    )
+
+
+def _llama(width: int, heads: int, seq_len: int) -> ModelConfig:
+    return ModelConfig(
+        arch="llama",
+        hf={
+            "num_hidden_layers": 2,
+            "hidden_size": width,
+            "intermediate_size": 4 * width,
+            "num_attention_heads": heads,
+            "num_key_value_heads": heads,
+            "max_position_embeddings": seq_len,
+        },
+    )
+
+
+def cases(quick: bool, modes: tuple[str, ...]) -> tuple[list[ThroughputCase], DigitsCase]:
+    """The throughput cases and the accuracy run's sizes."""
+    per_phase, warmup, seq = (12, 2, 64) if quick else (30, 3, 64)
+    width = 256 if quick else 384
+    phases = tuple(three_phases(per_phase, warmup=warmup))
+    throughput = [
+        ThroughputCase(name, build(width, 8, seq), phases, modes, warmup=warmup, seq_len=seq)
+        for name, build in (("gpt2", _gpt2), ("llama", _llama))
+    ]
+    digits = DigitsCase(model=vit_model(), steps=160 if quick else 320, modes=modes)
+    return throughput, digits
+
+
+def bench_rank(
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    throughput: list[ThroughputCase],
+    digits: DigitsCase | None,
+) -> dict[str, Any]:
+    """Spawned on every rank: every throughput case, then the accuracy run, in one world
+    (one start-up); each part closes its plugins before the next begins."""
+    out: dict[str, Any] = {"throughput": [], "digits": None, "seconds": {}}
+    for case in throughput:
+        started = time.perf_counter()
+        out["throughput"].append(throughput_rank(rank, world_size, device, case))
+        out["seconds"][case.name] = time.perf_counter() - started
+    if digits is not None:
+        started = time.perf_counter()
+        out["digits"] = digits_rank(rank, world_size, device, digits)
+        out["seconds"]["digits"] = time.perf_counter() - started
+    return out
+
+
+def run_dynamic_benchmark(*, quick: bool, json_path: str = "", only: str = "") -> int:
+    """Run the benchmark, print its tables, write the JSON (``json_path``) and return 0.
+
+    ``only``: keep the throughput models whose name contains it; ``digits`` keeps only the
+    accuracy run.
+    """
+    from rich.console import Console
+
+    from colossal_hetero.bench.dynamic_report import print_report
+    from colossal_hetero.bench.spawn import spawn_ranks
+
+    console = Console()
+    started = time.perf_counter()
+    modes, refused = available_modes()
+    throughput, digits = cases(quick, modes)
+    if only:
+        throughput = [c for c in throughput if only in c.name]
+        digits = replace(digits) if "digits" in only else None  # type: ignore[assignment]
+    console.print(
+        f"[bold]bench dynamic[/]: TP=4 on 4 CPU ranks; modes {['none', *modes]}"
+        + (f"; not available: {sorted(refused)}" if refused else "")
+    )
+    result = spawn_ranks(bench_rank, 4, throughput=throughput, digits=digits)[0]
+    rows = [
+        summarise_case(c.name, r, c.phases, warmup=c.warmup, modes=("none", *modes))
+        for c, r in zip(throughput, result["throughput"], strict=True)
+    ]
+    accuracy = accuracy_report(result["digits"], modes) if result["digits"] else None
+    report: dict[str, Any] = {
+        "benchmark": "dynamic",
+        "quick": quick,
+        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, measured under load",
+        "modes": ["none", *modes],
+        "summary": summarise(rows, accuracy, refused),
+        "throughput": rows,
+        "accuracy": accuracy,
+        "raw": result,
+        "seconds": result["seconds"],
+    }
+    report["wall_time_s"] = time.perf_counter() - started
+    print_report(console, report)
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=1) + "\n")
+        console.print(f"wrote {json_path}")
+    return 0

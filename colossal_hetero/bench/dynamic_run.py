@@ -1,0 +1,181 @@
+"""``bench dynamic``, the spawned half: every variant of one model in one world, interleaved.
+
+One world of ``tp`` CPU ranks trains every variant side by side, one training step each per
+round (``bench.rounds``, order rotating), round ``i`` being step ``i`` of every variant, so
+each meets the phase schedule (``dynamic_phases``) at the same step:
+
+- ``unperturbed``: stock ``HybridParallelPlugin``, even TP, no emulation;
+- ``stock``: the same under the schedule's slowdowns;
+- ``none`` and one variant per available balancer mode: ``HeteroParallelPlugin``, even TP to
+  start with (the cluster is declared homogeneous: only the balancer may learn otherwise);
+- ``oracle``: ``HeteroParallelPlugin`` planned for each phase's true speeds, moved to the
+  next phase's plan (``plugin.resize``, between steps) at the step the phase begins.
+
+All variants start from the same weights and train on the same text batches. A variant's
+validation loss is taken at the end of each phase (forward only, outside the timed step).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from colossal_hetero.bench.dynamic_phases import Phase, slowdown_specs
+from colossal_hetero.bench.dynamic_variants import World, run_variants
+from colossal_hetero.config.balancer import BalancerConfig
+from colossal_hetero.config.schema import (
+    ClusterConfig,
+    DataConfig,
+    DeviceSpec,
+    EmulationConfig,
+    HeteroConfig,
+    ModelConfig,
+    ParallelConfig,
+    PlanConfig,
+    SlowdownSpec,
+)
+
+BALANCER_KNOBS: dict[str, Any] = {
+    "every": 2,
+    "window": 2,
+    "smoothing": 0.8,
+    "stable_tolerance": 0.2,
+    "stable_steps": 2,
+    "horizon_steps": 100,
+    "move_cost_s": 0.2,
+}
+"""The benchmark's balancer settings (``fixed_fraction`` is measured per model)."""
+
+
+@dataclass(frozen=True)
+class ThroughputCase:
+    """One model of the throughput run."""
+
+    name: str
+    model: ModelConfig
+    phases: tuple[Phase, ...]
+    modes: tuple[str, ...]
+    """Balancer modes to run (besides none), those available in this build."""
+    warmup: int = 2
+    batch_size: int = 8
+    seq_len: int = 64
+    eval_batches: int = 2
+    knobs: dict[str, Any] = field(default_factory=lambda: dict(BALANCER_KNOBS))
+
+    @property
+    def steps(self) -> int:
+        return self.phases[-1].end
+
+    @property
+    def world(self) -> int:
+        return len(self.phases[0].factors)
+
+
+def emulation_of(phases: tuple[Phase, ...]) -> EmulationConfig:
+    """The schedule's compute slowdowns as an emulation config."""
+    return EmulationConfig(compute=[SlowdownSpec(**spec) for spec in slowdown_specs(phases)])
+
+
+def balancer_config(mode: str, knobs: dict[str, Any], fixed_fraction: float) -> BalancerConfig:
+    """The benchmark's balancer section for ``mode`` (ConfigError where it cannot run)."""
+    return BalancerConfig(mode=mode, fixed_fraction=fixed_fraction, **knobs)  # type: ignore[arg-type]
+
+
+def fixed_fraction_of(step_s: float, fixed_s: float, tp: int) -> float:
+    """The part of a rank's even-TP compute that does not scale with its widths, from a
+    single-process step (``step_s``) and the same model at one feature per head (``fixed_s``):
+    ``fixed / (fixed + (step - fixed) / tp)``, clipped to ``[0, 0.9]``."""
+    scaling = max(step_s - fixed_s, 0.0) / tp
+    total = fixed_s + scaling
+    return min(max(fixed_s / total if total > 0 else 0.0, 0.0), 0.9)
+
+
+def throughput_rank(
+    rank: int, world_size: int, device: torch.device, case: ThroughputCase
+) -> dict[str, Any]:
+    """Spawned on every rank: calibrate, build the variants, run the rounds, evaluate.
+
+    Returns (identical on every rank) per variant: every step's per-rank row (step,
+    compute, wait, loss), the bytes every step sent summed over ranks, the validation
+    losses by phase, and the balancer's decision records (rank 0's copy; they are agreed).
+    """
+    from colossal_hetero.bench.profile import agree, calibrate_model, measure_allreduce_gbps
+    from colossal_hetero.plugin import prepare_device
+
+    prepare_device(device)
+    started = time.perf_counter()
+    rate, overhead = calibrate_model(case.model, case.batch_size, case.seq_len, device)
+    tflops = agree(rate, device, "max") / 1e12
+    overhead = agree(overhead, device, "min")
+    gbps = agree(measure_allreduce_gbps(device), device, "min")
+    fraction = _fixed_fraction(case, tflops * 1e12, overhead)
+    from colossal_hetero.utils.device import device_kind
+
+    kind = device_kind(device)
+    plan = PlanConfig(mode="auto", reference_tflops=tflops, layer_overhead_us=overhead * 1e6)
+    emulation = emulation_of(case.phases)
+
+    def hetero(mode: str, speeds: tuple[float, ...]) -> HeteroConfig:
+        devices = [DeviceSpec(speed=s, bandwidth_gbps=gbps) for s in speeds]
+        return HeteroConfig(
+            parallel=ParallelConfig(tp=world_size),
+            cluster=ClusterConfig(device=kind, devices=devices),
+            emulation=emulation,
+            plan=plan,
+            balancer=balancer_config(mode, case.knobs, fraction),
+        )
+
+    even = (1.0,) * world_size
+    configs = {"none": hetero("none", even)}
+    configs.update({mode: hetero(mode, even) for mode in case.modes})
+    configs["oracle"] = hetero("none", case.phases[0].speeds)
+    data = text_data(case)
+    world = World(
+        model=case.model,
+        phases=case.phases,
+        warmup=case.warmup,
+        batch_size=case.batch_size,
+        seq_len=case.seq_len,
+        train_batch=lambda step: data.train_batch(step, case.batch_size, 0),
+        val_batches=data.val_batches(case.batch_size, case.eval_batches),
+    )
+    stock = {"unperturbed": EmulationConfig(), "stock": emulation}
+    calibrated_s = time.perf_counter() - started
+    result = run_variants(world, stock, configs, device, oracle="oracle")
+    result["seconds"]["calibrate"] = calibrated_s
+    result["calibration"] = {
+        "reference_tflops": tflops,
+        "layer_overhead_s": overhead,
+        "allreduce_gbps": gbps,
+        "fixed_fraction": fraction,
+    }
+    return result
+
+
+def _fixed_fraction(case: ThroughputCase, rate: float, overhead: float) -> float:
+    """``fixed_fraction_of`` from the calibration: the fixed part is the per-layer overhead
+    times the layers, the scaling part the model's FLOPs at the calibrated rate."""
+    from colossal_hetero.models import build_hf_config
+    from colossal_hetero.planner.cost import BACKWARD_FLOPS_FACTOR
+    from colossal_hetero.planner.hf import model_spec_from_hf
+
+    spec = model_spec_from_hf(build_hf_config(case.model), case.batch_size, case.seq_len)
+    flops = sum(
+        case.batch_size * layer.flops_per_token * layer.tokens * (1.0 + BACKWARD_FLOPS_FACTOR)
+        for layer in spec.layers
+    )
+    fixed = overhead * len(spec.layers)
+    return fixed_fraction_of(fixed + flops / rate, fixed, case.world)
+
+
+def text_data(case: ThroughputCase) -> Any:
+    """The pydoc text the variants train and validate on."""
+    from colossal_hetero.data import build_data
+
+    data = DataConfig(
+        dataset="pydoc_topics", seq_len=case.seq_len, global_batch_size=case.batch_size
+    )
+    return build_data(data, case.model.arch)
