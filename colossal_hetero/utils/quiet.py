@@ -7,6 +7,8 @@ our own output included, still shows. What is filtered and why:
 - ``colossalai.shardformer.layer.normalization``, ``colossalai.utils.safetensors``
   (``UserWarning`` at import): optional CUDA kernels (apex, TensorNVMe) that CPU runs and
   synchronous checkpoints never use.
+- ``colossalai.moe._operation`` (``FutureWarning`` at import): its MoE autograd ops use the
+  deprecated ``torch.cuda.amp.custom_fwd``; nothing to act on for a user.
 - ``bitsandbytes.backends.cpu.ops`` (log record, WARNING): a 4-bit CPU kernel from the
   ``kernels`` package; nothing here quantizes to 4 bits.
 - ``transformers.modeling_utils`` (log record, WARNING): ``loss_type=None ... unrecognised``;
@@ -27,6 +29,8 @@ _IMPORT_WARNINGS = (
     (r"colossalai\.shardformer\.layer\.normalization", r"Please install apex"),
     (r"colossalai\.utils\.safetensors", r"Please install the latest tensornvme"),
 )
+# FutureWarning at import: Colossal-AI's MoE ops still use torch.cuda.amp.custom_fwd/bwd.
+_IMPORT_FUTURE_WARNINGS = ((r"colossalai\.moe\._operation", r"`torch\.cuda\.amp\.custom_"),)
 _LOG_RECORDS = (
     (
         "bitsandbytes.backends.cpu.ops",
@@ -71,6 +75,8 @@ def quiet_third_party_warnings(*, pipeline: bool = False) -> None:
     """
     for module, message in _IMPORT_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=UserWarning, module=module)
+    for module, message in _IMPORT_FUTURE_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=FutureWarning, module=module)
     records = _LOG_RECORDS if pipeline else _LOG_RECORDS + _NO_PIPELINE_RECORDS
     for logger_name, prefix in records:
         _drop(logger_name, prefix)
