@@ -1,8 +1,8 @@
 """HeteroCheckpointIO: Colossal-AI's hybrid-parallel checkpoint IO, plus uneven TP optimizers.
 
-Models need nothing extra: resizable layers carry shard/gather hooks that Colossal-AI's model
-IO already uses, so saved weights are full Hugging Face tensors. Optimizers of models with
-uneven shards go through ``optimizer_state`` (full states keyed by position); loading that
+Models need nothing extra: resizable and 2D layers carry shard/gather hooks that Colossal-AI's
+model IO already uses, so saved weights are full Hugging Face tensors. Optimizers of models with
+uneven or 2D shards go through ``optimizer_state`` (full states keyed by position); loading that
 format works into any widths, even or uneven.
 """
 
@@ -21,6 +21,7 @@ from colossal_hetero.checkpoint.optimizer_state import (
     load_full_optimizer,
     save_full_optimizer,
 )
+from colossal_hetero.tp2d.state import has_2d_params, is_model_2d
 
 
 class HeteroCheckpointIO(HybridParallelCheckpointIO):
@@ -30,7 +31,7 @@ class HeteroCheckpointIO(HybridParallelCheckpointIO):
         self, optimizer: Any, checkpoint: str, shard: bool = False, *args: Any, **kwargs: Any
     ) -> None:
         """Stock format, or full states when some parameter is unevenly sharded."""
-        if not has_uneven_params(optimizer):
+        if not (has_uneven_params(optimizer) or has_2d_params(optimizer)):
             return super().save_optimizer(optimizer, checkpoint, shard, *args, **kwargs)
         self._require_full_format_layout("save")
         writer = self.dp_rank == 0 and self.tp_rank == 0
@@ -38,6 +39,13 @@ class HeteroCheckpointIO(HybridParallelCheckpointIO):
             optimizer, checkpoint, gather_even=self._gather_even(optimizer), is_writer=writer
         )
         return None
+
+    def save_sharded_model(self, model: Any, checkpoint: str, *args: Any, **kwargs: Any) -> None:
+        """Stock shards of full HF tensors; a 2D model (tp2d/) also writes its HF config, so
+        the folder is a Hugging Face pretrained folder as for stock models."""
+        super().save_sharded_model(model, checkpoint, *args, **kwargs)
+        if is_model_2d(model.unwrap()) and dist.get_rank() == 0:
+            model.unwrap().config.save_pretrained(checkpoint)
 
     def load_optimizer(self, optimizer: Any, checkpoint: str, *args: Any, **kwargs: Any) -> None:
         """Either format; full states are re-sharded to the current widths."""

@@ -6,6 +6,7 @@ same ``ConfigError`` everywhere and no rank is left waiting in a collective.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,22 @@ def validate_layout(config: HeteroConfig, world_size: int) -> int:
     _validate_emulation(config.emulation, world_size)
     check_pipeline_config(config)
     check_moe_layout(config.parallel, config.moe, world_size)
+    _check_2d(config, None)
     return dp
+
+
+def _check_2d(config: HeteroConfig, hf_config: Any) -> None:
+    """parallel.tp_mode 2d: the layout (and the model, when given) fit tp2d/convert.py."""
+    if config.parallel.tp_mode != "2d":
+        return
+    from colossal_hetero.tp2d.convert import check_config_2d, check_model_2d
+
+    try:
+        q = check_config_2d(config.parallel)
+        if hf_config is not None:
+            check_model_2d(hf_config, q)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def _validate_emulation(emulation: EmulationConfig, world_size: int) -> None:
@@ -113,7 +129,7 @@ def validate_run(config: RunConfig, world_size: int) -> int:
             f"data.seq_len: {config.data.seq_len} exceeds the model's {max_positions} positions"
         )
     _validate_eval_size(config)
-    if not planned:  # a planned run's memory is checked by the planner
+    if not planned and parallel.tp_mode != "2d":  # 1D memory model; plans are checked
         check_even_memory(config, world_size, hf_config)
     return dp
 
@@ -125,6 +141,12 @@ def _validate_even_split(config: RunConfig, dp: int) -> None:
         raise ConfigError(
             f"data.global_batch_size: {config.data.global_batch_size} is not divisible by the "
             f"data-parallel size {dp}"
+        )
+    side = math.isqrt(parallel.tp)  # parallel.tp_mode 2d: samples per mesh row
+    if parallel.tp_mode == "2d" and samples_per_rank % side:
+        raise ConfigError(
+            f"data.global_batch_size: {samples_per_rank} samples per data-parallel group do not "
+            f"split evenly over the {side} mesh rows of parallel.tp_mode 2d"
         )
     if parallel.pp > 1 and samples_per_rank % parallel.num_microbatches != 0:
         raise ConfigError(
@@ -228,6 +250,8 @@ def _validate_model_shape(config: RunConfig, hf_config: Any, *, planned: bool) -
     """Head, key/value-head and MLP divisibility that the layers (ours, Colossal-AI's,
     transformers') would otherwise assert at ``booster.boost``."""
     arch, tp = config.model.arch, config.parallel.tp
+    if config.parallel.tp_mode == "2d":  # whole heads per mesh column, not per rank
+        return _check_2d(config.plugin_config(), hf_config)
     names = _HF_NAMES[arch]
     hidden, heads = hf_config.hidden_size, hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads

@@ -56,6 +56,8 @@ from colossal_hetero.plugin.planning import announce, plan_at_configure, plan_th
 from colossal_hetero.plugin.resizing import resize_boosted
 from colossal_hetero.plugin.seam import StepMetrics, StepSeam
 from colossal_hetero.policies import ResizablePolicy, resizable_policy
+from colossal_hetero.tp2d.convert import convert_to_2d
+from colossal_hetero.tp2d.policy import Converted2DPolicy
 from colossal_hetero.utils.device import SUPPORTED_DEVICE_TYPES, backend_for, resolve_device
 from colossal_hetero.utils.quiet import quiet_third_party_warnings
 
@@ -206,12 +208,16 @@ class HeteroParallelPlugin(PipelinePluginBase):
         """Shard ``model`` and wrap ``optimizer`` for the layout (see HybridParallelPlugin)."""
         keep_gpt2_causal(model)
         check_stage_split(self.config.parallel, model.config.num_hidden_layers)  # no collective
-        if self.plan is None:  # measures the devices first when plan.reference_tflops is unset
+        two_d = self.config.parallel.tp_mode == "2d"
+        if self.plan is None and not two_d:  # measures the devices unless reference_tflops
             self.plan = plan_at_configure(
                 self.config, model, self.world_size, self.device, self.workload, dataloader
             )
         resizes = self.plan is not None or needs_resizable(self.config)  # balancer may resize
-        if self._policy is None and resizes and self.tp_size > 1:
+        if two_d:  # the Optimus/SUMMA mesh (tp2d/) replaces 1D sharding; collective
+            model = convert_to_2d(model, self.engine.tp_group, self.plan)
+            self.engine.custom_policy = Converted2DPolicy()
+        elif self._policy is None and resizes and self.tp_size > 1:
             widths = self.plan.widths if self.plan is not None else {}  # {}: even
             self.engine.custom_policy = resizable_policy(model, widths)
         moe = None  # expert parallelism: checked here, on every rank, before any collective
