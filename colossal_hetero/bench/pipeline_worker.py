@@ -150,14 +150,15 @@ class Runner:
             slept = self.stretch.slept_s - slept
         return [ended - started, piped - started, float(k), float(peak), slept]
 
-    def prediction(self) -> tuple[float, float]:
-        """(simulated, measured) seconds of the last step's schedule, from every rank's
-        ``last_record`` (``pipeline.profile.predict_from_records``; one all_gather)."""
+    def prediction(self, k: int) -> tuple[float, float]:
+        """(simulated, measured) seconds of the last step's schedule, run with ``k`` (ada may
+        have retuned since), from every rank's ``last_record``
+        (``pipeline.profile.predict_from_records``; one all_gather)."""
         m = self.spec["m"]
         rows = _gather(self.schedule.last_record.to_vector(m))
         records = [record_from_vector(row, m) for row in rows]
         assert len(rows[0]) == vector_width(m)
-        found = predict_from_records(records, m, self.k)
+        found = predict_from_records(records, m, k)
         return found.predicted_s, found.measured_s
 
 
@@ -204,7 +205,7 @@ class Phases:
                 out[f"mem{s}"] = peak
             out["stretch"] = max(r[ROW.index("stretch_s")] for r in rows)
             if runner.kfkb:
-                out["sim"], out["meas"] = runner.prediction()
+                out["sim"], out["meas"] = runner.prediction(int(out["k"]))
             return out
 
         return run
