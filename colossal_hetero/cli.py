@@ -127,8 +127,7 @@ def _format_layouts(options: list, current_tp: int) -> str:
 def _profile(args: argparse.Namespace) -> int:
     import yaml
 
-    from colossal_hetero.bench.profile import cluster_yaml, profile_rank
-    from colossal_hetero.bench.spawn import spawn_ranks
+    from colossal_hetero.bench.profile import cluster_yaml, profile_ranks
     from colossal_hetero.utils.device import detected_device_kind
 
     emulation, run = None, None
@@ -136,7 +135,7 @@ def _profile(args: argparse.Namespace) -> int:
         run = load_config(args.config)
         validate_run(run, args.nproc)
         emulation = run.emulation if run.emulation.enabled else None
-    results = spawn_ranks(profile_rank, args.nproc, emulation=emulation, run=run)
+    results = profile_ranks(args.nproc, emulation, run)  # on shaped links if the run says so
     for rank, result in enumerate(results):
         gflops, gbps = result["flops"] / 1e9, result["gbps"]
         print(f"rank {rank}: {gflops:8.2f} GFLOP/s  all-reduce {gbps:.2f} Gbit/s")
@@ -159,7 +158,9 @@ def _bench(args: argparse.Namespace) -> int:
         return run_dynamic_benchmark(quick=args.quick, json_path=args.json, only=args.only)
     from colossal_hetero.bench import run_benchmark
 
-    return run_benchmark(args.name, quick=args.quick, json_path=args.json, only=args.only)
+    return run_benchmark(
+        args.name, quick=args.quick, json_path=args.json, only=args.only, network=args.network
+    )
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -205,6 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", default="", help="write results here")
     bench.add_argument(
         "--only", default="", metavar="TEXT", help="run only the cases whose name contains TEXT"
+    )
+    bench.add_argument(
+        "--network",
+        choices=["model", "shaped"],
+        default="model",
+        help="static: run the cases' links as real tc-shaped links (root) instead of the model",
     )
     bench.set_defaults(handler=_bench)
 

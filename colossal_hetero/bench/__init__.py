@@ -11,7 +11,7 @@ import platform
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from rich.console import Console
 from rich.table import Table
@@ -24,10 +24,18 @@ RANK_OVERHEAD_S = 13.0
 per rank: the ranks share the machine's cores, so it grows with the world."""
 
 
-def run_benchmark(name: str, *, quick: bool, json_path: str = "", only: str = "") -> int:
+def run_benchmark(
+    name: str,
+    *,
+    quick: bool,
+    json_path: str = "",
+    only: str = "",
+    network: Literal["model", "shaped"] = "model",
+) -> int:
     """Run benchmark ``name``; print a table; write JSON to ``json_path`` when given.
 
-    ``only`` keeps the cases whose name contains it (all when empty).
+    ``only`` keeps the cases whose name contains it (all when empty). ``network: shaped`` runs
+    the cases that have a link on real tc-shaped links (``bench.shaped_spawn``).
     """
     if name == "network":  # shaped links against the network model (no stock baseline)
         from colossal_hetero.bench.network import run_network_benchmark
@@ -40,9 +48,11 @@ def run_benchmark(name: str, *, quick: bool, json_path: str = "", only: str = ""
     if name != "static":
         raise ValueError(f"bench: unknown benchmark {name!r}; known: static, network, pipeline")
     from colossal_hetero.bench import static
-    from colossal_hetero.bench.spawn import spawn_ranks
+    from colossal_hetero.bench.shaped_spawn import run_bench_ranks
 
-    selected = [case for case in static.cases(quick) if only in case.name]
+    selected = [
+        replace(case, network_mode=network) for case in static.cases(quick) if only in case.name
+    ]
     if not selected:
         raise ValueError(f"bench: --only {only!r} matches no case of {name}")
     console = Console()
@@ -59,7 +69,8 @@ def run_benchmark(name: str, *, quick: bool, json_path: str = "", only: str = ""
             f"speeds {list(case.speeds)}, rounds budget {budget:.0f} s"
         )
         case_started = time.perf_counter()
-        results = spawn_ranks(static.run_case, case.world, case=case)
+        network_config = static.case_network(case)
+        results = run_bench_ranks(static.run_case, case.world, network=network_config, case=case)
         rows.append(static.summarise(case, results[0]))
         outside = time.perf_counter() - case_started - rows[-1]["rounds"]["elapsed_s"]
         overheads.append(outside / case.world)
@@ -67,6 +78,7 @@ def run_benchmark(name: str, *, quick: bool, json_path: str = "", only: str = ""
         "benchmark": "static",
         "quick": quick,
         "only": only,
+        "network": network,
         "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}",
         "summary": static.summary(rows),
         "cases": rows,

@@ -24,6 +24,7 @@ __all__ = [
     "measure_allreduce_gbps",
     "measure_flops",
     "profile_rank",
+    "profile_ranks",
 ]
 
 
@@ -54,6 +55,20 @@ def profile_rank(
             run.model, run.data.global_batch_size, run.data.seq_len, device
         )
     return result
+
+
+def profile_ranks(nproc: int, emulation: Any, run: Any = None) -> list[dict]:
+    """``profile_rank`` on ``nproc`` local ranks: on real shaped links when the emulation's
+    network is ``mode: shaped`` (``bench.shaped_spawn``; CPU ranks, so a ``cluster.device:
+    cuda`` run is refused), else spawned on loopback under the emulation's model."""
+    from colossal_hetero.bench.shaped_spawn import run_bench_ranks, wants_shaped
+
+    network = emulation.network if emulation is not None else None
+    if wants_shaped(network) and run is not None:
+        from colossal_hetero.emulation.shaped.launcher import check_shaped_device
+
+        check_shaped_device(run.cluster.device)
+    return run_bench_ranks(profile_rank, nproc, network=network, emulation=emulation, run=run)
 
 
 def cluster_yaml(results: list[dict], device_kind: str) -> dict:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import operator
 import time
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -65,6 +65,10 @@ class Case:
     seq_len: int = SEQ_LEN
     link_gbps: float | None = None
     """Emulated link bandwidth for every variant (None: the host's loopback as it is)."""
+    network_mode: Literal["model", "shaped"] = "model"
+    """How a case with ``link_gbps`` gets its link: modelled by the interceptor, or real
+    tc-shaped links (``bench static --network shaped``; root, CPU ranks; every variant runs on
+    the same links). A case without a link runs on the host's loopback either way."""
 
     @property
     def world(self) -> int:
@@ -148,10 +152,16 @@ def _emulation(case: Case, *, slow_ranks: bool) -> EmulationConfig:
     slowdowns = [
         SlowdownSpec(rank=r, factor=fastest / s) for r, s in enumerate(case.speeds) if s < fastest
     ]
-    network = NetworkEmulationConfig()  # off: the host's loopback as it is
-    if case.link_gbps is not None:
-        network = NetworkEmulationConfig(bandwidth_gbps=case.link_gbps)
+    network = case_network(case) or NetworkEmulationConfig()  # off: the loopback as it is
     return EmulationConfig(compute=slowdowns if slow_ranks else [], network=network)
+
+
+def case_network(case: Case) -> NetworkEmulationConfig | None:
+    """The case's link for every variant and for the launcher (``run_bench_ranks``); None
+    without one."""
+    if case.link_gbps is None:
+        return None
+    return NetworkEmulationConfig(mode=case.network_mode, bandwidth_gbps=case.link_gbps)
 
 
 def _kind(device: torch.device) -> DeviceKind:

@@ -73,3 +73,32 @@ def test_step_reports_reach_the_controller_only_on_shaped_links(tmp_path, monkey
     monkeypatch.setenv(SHAPED_ENV, "chs-abc123-")
     report_bench_step(1, 4)
     assert on_shaped_links() and job_step(tmp_path, 2) == 4
+
+
+def test_bench_static_case_takes_its_link_in_either_mode():
+    from dataclasses import replace
+
+    from colossal_hetero.bench import static
+
+    linked = next(c for c in static.cases(quick=False) if c.link_gbps is not None)
+    assert static.case_network(linked) == NetworkEmulationConfig(
+        mode="model", bandwidth_gbps=linked.link_gbps
+    )
+    shaped = replace(linked, network_mode="shaped")
+    assert wants_shaped(static.case_network(shaped))
+    assert static._emulation(shaped, slow_ranks=False).network.mode == "shaped"
+    plain = next(c for c in static.cases(quick=True) if c.link_gbps is None)
+    assert static.case_network(replace(plain, network_mode="shaped")) is None  # loopback
+
+
+def test_profile_on_shaped_links_refuses_cuda_ranks():
+    from types import SimpleNamespace
+
+    from colossal_hetero.bench.profile import profile_ranks
+    from colossal_hetero.config import ConfigError
+    from colossal_hetero.config.schema import EmulationConfig
+
+    emulation = EmulationConfig(network=NetworkEmulationConfig(mode="shaped", bandwidth_gbps=1))
+    run = SimpleNamespace(cluster=SimpleNamespace(device="cuda"))
+    with pytest.raises(ConfigError, match="emulation.network.mode"):
+        profile_ranks(2, emulation, run)
