@@ -90,6 +90,13 @@ def _plan(args: argparse.Namespace) -> int:
     validate_launch(config, world_size, world_size)
     if config.plan.mode == "file":
         raise ConfigError("plan.mode: is file; `plan` makes a plan, set mode auto or even")
+    if config.parallel.pp > 1:  # pipeline stages: the plugin plans them the same at configure
+        from colossal_hetero.planner.resolve import stage_plan_run
+        from colossal_hetero.planner.stage_plan import format_stage_plan
+
+        print(format_stage_plan(stage_plan_run(config, world_size)))
+        print("tensor-parallel widths and batch shares stay even under pipeline parallelism")
+        return 0
     # Plan even for identical devices: the table still shows the predicted times.
     auto = dataclasses.replace(config, plan=dataclasses.replace(config.plan, mode="auto"))
     started = time.perf_counter()

@@ -14,6 +14,7 @@ from colossal_hetero.config.loader import ConfigError
 from colossal_hetero.config.schema import ClusterConfig, HeteroConfig, PlanConfig, RunConfig
 from colossal_hetero.planner.plan import Plan, load_plan
 from colossal_hetero.planner.spec import REFERENCE_FLOPS, ModelSpec
+from colossal_hetero.planner.stage_plan import StagePlan
 
 
 def is_heterogeneous(cluster: ClusterConfig) -> bool:
@@ -57,13 +58,66 @@ def calibrated(config: HeteroConfig, probe: Any) -> HeteroConfig:
 
 
 def unplanned_notice(config: HeteroConfig) -> str | None:
-    """Why an ``auto`` run on a heterogeneous cluster stays on the even split, if it does."""
+    """What an ``auto`` run on a heterogeneous cluster leaves even, if anything."""
     if config.plan.mode == "auto" and is_heterogeneous(config.cluster) and config.parallel.pp > 1:
+        stages = (
+            "the stage split is parallel.num_layers_per_stage's"
+            if config.parallel.num_layers_per_stage
+            else "pipeline stages are planned"
+        )
         return (
-            f"plan.mode auto: the planner does not plan pipeline stages (parallel.pp = "
-            f"{config.parallel.pp}); tensor-parallel widths and batch shares stay even"
+            f"plan.mode auto with parallel.pp = {config.parallel.pp}: {stages}; "
+            "tensor-parallel widths and batch shares stay even"
         )
     return None
+
+
+def wants_stage_plan(config: HeteroConfig) -> bool:
+    """Whether the run's pipeline stages are planned (pp > 1, ``plan.mode: auto``, unequal
+    devices, no explicit ``parallel.num_layers_per_stage``); else Colossal-AI's even split."""
+    parallel = config.parallel
+    auto = config.plan.mode == "auto" and is_heterogeneous(config.cluster)
+    return auto and parallel.pp > 1 and not parallel.num_layers_per_stage
+
+
+def stage_plan_for(config: HeteroConfig, spec: ModelSpec, world_size: int) -> StagePlan:
+    """The pipeline stages for ``spec`` (its ``batch_size`` is the global batch) on the
+    config's devices (``plan`` settings as for the tensor-parallel planner).
+
+    Raises:
+        ConfigError: the blocks or their activations do not fit the stages' memory.
+    """
+    from colossal_hetero.planner.spec import ClusterSpec
+    from colossal_hetero.planner.stage_plan import plan_stages
+
+    parallel = config.parallel
+    cluster = ClusterSpec.from_config(config.cluster, world_size, **_device_model(config.plan))
+    dp = world_size // (parallel.tp * parallel.pp)
+    try:
+        return plan_stages(spec, cluster, parallel.pp, parallel.tp, spec.batch_size // dp)
+    except ValueError as error:
+        raise ConfigError(f"plan: infeasible pipeline stages: {error}") from None
+
+
+def stage_plan_for_model(
+    config: HeteroConfig, model: Any, world_size: int, workload: tuple[int, int] | None
+) -> StagePlan:
+    """:func:`stage_plan_for` a transformers ``model`` (the plugin's path; ``workload`` as in
+    :func:`plan_for_model`)."""
+    dp = world_size // (config.parallel.tp * config.parallel.pp)
+    hf_config = getattr(model, "config", None)
+    batch_size, seq_len = workload or (8 * dp, getattr(hf_config, "max_position_embeddings", 512))
+    spec = _model_spec(config.plan, model, batch_size, seq_len, _dtype_bytes(config))
+    return stage_plan_for(config, spec, world_size)
+
+
+def stage_plan_run(run: RunConfig, world_size: int) -> StagePlan:
+    """:func:`stage_plan_for` the run's configured model, batch and sequence length (the
+    ``plan`` command's path)."""
+    from colossal_hetero.planner.loop import _run_model_spec
+
+    config = run.plugin_config()
+    return stage_plan_for(config, _run_model_spec(run, _dtype_bytes(config)), world_size)
 
 
 def resolve_plan(run: RunConfig, world_size: int) -> Plan | None:

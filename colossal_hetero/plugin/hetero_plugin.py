@@ -52,7 +52,12 @@ from colossal_hetero.planner.plan import Plan
 from colossal_hetero.plugin.engine import build_engine
 from colossal_hetero.plugin.grad_sync import exclude_sfb_from_ddp, install_planned_sfb, planned_sfb
 from colossal_hetero.plugin.launch import prepare_device
-from colossal_hetero.plugin.planning import announce, plan_at_configure, plan_that_runs
+from colossal_hetero.plugin.planning import (
+    announce,
+    plan_at_configure,
+    plan_stages_at_configure,
+    plan_that_runs,
+)
 from colossal_hetero.plugin.resizing import resize_boosted
 from colossal_hetero.plugin.seam import StepMetrics, StepSeam
 from colossal_hetero.policies import ResizablePolicy, resizable_policy
@@ -139,6 +144,7 @@ class HeteroParallelPlugin(PipelinePluginBase):
             raise
         self.seam = StepSeam(self.timer)
         self.balancer: Any = None  # the balance controller, wired at configure (balancer.mode)
+        self.stage_plan: Any = None  # planned pipeline stages (StagePlan), set at configure
         self.moe_reducers: dict[str, Any] = {}  # parallel.ep > 1 without ZeRO, at configure
         self.moe_log: Any = None  # parallel.ep > 1: the a2a/chunk event log (MoeStepLog)
         self._run_dir = None if metrics_dir is None else Path(metrics_dir)
@@ -208,6 +214,10 @@ class HeteroParallelPlugin(PipelinePluginBase):
         """Shard ``model`` and wrap ``optimizer`` for the layout (see HybridParallelPlugin)."""
         keep_gpt2_causal(model)
         check_stage_split(self.config.parallel, model.config.num_hidden_layers)  # no collective
+        # pp > 1 on unequal devices: layers per stage follow the stages' speed and memory
+        self.stage_plan = plan_stages_at_configure(
+            self.config, model, self.world_size, self.workload, self.stage_manager, self.rank
+        )
         two_d = self.config.parallel.tp_mode == "2d"
         if self.plan is None and not two_d:  # measures the devices unless reference_tflops
             self.plan = plan_at_configure(

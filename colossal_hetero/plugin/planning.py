@@ -17,8 +17,11 @@ from colossal_hetero.planner.resolve import (
     calibrated,
     needs_calibration,
     plan_for_model,
+    stage_plan_for_model,
     wants_plan,
+    wants_stage_plan,
 )
+from colossal_hetero.planner.stage_plan import StagePlan, format_stage_plan
 from colossal_hetero.utils.probe import probe_world
 
 
@@ -46,6 +49,28 @@ def plan_at_configure(
     if workload is None and dataloader is not None:
         workload = workload_of(dataloader, dp)
     return plan_for_model(config, model, world_size, workload)
+
+
+def plan_stages_at_configure(
+    config: HeteroConfig,
+    model: Any,
+    world_size: int,
+    workload: tuple[int, int] | None,
+    stage_manager: Any,
+    rank: int,
+) -> StagePlan | None:
+    """Plan the pipeline stages for ``model`` and set them on Colossal-AI's ``stage_manager``
+    (its ``num_layers_per_stage``, which the shardformer policy reads when it shards), or None
+    when the config keeps the stages as they are (``wants_stage_plan``). Rank 0 prints the
+    plan. Pure planning, no collective: every rank computes the same split. Call before the
+    engine shards the model."""
+    if not wants_stage_plan(config):
+        return None
+    plan = stage_plan_for_model(config, model, world_size, workload)
+    stage_manager.num_layers_per_stage = list(plan.layers_per_stage)
+    if rank == 0:
+        print(format_stage_plan(plan))
+    return plan
 
 
 def workload_of(dataloader: Any, dp_size: int) -> tuple[int, int] | None:

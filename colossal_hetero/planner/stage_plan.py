@@ -1,0 +1,236 @@
+"""The pipeline part of a plan: layers per stage, micro-batch count and kFkB ``k``. Pure.
+
+From a :class:`~colossal_hetero.planner.spec.ModelSpec` (the chain of layers the HAP planner
+reads) and a :class:`~colossal_hetero.planner.spec.ClusterSpec` (per-device FLOP/s, memory and
+link bandwidth), :func:`plan_stages`:
+
+1. groups the spec into the repeated transformer blocks (the layers whose names carry a block
+   index, ``transformer.h.3.mlp.c_fc``) plus what comes before them (embeddings: stage 0) and
+   after them (final norm, LM head, loss: the last stage), as Colossal-AI's pipeline policies
+   place them;
+2. gives each stage its speed (``stages.stage_speeds``: its tensor-parallel devices add up, its
+   slowest data-parallel replica counts) and memory (likewise), and splits the blocks with
+   ``stages.split_layers``: the slowest stage's time is minimised, and no stage holds more
+   blocks than its memory has room for (weights, gradients, optimizer states);
+3. chooses the micro-batch count and ``k`` with ``stages.choose_microbatches`` (the pipeline
+   simulator over every divisor of the pipeline's batch), with the memory left after the
+   states as each stage's activation budget and the slower link of each boundary's devices.
+
+The embeddings and the LM head are balanced too (``balance_ends``): over a large vocabulary the
+head costs several blocks, and the last stage then gets fewer blocks even on equal devices.
+Without them, equal devices give exactly Colossal-AI's even split (``split_layers``' tie rule).
+The plugin plans stages only for heterogeneous clusters; on equal devices it keeps the even
+split, as before.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from colossal_hetero.pipeline.tuner import choose_k
+from colossal_hetero.planner.spec import ClusterSpec, LayerSpec, ModelSpec
+from colossal_hetero.planner.stages import (
+    PipelineCosts,
+    choose_microbatches,
+    remainder_priority,
+    split_layers,
+    stage_speeds,
+)
+
+_BLOCK = re.compile(r"\.(\d+)\.")
+
+
+@dataclass(frozen=True, slots=True)
+class BlockCosts:
+    """Per-sample costs of a model's parts, at one FLOP/s (divide by a stage's FLOP/s)."""
+
+    num_blocks: int
+    block_flops: float
+    """Forward FLOPs of one block per sample (backward counts twice)."""
+    head_flops: float
+    """Forward FLOPs per sample of what precedes the blocks (on the first stage)."""
+    tail_flops: float
+    """... and of what follows them (on the last stage)."""
+    block_state_bytes: float
+    """Weights, gradients and optimizer states of one block."""
+    head_state_bytes: float
+    tail_state_bytes: float
+    block_activation_bytes: float
+    """Activation bytes one block keeps per sample for its backward."""
+    message_bytes: float
+    """Bytes per sample of the hidden states passed between stages."""
+
+
+def _flops(layers: list[LayerSpec]) -> float:
+    return sum(la.flops_per_token * la.tokens for la in layers)
+
+
+def _state(layers: list[LayerSpec], per_param: int) -> float:
+    # A tied LM head has its own copy of the embedding on the last stage under pipelining.
+    params = sum(la.weight_params + la.bias_params + la.replicated_params for la in layers)
+    return float(params * per_param)
+
+
+def block_costs(spec: ModelSpec) -> BlockCosts:
+    """Group ``spec`` into blocks, head and tail. ValueError if no layer names a block index."""
+    blocks: dict[int, list[LayerSpec]] = {}
+    head: list[LayerSpec] = []
+    tail: list[LayerSpec] = []
+    for layer in spec.layers:
+        found = _BLOCK.search(layer.name)
+        if found is not None:
+            blocks.setdefault(int(found.group(1)), []).append(layer)
+        else:
+            (tail if blocks else head).append(layer)
+    if not blocks:
+        raise ValueError(f"model: no repeated blocks (names like h.0.*) in {spec.name}")
+    first = blocks[min(blocks)]
+    dtype = spec.dtype_bytes
+    activations = sum(
+        la.tokens * (la.in_features * la.saves_input + la.out_features * la.saves_output)
+        for la in first
+    )
+    return BlockCosts(
+        num_blocks=len(blocks),
+        block_flops=_flops(first),
+        head_flops=_flops(head),
+        tail_flops=_flops(tail),
+        block_state_bytes=_state(first, spec.state_bytes_per_param),
+        head_state_bytes=_state(head, spec.state_bytes_per_param),
+        tail_state_bytes=_state(tail, spec.state_bytes_per_param),
+        block_activation_bytes=float(activations * dtype),
+        message_bytes=float(first[0].tokens * first[0].in_features * dtype),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class StagePlan:
+    """The pipeline decisions of a plan and their predicted step times."""
+
+    layers_per_stage: tuple[int, ...]
+    """Transformer blocks per stage, first to last (``parallel.num_layers_per_stage``)."""
+    stage_flops: tuple[float, ...]
+    """FLOP/s of each stage (its tensor-parallel devices together)."""
+    num_microbatches: int
+    k: int
+    step_s: float
+    """Predicted seconds per step: this split, ``num_microbatches``, kFkB with ``k``."""
+    even_layers: tuple[int, ...]
+    """Colossal-AI's even split of the same blocks."""
+    even_step_s: float
+    """Predicted seconds per step of the even split with 1F1B and the same micro-batches."""
+
+
+def _costs(
+    costs: BlockCosts, layers: list[int], flops: list[float], room: list[float], link: list[float]
+) -> PipelineCosts:
+    p = len(layers)
+    work = [n * costs.block_flops for n in layers]
+    work[0] += costs.head_flops
+    work[-1] += costs.tail_flops
+    return PipelineCosts(
+        forward_s_per_sample=tuple(w / f for w, f in zip(work, flops, strict=True)),
+        backward_s_per_sample=tuple(2 * w / f for w, f in zip(work, flops, strict=True)),
+        activation_bytes_per_sample=tuple(n * costs.block_activation_bytes for n in layers),
+        memory_budget_bytes=tuple(
+            max(0.0, room[s] - layers[s] * costs.block_state_bytes) for s in range(p)
+        ),
+        link_s_per_sample=tuple(costs.message_bytes / bw for bw in link),
+    )
+
+
+def even_split(num_layers: int, pp: int) -> list[int]:
+    """Colossal-AI's even split (``PipelineStageManager.distribute_layers``)."""
+    layers = [num_layers // pp] * pp
+    for s in remainder_priority(pp)[: num_layers % pp]:
+        layers[s] += 1
+    return layers
+
+
+def plan_stages(
+    spec: ModelSpec,
+    cluster: ClusterSpec,
+    pp: int,
+    tp: int,
+    pipeline_batch: int,
+    *,
+    balance_ends: bool = True,
+) -> StagePlan:
+    """Layers per stage, micro-batches and ``k`` for ``pp`` stages of ``tp`` devices each (any
+    data-parallel replicas: ``cluster`` lists ``pp * tp * dp`` devices in Colossal-AI's dp-outer
+    order), training ``pipeline_batch`` samples per step in each pipeline.
+
+    ``balance_ends``: count the first stage's embeddings and the last stage's head when
+    balancing (an LM head over a large vocabulary costs several blocks, so even equal devices
+    then get fewer blocks on the last stage). False balances the blocks alone, as Colossal-AI's
+    even split does: equal devices then get exactly that split. The predicted times count the
+    ends either way.
+
+    Raises ValueError when the blocks or their activations cannot fit the stages' memory.
+    """
+    costs = block_costs(spec)
+    dp = cluster.num_devices // (pp * tp)
+    flops = stage_speeds(cluster.speeds, pp, tp, dp)
+    memory = stage_speeds(cluster.memory_bytes, pp, tp, dp)  # the same sum-then-min rule
+    room = list(memory)
+    room[0] -= costs.head_state_bytes
+    room[-1] -= costs.tail_state_bytes
+    # A boundary's link: the slowest device link on either side, over its pipeline columns.
+    link = [
+        min(
+            cluster.bandwidths[(d * pp + s + e) * tp + t]
+            for d in range(dp)
+            for t in range(tp)
+            for e in (0, 1)
+        )
+        for s in range(pp - 1)
+    ]
+    extra = [0.0] * pp
+    if balance_ends:
+        extra[0] += costs.head_flops / flops[0]
+        extra[-1] += costs.tail_flops / flops[-1]
+    layers = split_layers(
+        costs.num_blocks,
+        flops,
+        layer_seconds=costs.block_flops,
+        extra_seconds=extra,
+        memory_bytes=room,
+        layer_bytes=costs.block_state_bytes,
+    )
+    choice = choose_microbatches(_costs(costs, layers, flops, room, link), pipeline_batch)
+    even = even_split(costs.num_blocks, pp)
+    m = choice.num_microbatches
+    even_profile = _costs(costs, even, flops, room, link).profile(pipeline_batch // m)
+    try:
+        even_step = choose_k(even_profile, m, candidates=[1]).predicted_step_s
+    except ValueError:  # the even split does not fit the memory
+        even_step = math.inf
+    return StagePlan(
+        layers_per_stage=tuple(layers),
+        stage_flops=tuple(flops),
+        num_microbatches=m,
+        k=choice.decision.k,
+        step_s=choice.decision.predicted_step_s,
+        even_layers=tuple(even),
+        even_step_s=even_step,
+    )
+
+
+def format_stage_plan(plan: StagePlan) -> str:
+    """A few lines for ``colossal-hetero plan``."""
+    speeds = ", ".join(f"{f / 1e12:.3g}" for f in plan.stage_flops)
+    return "\n".join(
+        [
+            "pipeline stages (planned):",
+            f"  stage TFLOP/s         {speeds}",
+            f"  layers per stage      {list(plan.layers_per_stage)}"
+            f"   (even: {list(plan.even_layers)})",
+            f"  micro-batches         {plan.num_microbatches}",
+            f"  kFkB group size k     {plan.k}",
+            f"  predicted step        {plan.step_s * 1e3:.3g} ms"
+            f"   (even split, 1F1B: {plan.even_step_s * 1e3:.3g} ms,"
+            f" {plan.even_step_s / plan.step_s:.2f}x)",
+        ]
+    )

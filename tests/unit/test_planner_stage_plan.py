@@ -1,0 +1,141 @@
+"""The pipeline part of a plan (planner/stage_plan.py) and its resolution for configs.
+
+Oracles: Colossal-AI's own even split for equal devices, brute force over every stage split
+for small models on random unequal devices (speed and memory), and hand-counted block costs.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from transformers import GPT2Config
+
+from colossal_hetero.config import ClusterConfig, HeteroConfig, ParallelConfig, PlanConfig
+from colossal_hetero.config.loader import ConfigError
+from colossal_hetero.config.schema import DeviceSpec
+from colossal_hetero.planner.hf import model_spec_from_hf
+from colossal_hetero.planner.resolve import stage_plan_for, unplanned_notice, wants_stage_plan
+from colossal_hetero.planner.spec import ClusterSpec
+from colossal_hetero.planner.stage_plan import (
+    block_costs,
+    even_split,
+    format_stage_plan,
+    plan_stages,
+)
+from tests.unit.test_planner_stages import colossalai_even_split, compositions
+
+
+def _spec(n_layer: int, batch: int = 8, seq: int = 16, vocab: int = 1000):
+    config = GPT2Config(n_layer=n_layer, n_embd=64, n_head=4, vocab_size=vocab, n_positions=seq)
+    return model_spec_from_hf(config, batch, seq)
+
+
+def test_block_costs_by_hand():
+    costs = block_costs(_spec(3))
+    h, s = 64, 16
+    assert costs.num_blocks == 3
+    # Per token: qkv 2*h*3h, attention scores and values 2*2*s*h, out 2*h*h, MLP 2*2*h*4h,
+    # and the spec's 8h for each of the two layer norms.
+    per_token = 6 * h * h + 4 * s * h + 2 * h * h + 16 * h * h + 2 * 8 * h
+    assert costs.block_flops == pytest.approx(s * per_token)
+    assert costs.tail_flops > costs.block_flops  # the LM head over the vocabulary
+    assert costs.message_bytes == s * h * 4  # one sample's hidden states, fp32
+
+
+def test_equal_devices_give_colossalai_even_split():
+    for p in (2, 3, 4):
+        for n_layer in range(p, 9):
+            spec = _spec(n_layer)
+            cluster = ClusterSpec.from_relative([1.0] * p)
+            plan = plan_stages(spec, cluster, p, 1, 8, balance_ends=False)
+            want = colossalai_even_split(n_layer, p)
+            assert list(plan.layers_per_stage) == want == even_split(n_layer, p)
+
+
+def _max_stage_time(layers, flops, costs):
+    times = [n * costs.block_flops / f for n, f in zip(layers, flops, strict=True)]
+    times[0] += costs.head_flops / flops[0]
+    times[-1] += costs.tail_flops / flops[-1]
+    return max(times)
+
+
+def test_split_matches_brute_force_on_random_unequal_devices():
+    rng = random.Random(7)
+    for _ in range(30):
+        p, n_layer = rng.choice([(2, 5), (3, 6), (4, 7)])
+        spec = _spec(n_layer, vocab=rng.choice([100, 4000]))
+        costs = block_costs(spec)
+        speeds = [rng.choice([0.25, 0.5, 1.0]) for _ in range(p)]
+        # Memory for the states of 2..n blocks per stage, plus the ends and some activations.
+        room = [rng.randint(2, n_layer) * costs.block_state_bytes for _ in range(p)]
+        room[0] += costs.head_state_bytes
+        room[-1] += costs.tail_state_bytes
+        memory = [r + 64 * costs.block_activation_bytes for r in room]
+        cluster = ClusterSpec.from_relative(speeds, memory_gib=[m / 2**30 for m in memory])
+        plan = plan_stages(spec, cluster, p, 1, 8)
+        # The planner's memory rule: the states of at most this many blocks beside the ends.
+        ends = [costs.head_state_bytes] + [0.0] * (p - 2) + [costs.tail_state_bytes]
+        caps = [int((m - e) // costs.block_state_bytes) for m, e in zip(memory, ends, strict=True)]
+        flops = list(plan.stage_flops)
+        best = min(_max_stage_time(c, flops, costs) for c in compositions(n_layer, p, caps))
+        assert sum(plan.layers_per_stage) == n_layer
+        assert all(n <= c for n, c in zip(plan.layers_per_stage, caps, strict=True))
+        assert _max_stage_time(plan.layers_per_stage, flops, costs) == pytest.approx(best)
+
+
+def test_slow_stage_gets_fewer_layers_and_a_faster_predicted_step():
+    spec = _spec(12, batch=16)
+    cluster = ClusterSpec.from_relative([1.0, 1.0, 0.5, 1.0])
+    plan = plan_stages(spec, cluster, 4, 1, 16, balance_ends=False)
+    assert plan.layers_per_stage == (4, 3, 2, 3) or plan.layers_per_stage[2] == 2
+    assert plan.even_layers == (3, 3, 3, 3)
+    assert plan.step_s < plan.even_step_s
+    assert 1 <= plan.k <= plan.num_microbatches and 16 % plan.num_microbatches == 0
+    text = format_stage_plan(plan)
+    assert "layers per stage" in text and "kFkB group size k" in text
+
+
+def test_resolution_for_configs():
+    devices = [DeviceSpec(speed=1.0), DeviceSpec(speed=0.5)]
+    config = HeteroConfig(
+        parallel=ParallelConfig(pp=2, num_microbatches=4),
+        cluster=ClusterConfig(devices=devices),
+        plan=PlanConfig(mode="auto"),
+    )
+    assert wants_stage_plan(config)
+    assert "pipeline stages are planned" in (unplanned_notice(config) or "")
+    plan = stage_plan_for(config, _spec(6), 2)
+    assert plan.layers_per_stage[0] > plan.layers_per_stage[1]
+    # Equal devices, mode even, an explicit split: the stages stay as configured.
+    equal = HeteroConfig(parallel=config.parallel, plan=config.plan)
+    even = HeteroConfig(
+        parallel=config.parallel, cluster=config.cluster, plan=PlanConfig(mode="even")
+    )
+    explicit = HeteroConfig(
+        parallel=ParallelConfig(pp=2, num_microbatches=4, num_layers_per_stage=[3, 3]),
+        cluster=config.cluster,
+        plan=config.plan,
+    )
+    assert not any(wants_stage_plan(c) for c in (equal, even, explicit))
+    # Not enough memory for the blocks: one ConfigError naming plan.
+    tiny = [DeviceSpec(speed=1.0, memory_gib=1e-6), DeviceSpec(speed=0.5, memory_gib=1e-6)]
+    small = HeteroConfig(parallel=config.parallel, cluster=ClusterConfig(devices=tiny))
+    with pytest.raises(ConfigError, match="^plan: infeasible pipeline stages"):
+        stage_plan_for(small, _spec(6), 2)
+
+
+def test_plan_command_shows_the_stages(tmp_path, capsys):
+    from colossal_hetero.cli import main
+
+    path = tmp_path / "pp.yaml"
+    path.write_text(
+        "model: {arch: gpt2, hf: {n_layer: 6, n_embd: 64, n_head: 4, n_positions: 32}}\n"
+        "parallel: {pp: 2, num_microbatches: 4}\n"
+        "cluster: {device: cpu, devices: [{speed: 1.0}, {speed: 0.5}]}\n"
+        "plan: {mode: auto}\n"
+        "data: {dataset: pydoc_topics, seq_len: 32, global_batch_size: 8}\n"
+    )
+    assert main(["plan", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "layers per stage" in out and "micro-batches" in out and "kFkB group size k" in out
