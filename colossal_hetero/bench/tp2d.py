@@ -33,6 +33,7 @@ from colossal_hetero.bench.tp2d_runners import (
     OneDRunner,
     TwoDRunner,
     activation_bytes,
+    build_dedicated,
     text_batch,
     timed_step,
     world_max,
@@ -56,7 +57,7 @@ class Tp2dCase:
     seq_len: int = 32
     batch_size: int = 12
     speeds: tuple[float, ...] = (1.0, 1.0, 1.0, 0.5)
-    device_slowdown: float = 8.0
+    device_slowdown: float = 16.0
     """Every emulated device computes this many times slower than a host core (the slow one
     twice that): four ranks on a two-core host would otherwise queue for the cores, and a
     rank's emulated idle time would go to its neighbours (see ``_slowdowns``)."""
@@ -165,7 +166,7 @@ def run_case(rank: int, world_size: int, device: torch.device, case: Tp2dCase) -
         result: dict[str, Any] = {"resized_plan": planned}
         result["memory"] = _memory(case, runners, device)
         timer = build_interceptor(EmulationConfig(), rank, world_size, device).install()
-        slow = build_interceptor(_slowdowns(case), rank, world_size, device).install()
+        slow = build_dedicated(_slowdowns(case), rank, world_size, device).install()
         try:
             result["rounds"] = _rounds(case, runners, timer, slow, device)
         finally:

@@ -91,3 +91,38 @@ def test_summary_ratios_from_a_hand_made_result():
     assert out["resizable_vs_even_2d"] == 1.4
     worst = max(abs(model[k] - measured[k]) / measured[k] for k in measured)
     assert out["cost_model_bytes_max_error"] == pytest.approx(worst)
+
+
+def test_dedicated_device_stretch_targets_factor_times_cpu():
+    from colossal_hetero.bench.tp2d_runners import DedicatedDeviceInterceptor
+    from colossal_hetero.config.schema import EmulationConfig, SlowdownSpec
+    from colossal_hetero.emulation import SlowdownSchedule
+
+    wall, cpu, slept = [0.0], [0.0], []
+
+    class Fake(DedicatedDeviceInterceptor):
+        def _work_clock(self) -> float:
+            return cpu[0]
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        wall[0] += seconds
+
+    emulation = EmulationConfig(compute=[SlowdownSpec(rank=0, factor=4.0)])
+    fake = Fake(
+        0,
+        1,
+        slowdown=SlowdownSchedule.from_config(emulation, 0),
+        sleep=sleep,
+        clock=lambda: wall[0],
+    )
+    fake._step = 0
+    # 0.1 s of CPU took 0.3 s of wall (a contended host): the interval should last 0.4 s.
+    cpu[0], wall[0] = 0.1, 0.3
+    assert fake._arrive() == pytest.approx(0.4)
+    assert slept == [pytest.approx(0.1)]
+    # Contention beyond the factor: 0.1 s of CPU in 0.6 s of wall is not stretched further.
+    fake._boundary, fake._work_boundary = 0.4, 0.1
+    cpu[0], wall[0] = 0.2, 1.0
+    assert fake._arrive() == pytest.approx(1.0)
+    assert len(slept) == 1
