@@ -1,0 +1,303 @@
+"""``colossal-hetero bench moe``: a small Mixtral, EP=2 x DP=2 on 4 CPU ranks, on shaped links.
+
+First version (issue 11): the stock ``MoeHybridParallelPlugin`` (ZeRO-1, its only EP x DP
+layout) against ours (``HeteroParallelPlugin`` with ``parallel.ep``) with the chunked reducer's
+priority off (plain bucketed overlap) and on, all three in bf16 (the stock plugin's ZeRO
+refuses fp32), built in one world from the same initial weights, trained on the same batches,
+and measured in interleaved rounds (``bench.rounds``), one training step per variant per round.
+
+Per step and variant: the slowest rank's step time; the time inside collectives (each call
+timed around a synchronous collective; our reducer's async chunks are not counted, they
+overlap); for ours, from the step's event log, the median duration of the forward a2a calls
+(no gradient traffic in flight: "alone") and of the backward ones (chunks may be in flight:
+"under all-reduce"); the mean training loss. Variants not built yet (DeepSeek-MoE, pipelining,
+packing, placement) appear in the summary as null with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+HF = {
+    "vocab_size": 256,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 128,
+    "output_router_logits": True,
+    "router_aux_loss_coef": 0.02,
+}
+SEQ, PER_RANK, EP = 64, 4, 2
+RATE_MBIT = 800.0
+CHUNK_KIB, MAX_INFLIGHT = 128, 1
+_TIMED = ("all_reduce", "all_to_all_single", "reduce_scatter_tensor", "all_gather_into_tensor")
+_NOT_BUILT = {
+    "all_on_vs_deepspeed_moe": "DeepSpeed-MoE baseline not run (optional extra, not installed)",
+    "speed_aware_vs_even_placement": "runtime re-placement and the heterogeneous case not built",
+}
+
+
+def _model() -> torch.nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    return MixtralForCausalLM(MixtralConfig(**HF))
+
+
+@contextmanager
+def _timed_collectives(total: list[float]) -> Iterator[None]:
+    """Add the wall time of every synchronous collective call to ``total[0]``."""
+    originals = {name: getattr(dist, name) for name in _TIMED}
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("async_op"):
+                return fn(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                total[0] += time.perf_counter() - start
+
+        return timed
+
+    for name, fn in originals.items():
+        setattr(dist, name, wrap(fn))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def _build_stock(device: torch.device) -> tuple[Any, Any, Any]:
+    from colossalai.booster import Booster
+    from colossalai.booster.plugin import MoeHybridParallelPlugin
+
+    plugin = MoeHybridParallelPlugin(
+        tp_size=1, pp_size=1, ep_size=EP, zero_stage=1, precision="bf16"
+    )
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    booster = Booster(plugin=plugin)
+    model, optimizer, *_ = booster.boost(model, optimizer)
+    return booster, model, optimizer
+
+
+def _build_ours(priority: bool) -> tuple[Any, Any, Any, Any]:
+    from colossalai.booster import Booster
+
+    from colossal_hetero.config.moe import MoeConfig
+    from colossal_hetero.config.parallel import ParallelConfig
+    from colossal_hetero.config.schema import HeteroConfig
+    from colossal_hetero.plugin import HeteroParallelPlugin
+
+    config = HeteroConfig(
+        parallel=ParallelConfig(ep=EP, precision="bf16"),
+        moe=MoeConfig(chunk_kib=CHUNK_KIB, max_inflight=MAX_INFLIGHT, priority=priority),
+    )
+    plugin = HeteroParallelPlugin(config)
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    booster = Booster(plugin=plugin)
+    model, optimizer, *_ = booster.boost(model, optimizer)
+    return booster, model, optimizer, plugin
+
+
+def _a2a_medians(log: list[Any]) -> tuple[float, float]:
+    """(forward, backward) median a2a call durations of one step's log; the backward ones
+    start after the first gradient chunk was launched or the last forward span closed."""
+    first_chunk = min((row[3] for row in log if row[0] == "chunk"), default=float("inf"))
+    calls = [(row[3], row[4] - row[3]) for row in log if row[0] == "a2a" and row[5] > 64]
+    forward = [d for t, d in calls if t < first_chunk]
+    backward = [d for t, d in calls if t >= first_chunk]
+    return (
+        statistics.median(forward) if forward else 0.0,
+        statistics.median(backward) if backward else 0.0,
+    )
+
+
+def moe_worker(rank: int, world_size: int, device: torch.device, *, quick: bool) -> dict:
+    """One rank of the benchmark (see the module); returns the rounds' JSON on every rank."""
+    from colossal_hetero.bench.rounds import RoundsPolicy, rank0_decides, run_rounds
+    from colossal_hetero.bench.shaped_spawn import report_bench_step
+    from colossal_hetero.utils.quiet import quiet_third_party_warnings
+
+    quiet_third_party_warnings()
+    torch.set_num_threads(1)
+    # Ours first: our plugin installs the CPU fixes Colossal-AI needs (compat/) for both.
+    ours = {name: _build_ours(name == "ours_on") for name in ("ours_off", "ours_on")}
+    logs: dict[str, list[tuple[float, list]]] = {name: [] for name in ours}
+    stock = _build_stock(device)
+    generator = torch.Generator().manual_seed(1234)
+    batches: list[torch.Tensor] = []
+
+    def batch(index: int) -> torch.Tensor:
+        while len(batches) <= index:  # the same global batch for every variant of a round
+            batches.append(torch.randint(0, 256, (world_size * PER_RANK, SEQ), generator=generator))
+        return batches[index].split(PER_RANK)[rank]
+
+    def step(booster: Any, model: Any, optimizer: Any, ids: torch.Tensor) -> tuple[float, float]:
+        comm = [0.0]
+        dist.barrier()
+        start = time.perf_counter()
+        with _timed_collectives(comm):
+            loss = model(input_ids=ids, labels=ids).loss
+            booster.backward(loss, optimizer)
+            optimizer.step()
+            optimizer.zero_grad()
+        return time.perf_counter() - start, comm[0]
+
+    def agreed(values: list[float]) -> list[float]:
+        tensor = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tensor.tolist()
+
+    def stock_variant(index: int, *, warmup: bool) -> dict[str, float]:
+        report_bench_step(rank, index)
+        booster, model, optimizer = stock
+        ids = batch(index)
+        step_time, comm = step(booster, model, optimizer, ids)
+        s, c = agreed([step_time, comm])
+        return {"step": s, "comm": c}
+
+    def ours_variant(name: str) -> Callable[..., dict[str, float]]:
+        def run(index: int, *, warmup: bool) -> dict[str, float]:
+            booster, model, optimizer, plugin = ours[name]
+            step_time, comm = step(booster, model, optimizer, batch(index))
+            alone, under = _a2a_medians(plugin.moe_log.last)
+            if not warmup:
+                logs[name].append((step_time, [list(row) for row in plugin.moe_log.last]))
+            s, c, a, u = agreed([step_time, comm, alone, under])
+            return {"step": s, "comm": c, "a2a_alone": a, "a2a_under": u}
+
+        return run
+
+    policy = RoundsPolicy(warmup=2, min_rounds=8 if quick else 12, budget_s=50 if quick else 300)
+    result = run_rounds(
+        {
+            "stock": stock_variant,
+            "ours_off": ours_variant("ours_off"),
+            "ours_on": ours_variant("ours_on"),
+        },
+        {
+            "ours_on_vs_stock": lambda v: v["stock.step"] / v["ours_on.step"],
+            "ours_off_vs_stock": lambda v: v["stock.step"] / v["ours_off.step"],
+            "on_vs_off": lambda v: v["ours_off.step"] / v["ours_on.step"],
+        },
+        policy,
+        decide=rank0_decides(device),
+    )
+    timelines = {name: _median_step(steps) for name, steps in logs.items()}
+    loss_diff = _loss_check(stock, ours, batch, len(batches))
+    for _, _, _, plugin in ours.values():
+        plugin.close()
+    return {
+        "rounds": result.to_dict(),
+        "max_loss_diff_vs_stock": loss_diff,
+        "timelines": timelines,
+    }
+
+
+def _median_step(steps: list[tuple[float, list]]) -> list:
+    """The log of the step whose time is the (lower) median of this rank's measured steps."""
+    ordered = sorted(steps, key=lambda item: item[0])
+    return ordered[(len(ordered) - 1) // 2][1] if ordered else []
+
+
+def _loss_check(
+    stock: Any, ours: dict[str, Any], batch: Callable[[int], torch.Tensor], n: int
+) -> float:
+    """Largest |mean loss difference| between ours and stock on held batches after training
+    the same rounds (forward only, no step); every variant saw the same batches."""
+    diffs = []
+    with torch.no_grad():
+        for index in range(min(n, 4)):
+            ids = batch(index)
+            values = [float(stock[1](input_ids=ids, labels=ids).loss)]
+            values += [float(v[1](input_ids=ids, labels=ids).loss) for v in ours.values()]
+            tensor = torch.tensor(values, dtype=torch.float64)
+            dist.all_reduce(tensor)
+            tensor /= dist.get_world_size()
+            diffs += [abs(float(tensor[i] - tensor[0])) for i in range(1, len(values))]
+    return max(diffs)
+
+
+def summarise(result: dict, network_mode: str) -> dict[str, Any]:
+    """The issue's summary keys from one rank's result (all ranks agree)."""
+    medians = result["rounds"]["medians"]
+    figures = result["rounds"]["figures"]
+
+    def med(key: str) -> float:
+        return float(medians[key]["value"])
+
+    summary: dict[str, Any] = {
+        "network_mode": network_mode,
+        "precision": "bf16",
+        "stock_comm_fraction": med("stock.comm") / med("stock.step"),
+        "all_on_vs_colossalai_moe": float(figures["ours_on_vs_stock"]["value"]),
+        "priority_off_vs_colossalai_moe": float(figures["ours_off_vs_stock"]["value"]),
+        "priority_on_vs_off": float(figures["on_vs_off"]["value"]),
+        "a2a_under_allreduce_over_alone": med("ours_on.a2a_under") / med("ours_on.a2a_alone"),
+        "a2a_under_allreduce_over_alone_priority_off": med("ours_off.a2a_under")
+        / med("ours_off.a2a_alone"),
+        "max_loss_diff_vs_stock": result["max_loss_diff_vs_stock"],
+        "all_on_means": "priority on (pipelining, packing and placement are not built yet)",
+    }
+    for key, reason in _NOT_BUILT.items():
+        summary[key] = None
+        summary[f"{key}_reason"] = reason
+    return summary
+
+
+def run_moe_benchmark(*, quick: bool, json_path: str = "", network: str = "shaped") -> int:
+    """Run the benchmark on 4 ranks; print the summary; write JSON to ``json_path``."""
+    from colossal_hetero.bench.shaped_spawn import run_bench_ranks
+    from colossal_hetero.config.schema import NetworkEmulationConfig
+
+    started = time.perf_counter()
+    links = NetworkEmulationConfig(mode="shaped", bandwidth_gbps=RATE_MBIT / 1000)
+    results = run_bench_ranks(
+        moe_worker, 4, network=links if network == "shaped" else None, quick=quick
+    )
+    if json_path:  # the raw per-rank results first: a failing summary keeps the run
+        Path(json_path).with_suffix(".raw.json").write_text(json.dumps(results[0]))
+    summary = summarise(results[0], network)
+    report = {
+        "benchmark": "moe",
+        "quick": quick,
+        "world_size": 4,
+        "layout": f"EP={EP} x DP=2",
+        "model": HF,
+        "seq_len": SEQ,
+        "per_rank_batch": PER_RANK,
+        "link_rate_mbit": RATE_MBIT if network == "shaped" else None,
+        "wall_s": time.perf_counter() - started,
+        "summary": summary,
+        "rounds": results[0]["rounds"],
+    }
+    print(json.dumps(summary, indent=1))
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=1))
+        from colossal_hetero.moe.timeline import plot_timelines
+
+        logs = results[0]["timelines"]
+        titles = {"ours_off": "priority off (plain bucketed overlap)", "ours_on": "priority on"}
+        png = Path(json_path).with_suffix(".timeline.png")
+        plot_timelines({titles[k]: v for k, v in logs.items()}, png)
+        report["timeline_png"] = str(png)
+        Path(json_path).write_text(json.dumps(report, indent=1))
+    return 0

@@ -1,0 +1,74 @@
+"""Pure parts of the MoE step log: chunks inside a2a spans, the bench's a2a split and summary,
+the timeline PNG. Hand-built logs, hand-counted answers."""
+
+from __future__ import annotations
+
+from colossal_hetero.bench.moe import _a2a_medians, summarise
+from colossal_hetero.moe.comm import chunks_inside
+from colossal_hetero.moe.timeline import plot_timelines
+
+# (kind, group, id, t_launch, t_done, bytes)
+LOG = [
+    ("pending", "ep", 0, 0.0, 1.0, 0),
+    ("a2a", "ep", 1, 0.1, 0.2, 32),  # routing counts: too small to count as a dispatch
+    ("a2a", "ep", 2, 0.2, 0.4, 4096),
+    ("a2a", "ep", 3, 0.6, 0.9, 4096),
+    ("chunk", "dense", 0, 1.5, 2.0, 1024),
+    ("pending", "ep", 4, 2.0, 3.0, 0),
+    ("a2a", "ep", 5, 2.1, 2.6, 4096),
+    ("chunk", "expert", 0, 2.5, 3.5, 1024),  # inside a pending span and inside a2a 5
+    ("a2a", "ep", 6, 2.7, 3.1, 4096),
+    ("chunk", "expert", 1, 3.2, 3.6, 1024),
+]
+
+
+def test_chunks_inside_counts_launches_strictly_inside() -> None:
+    assert chunks_inside(LOG, "pending") == 1
+    assert chunks_inside(LOG, "a2a") == 1
+    assert chunks_inside([r for r in LOG if r[2] != 0 or r[0] != "chunk"], "a2a") == 0
+
+
+def test_a2a_split_at_the_first_chunk() -> None:
+    forward, backward = _a2a_medians(LOG)
+    assert abs(forward - 0.25) < 1e-12  # median of 0.2 and 0.3
+    assert abs(backward - 0.45) < 1e-12  # median of 0.5 and 0.4
+
+
+def test_summary_keys_and_nulls() -> None:
+    def interval(value: float) -> dict:
+        return {"value": value, "ci": [value, value], "half_width": 0.0}
+
+    medians = {
+        "stock.step": 2.0,
+        "stock.comm": 1.0,
+        "ours_on.a2a_under": 0.22,
+        "ours_on.a2a_alone": 0.2,
+        "ours_off.a2a_under": 0.6,
+        "ours_off.a2a_alone": 0.2,
+    }
+    result = {
+        "rounds": {
+            "medians": {k: interval(v) for k, v in medians.items()},
+            "figures": {
+                k: interval(v)
+                for k, v in {
+                    "ours_on_vs_stock": 1.2,
+                    "ours_off_vs_stock": 1.1,
+                    "on_vs_off": 1.05,
+                }.items()
+            },
+        },
+        "max_loss_diff_vs_stock": 0.004,
+    }
+    summary = summarise(result, "shaped")
+    assert summary["stock_comm_fraction"] == 0.5
+    assert abs(summary["a2a_under_allreduce_over_alone"] - 1.1) < 1e-12
+    assert abs(summary["a2a_under_allreduce_over_alone_priority_off"] - 3.0) < 1e-12
+    assert summary["all_on_vs_colossalai_moe"] == 1.2 and summary["network_mode"] == "shaped"
+    assert summary["all_on_vs_deepspeed_moe"] is None and summary["all_on_vs_deepspeed_moe_reason"]
+
+
+def test_timeline_png(tmp_path) -> None:
+    path = tmp_path / "t.png"
+    plot_timelines({"off": LOG, "on": LOG[:5]}, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
