@@ -89,7 +89,7 @@ class BenchSpec:
 
 def phase_plan(quick: bool) -> dict[str, dict[str, int]]:
     """Global round numbers: each phase's first round (warm-up included), rounds, warm-up."""
-    quick_sizes = {"a": (0, 4), "b": (0, 8), "c": (0, 4)}
+    quick_sizes = {"a": (1, 4), "b": (0, 8), "c": (0, 4)}
     full_sizes = {"a": (1, 8), "b": (0, 16), "c": (1, 8)}
     sizes = quick_sizes if quick else full_sizes
     plan, start = {}, 0

@@ -100,17 +100,24 @@ def plot_trace(report: dict[str, Any], out: str) -> None:
         series, first = data["series"], data["first_round"]
         rounds = list(range(first, first + data["rounds"]))
         top, bottom = axes[0][col], axes[1][col]
-        for ax in (top, bottom):
-            for r in rounds:
-                share = spec["shares"][r]
-                if share < 1.0:
-                    ax.axvspan(r - 0.5, r + 0.5, color="tab:red", alpha=0.08 + 0.1 * (1 - share))
+        for start, end, share in _stretches(spec["shares"], rounds):
+            for ax in (top, bottom):
+                ax.axvspan(start - 0.5, end - 0.5, color="tab:red", alpha=0.12, lw=0)
+            top.annotate(
+                f"tenant {1 - share:.0%}",
+                ((start + end - 1) / 2, 1.0),
+                xycoords=("data", "axes fraction"),
+                ha="center",
+                va="bottom",
+                fontsize=7,
+            )
         for variant in _variants(series):
             style = {"lw": 2.2} if variant == "ada" else {"lw": 1.0, "alpha": 0.8}
             samples = [spec["batch_size"] / t for t in series[f"{variant}.step"]]
             top.plot(rounds, samples, marker="o", ms=3, label=variant, **style)
         bottom.step(rounds, series["ada.k"], where="mid", color="black", label="ada k")
-        top.set_title(f"{name}: throughput over the preemption trace (shaded: tenant on)")
+        bottom.set_yticks(range(1, int(max(series["ada.k"])) + 2))
+        top.set_title(f"{name}: throughput over the preemption trace", pad=14)
         top.set_ylabel("samples/s")
         bottom.set_ylabel("ada's k")
         bottom.set_xlabel("round (job step reported to the shaped launcher)")
@@ -118,6 +125,20 @@ def plot_trace(report: dict[str, Any], out: str) -> None:
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
+
+
+def _stretches(shares: list[float], rounds: list[int]) -> list[tuple[int, int, float]]:
+    """(first round, end round, share) of each run of preempted rounds among ``rounds``."""
+    runs: list[tuple[int, int, float]] = []
+    for r in rounds:
+        share = shares[r]
+        if share >= 1.0:
+            continue
+        if runs and runs[-1][1] == r and runs[-1][2] == share:
+            runs[-1] = (runs[-1][0], r + 1, share)
+        else:
+            runs.append((r, r + 1, share))
+    return runs
 
 
 def main(argv: list[str] | None = None) -> int:

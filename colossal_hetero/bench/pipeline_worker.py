@@ -312,6 +312,11 @@ def _decisions(runner: Runner) -> list[dict[str, Any]]:
     if control is None or control.log is None:
         return []
     return [
-        {"step": r["step"], **r["decision"], "predicted_gain": r["predicted_gain"]}
+        {
+            "step": r["step"],
+            **r["decision"],
+            "predicted_gain": r["predicted_gain"],
+            "transfer_s": list(r["inputs"].get("transfer_s", ())),
+        }
         for r in control.log.records
     ]

@@ -23,9 +23,9 @@ from colossal_hetero.bench.pipeline_model import ROW, network_config, stage_peak
 
 def test_round_plan_and_tenant_trace():
     plan = phase_plan(quick=True)
-    assert [plan[p]["start"] for p in "abc"] == [0, 4, 12]
+    assert [plan[p]["start"] for p in "abc"] == [0, 5, 13]
     shares = job_shares(plan)
-    assert len(shares) == 16
+    assert len(shares) == 17
     b = plan["b"]
     inside = range(b["start"], b["start"] + b["rounds"])
     assert all(shares[r] == 1.0 for r in range(len(shares)) if r not in inside)
@@ -33,7 +33,7 @@ def test_round_plan_and_tenant_trace():
     # The tenant takes 80-90% of the link whenever it is on.
     assert all(0.1 <= s <= 0.2 for s in shares if s < 1.0)
     specs = preemptions(shares, target_rank=2)
-    assert [(p.start_step, p.end_step, p.factor) for p in specs] == [(5, 8, 0.15), (9, 12, 0.1)]
+    assert [(p.start_step, p.end_step, p.factor) for p in specs] == [(6, 9, 0.15), (10, 13, 0.1)]
     assert all(p.kind == "tenant" and p.ranks == [2] for p in specs)
     # Every preempted round is covered by exactly the spec with its share.
     for r, share in enumerate(shares):
