@@ -36,9 +36,29 @@ def check_moe_layout(parallel: ParallelConfig, moe: MoeConfig, world_size: int) 
     dp = parallel.dp or world_size
     if dp % ep:
         raise ConfigError(f"parallel.ep={ep} does not divide the data-parallel size ({dp})")
+    if parallel.zero_stage == 0 and parallel.max_norm > 0:
+        # Our reducers' path: each rank's norm would cover only its own experts, so ranks
+        # would clip by different factors and the replicas of the dense weights would drift.
+        raise ConfigError(
+            "parallel.max_norm: gradient clipping with parallel.ep > 1 needs zero_stage 1 "
+            "(Colossal-AI's MoE optimizer) so far"
+        )
     if moe.placement and len(moe.placement) != ep:
         raise ConfigError(
             f"moe.placement: lists {len(moe.placement)} expert-parallel ranks, parallel.ep is {ep}"
+        )
+
+
+def check_moe_run(config: Any) -> None:
+    """Run-level checks (a ``RunConfig``): what an expert-parallel run cannot do yet.
+
+    Raises:
+        ConfigError: naming ``checkpoint.dir``.
+    """
+    if config.parallel.ep > 1 and config.checkpoint.dir is not None:
+        raise ConfigError(
+            "checkpoint.dir: checkpointing an expert-parallel run (parallel.ep > 1) is not "
+            "supported yet"
         )
 
 

@@ -53,6 +53,7 @@ def test_shipped_config_validates_as_ep2_dp2() -> None:
         ({"ep": 2}, {"placement": [[0, 1], [2, 3, 0]]}, None, 4, "expert 0 is placed twice"),
         ({"ep": 2}, {"placement": [[0, 1, 2, 3]]}, None, 4, "moe.placement: lists 1"),
         ({}, {"placement": [[0, 1], [2, 3]]}, None, 4, "moe.placement: needs expert"),
+        ({"ep": 2, "max_norm": 1.0}, None, None, 4, "parallel.max_norm: gradient clipping"),
     ],
 )
 def test_bad_moe_layout_is_one_config_error(parallel, moe, hf, world, fragment) -> None:
@@ -75,3 +76,18 @@ def test_ep_needs_an_expert_model() -> None:
     data = {"model": {"arch": "llama"}, "parallel": {"ep": 2}, "train": {"eval_every": 0}}
     with pytest.raises(ConfigError, match="parallel.ep: 2 needs a mixture-of-experts model"):
         validate_run(from_dict(RunConfig, data), 4)
+
+
+def test_ep_run_refuses_checkpoints() -> None:
+    config = from_dict(
+        RunConfig,
+        {
+            "model": {"arch": "mixtral", "hf": HF},
+            "data": {"seq_len": 16, "global_batch_size": 8},
+            "parallel": {"ep": 2},
+            "train": {"eval_every": 0},
+            "checkpoint": {"dir": "ckpt"},
+        },
+    )
+    with pytest.raises(ConfigError, match="checkpoint.dir: checkpointing an expert-parallel"):
+        validate_run(config, 4)
