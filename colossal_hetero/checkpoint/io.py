@@ -20,6 +20,7 @@ from colossal_hetero.checkpoint.optimizer_state import (
     is_full_format,
     load_full_optimizer,
     save_full_optimizer,
+    stage_file_name,
 )
 from colossal_hetero.tp2d.state import has_2d_params, is_model_2d
 
@@ -36,7 +37,11 @@ class HeteroCheckpointIO(HybridParallelCheckpointIO):
         self._require_full_format_layout("save")
         writer = self.dp_rank == 0 and self.tp_rank == 0
         save_full_optimizer(
-            optimizer, checkpoint, gather_even=self._gather_even(optimizer), is_writer=writer
+            optimizer,
+            checkpoint,
+            gather_even=self._gather_even(optimizer),
+            is_writer=writer,  # one per pipeline stage, each writing its own file
+            file_name=stage_file_name(self.pp_rank, self.pp_size),
         )
         return None
 
@@ -50,6 +55,11 @@ class HeteroCheckpointIO(HybridParallelCheckpointIO):
     def load_optimizer(self, optimizer: Any, checkpoint: str, *args: Any, **kwargs: Any) -> None:
         """Either format; full states are re-sharded to the current widths."""
         if not is_full_format(checkpoint):
+            if has_2d_params(optimizer):  # the stock format's shards assume 1D layouts
+                raise ValueError(
+                    f"{checkpoint}: a 2D (parallel.tp_mode 2d) optimizer loads only the full "
+                    "format this plugin saves (full_optimizer.pt), not Colossal-AI's sharded one"
+                )
             return super().load_optimizer(optimizer, checkpoint, *args, **kwargs)
         self._require_full_format_layout("load")
         load_full_optimizer(optimizer, checkpoint, shard_even=self._shard_even(optimizer))
@@ -57,10 +67,10 @@ class HeteroCheckpointIO(HybridParallelCheckpointIO):
         return None
 
     def _require_full_format_layout(self, action: str) -> None:
-        if self.use_zero or self.pp_size > 1:
+        if self.use_zero:
             raise ValueError(
-                f"cannot {action} the optimizer of unevenly sharded layers with ZeRO or pipeline "
-                f"parallelism (pp {self.pp_size}); use plan.mode: even for those layouts"
+                f"cannot {action} the optimizer of unevenly sharded layers with ZeRO; use "
+                "plan.mode: even for that layout"
             )
 
     def _gather_even(self, optimizer: Any) -> Callable[[dict, nn.Parameter], dict]:
