@@ -97,6 +97,7 @@ class CollectiveInterceptor:
         self._depth = 0  # > 0 while an intercepted collective runs: its nested calls pass through
         self._nested: Transfer | None = None  # summed here for object collectives only
         self._step: int | None = None  # None outside begin_step / end_step
+        self._overslept = 0.0  # stretch slept beyond what was asked, taken off the next sleeps
         self._reset(self._clock())
 
     # -- installation -------------------------------------------------------------------------
@@ -309,10 +310,16 @@ class CollectiveInterceptor:
         step = self._step if self._step is not None else 0
         factor = 1.0 if self.slowdown is None else self.slowdown.factor_at(step)
         if factor > 1.0:
-            self._sleep((factor - 1.0) * (self._work_clock() - self._work_boundary))
-            stretched = self._clock()
-            self._stretch_time += stretched - now
-            now = stretched
+            # A loaded host wakes a sleeper late; the overshoot is owed back by the next sleeps,
+            # so the stretch follows the work done, not the number of collectives it spans.
+            want = (factor - 1.0) * (self._work_clock() - self._work_boundary) - self._overslept
+            self._overslept = max(-want, 0.0)
+            if want > 0:
+                self._sleep(want)
+                stretched = self._clock()
+                self._overslept = max(stretched - now - want, 0.0)
+                self._stretch_time += stretched - now
+                now = stretched
         return now
 
     def _work_clock(self) -> float:
