@@ -176,6 +176,16 @@ class HeteroEPMixtralSparseMoeBlock(EPMixtralSparseMoeBlock):
         local = len(self.held)
         # Each rank learns, from every peer, how many rows each of its experts gets.
         peer_counts = _all_to_all_counts(counts, self.device_sizes, local, self)
+        if self.training and torch.is_grad_enabled():  # held experts no token reaches here
+            reached = peer_counts.view(self.ep_size, local).sum(dim=0).tolist()
+            idle = [
+                p
+                for j, n in enumerate(reached)
+                if n == 0
+                for p in self.experts[self.held[j]].parameters()
+            ]
+            if idle:
+                self.comm.idle(idle)
         send = [int(c.sum()) for c in counts.split(self.device_sizes)]
         recv = peer_counts.view(self.ep_size, local).sum(dim=1).tolist()
         received = _Dispatch.apply(dispatch, send, recv, self)

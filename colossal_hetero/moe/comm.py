@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch.distributed import ProcessGroup
 
@@ -104,6 +105,12 @@ class MoeComm:
         finally:
             event.t_done = time.perf_counter()
             self._ungate()
+
+    def idle(self, params: list[Any]) -> None:
+        """``params`` get no gradient in the coming backward (experts no token reached): their
+        chunks may go before the flush (see ``ChunkedGradReducer.mark_idle``)."""
+        for reducer in self.reducers.values():
+            reducer.mark_idle(params)
 
     def flush(self) -> None:
         """Flush every reducer (before the optimizer step), unless no backward ran since the

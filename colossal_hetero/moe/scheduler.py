@@ -104,6 +104,7 @@ class ChunkedGradReducer:
             self._divisor = dist.get_world_size(group)
         if self._divisor is not None and self._divisor < 1:
             raise ValueError(f"ChunkedGradReducer: divisor must be >= 1, got {divisor}")
+        self._index = {id(p): i for i, p in enumerate(self._params)}
         self._chunks_of: list[list[int]] = [[] for _ in self._params]
         for chunk in self.chunks:
             for param in chunk.params:
@@ -134,6 +135,19 @@ class ChunkedGradReducer:
             self._pump()
 
         return on_grad
+
+    def mark_idle(self, params: Sequence[nn.Parameter]) -> None:
+        """``params`` (those of this reducer; others are ignored) get no gradient in this
+        backward, e.g. an expert that no token reached: their gradients are zeros from now, so
+        their chunks need not wait for ``flush``. Already ready ones are left alone."""
+        for param in params:
+            index = self._index.get(id(param))
+            if index is None or self._ready[index]:
+                continue
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            self._mark_ready(index)
+        self._pump()
 
     def _mark_ready(self, index: int) -> None:
         if self._ready[index]:
