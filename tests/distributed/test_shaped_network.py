@@ -97,6 +97,8 @@ def timed_p2p_worker(*, rank: int, world_size: int, device: object, mib: float) 
     return {"shaped": on_shaped_links(), "seconds": sorted(times)[1], "world": world_size}
 
 
+@pytest.mark.slow  # ~30-50 s; the default run covers the helper's shaped path through
+# test_rates_and_all_to_all_behind_all_reduce (bench network launches via run_shaped_ranks)
 def test_bench_helper_runs_a_worker_on_shaped_links():
     network = NetworkEmulationConfig(mode="shaped", bandwidth_gbps=0.2)
     results = run_bench_ranks(timed_p2p_worker, 2, network=network, timeout_s=120, mib=2.0)
