@@ -7,9 +7,13 @@ even rule (stock layers), and saved once, keyed by the parameter's position in t
 Loading shards each full state to whatever layout the current parameter has, so a checkpoint
 moves between widths, and between uneven and even layouts, without loss.
 
-File: ``<checkpoint>/full_optimizer.pt`` = {"states": {index: {name: tensor}}, "groups": [...]}.
-Scope: tensor parallelism with data parallelism without ZeRO, no pipeline (the planner's
-layouts); other layouts use Colossal-AI's own format.
+File: ``<checkpoint>/full_optimizer.pt`` = {"states": {id: {name: tensor}}, "groups": [...]},
+where ``id`` is the parameter's position in the optimizer of the whole model, before any
+pipeline split (Colossal-AI's ``param_info["param2id"]``). Under pipeline parallelism each stage
+writes the states of the parameters it holds to ``full_optimizer_stage<s>.pt``, and loading
+merges every file of the folder, so a checkpoint also moves between stage splits.
+Scope: tensor parallelism with data and pipeline parallelism, without ZeRO; other layouts use
+Colossal-AI's own format.
 """
 
 from __future__ import annotations
@@ -25,11 +29,26 @@ from torch import nn
 from colossal_hetero.layers.sharding import layout_of
 
 FILE_NAME = "full_optimizer.pt"
+_PATTERN = "full_optimizer*.pt"
+
+
+def stage_file_name(pp_rank: int, pp_size: int) -> str:
+    """The file a pipeline stage writes (``FILE_NAME`` without pipeline parallelism)."""
+    return FILE_NAME if pp_size == 1 else f"full_optimizer_stage{pp_rank}.pt"
 
 
 def is_full_format(checkpoint: str | Path) -> bool:
     """Whether ``checkpoint`` (a folder) holds an optimizer saved by ``save_full_optimizer``."""
-    return (Path(checkpoint) / FILE_NAME).is_file()
+    return any(Path(checkpoint).glob(_PATTERN))
+
+
+def _param_ids(optimizer: Any, params: list[tuple[nn.Parameter, nn.Parameter]]) -> list[int]:
+    """Each parameter's id in the whole model's optimizer (stable across pipeline splits), or
+    its position when the optimizer keeps no ``param_info``."""
+    known = getattr(optimizer, "param_info", {}).get("param2id", {})
+    if all(id(working) in known for working, _ in params):
+        return [known[id(working)] for working, _ in params]
+    return list(range(len(params)))
 
 
 def has_uneven_params(optimizer: Any) -> bool:
@@ -51,6 +70,7 @@ def save_full_optimizer(
     *,
     gather_even: Callable[[dict, nn.Parameter], dict],
     is_writer: bool,
+    file_name: str = FILE_NAME,
 ) -> None:
     """Gather every state to full shape and write it on the ``is_writer`` rank.
 
@@ -59,7 +79,8 @@ def save_full_optimizer(
     rank must call this with the same optimizer structure.
     """
     states: dict[int, dict[str, Any]] = {}
-    for index, (working, param) in enumerate(_params(optimizer)):
+    params = _params(optimizer)
+    for index, (working, param) in zip(_param_ids(optimizer, params), params, strict=True):
         state = optimizer.optim.state.get(param, {})
         gather = _hooks(working)[1]
         if gather is None:
@@ -70,7 +91,7 @@ def save_full_optimizer(
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     if is_writer:
         Path(checkpoint).mkdir(parents=True, exist_ok=True)
-        torch.save({"states": states, "groups": groups}, Path(checkpoint) / FILE_NAME)
+        torch.save({"states": states, "groups": groups}, Path(checkpoint) / file_name)
     dist.barrier()
 
 
@@ -84,17 +105,24 @@ def load_full_optimizer(
 
     ``shard_even(state, working_param, param)`` slices a stock (even) TP parameter's state.
     """
-    saved = torch.load(Path(checkpoint) / FILE_NAME, map_location="cpu", weights_only=False)
+    states: dict[int, dict[str, Any]] = {}
+    groups: list[dict[str, Any]] = []
+    for path in sorted(Path(checkpoint).glob(_PATTERN)):  # one per pipeline stage
+        saved = torch.load(path, map_location="cpu", weights_only=False)
+        states.update(saved["states"])
+        groups = saved["groups"]
     params = _params(optimizer)
-    if len(saved["states"]) != len(params):
+    ids = _param_ids(optimizer, params)
+    missing = [i for i in ids if i not in states]
+    if missing:
         raise ValueError(
-            f"{checkpoint}: optimizer checkpoint has {len(saved['states'])} parameters, the "
-            f"model has {len(params)}"
+            f"{checkpoint}: optimizer checkpoint has no states for parameters {missing[:5]} of "
+            f"this model ({len(states)} saved, {len(params)} here)"
         )
-    for group, saved_group in zip(optimizer.param_groups, saved["groups"], strict=True):
+    for group, saved_group in zip(optimizer.param_groups, groups, strict=True):
         group.update(saved_group)
-    for index, (working, param) in enumerate(params):
-        full = saved["states"][index]
+    for index, (working, param) in zip(ids, params, strict=True):
+        full = states[index]
         if not full:
             continue
         shard = _hooks(working)[0]

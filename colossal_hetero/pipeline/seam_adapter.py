@@ -6,16 +6,12 @@ after every step it calls :meth:`AdaKController.after_step` (one ``all_gather`` 
 ``parallel.pp_retune_every`` steps, on every rank) and writes each decision record.
 
 Link time is measured online (``KFKBSchedule.last_record``'s per-message timestamps; see
-``pipeline/profile.py``). :func:`link_model` is the config's prior of it, for planning before any
-step has run: ``emulation.network.bandwidth_gbps`` when set, else this rank's
-``cluster.devices[r].bandwidth_gbps``, else free links; latency from
-``emulation.network.latency_us``.
+``pipeline/profile.py``), not taken from the config.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -32,19 +28,6 @@ class RecordWriter(Protocol):
     """Takes one decision record (``metrics.decisions.DecisionWriter``)."""
 
     def write(self, record: dict[str, Any]) -> None: ...
-
-
-def link_model(config: HeteroConfig, rank: int) -> tuple[Callable[[int], float], float]:
-    """``(link_seconds(message_bytes), latency_s)`` of ``rank``'s outgoing link, from the config."""
-    network = config.emulation.network
-    gbps = network.bandwidth_gbps
-    if gbps is None and config.cluster.devices:
-        gbps = config.cluster.devices[rank].bandwidth_gbps
-    latency_s = network.latency_us * 1e-6
-    if gbps is None:
-        return (lambda nbytes: 0.0), latency_s
-    bytes_per_s = gbps * 1e9 / 8
-    return (lambda nbytes: nbytes / bytes_per_s), latency_s
 
 
 class AdaKSeamController:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 
 from colossal_hetero.config import ConfigError, HeteroConfig, RunConfig, from_dict, validate_layout
-from colossal_hetero.pipeline.seam_adapter import link_model
 from colossal_hetero.pipeline.validate import MIB, budget_bytes, check_budget, check_stage_split
 
 
@@ -81,19 +80,6 @@ def test_memory_budget_below_one_microbatch():
     check_budget(config, MIB)  # exactly one micro-batch fits
     with pytest.raises(ValueError, match=r"^parallel\.pp_memory_budget_mib: 1 MiB is below one"):
         check_budget(config, MIB + 1)
-
-
-def test_link_model_from_the_config():
-    # 8 Gbit/s = 1e9 bytes/s: 1e6 bytes take 1 ms; 20 us latency.
-    config = _plugin_config(emulation={"network": {"bandwidth_gbps": 8, "latency_us": 20}})
-    seconds, latency = link_model(config, rank=0)
-    assert seconds(10**6) == pytest.approx(1e-3, rel=1e-12)  # one division: rounding only
-    assert latency == pytest.approx(20e-6, rel=1e-12)
-    devices = [{"bandwidth_gbps": 80}, {"bandwidth_gbps": 0.8}]
-    seconds, latency = link_model(_plugin_config(cluster={"devices": devices}), rank=1)
-    assert seconds(10**6) == pytest.approx(1e-2, rel=1e-12) and latency == 0.0
-    seconds, _ = link_model(_plugin_config(), rank=0)  # nothing configured: free links
-    assert seconds(10**9) == 0.0
 
 
 def test_stage_split_errors():
