@@ -218,11 +218,9 @@ def run_shaped(
 ) -> int:
     """Run ``argv`` as ``world`` ranks on links shaped as ``net`` says; returns the exit code.
 
-    Raises ConfigError from ``check`` (before anything is created) when shaped mode cannot
-    run, or when ``net`` asks for latency and ``netem_probe`` (a throw-away namespace, removed
-    at once) finds no netem. ``prefix`` (``chs-...-``) names the run's namespaces; a fresh one
-    by default.
-    """
+    Raises ConfigError, before anything is built, from ``check`` or when ``net`` asks for
+    latency and ``netem_probe`` (a throw-away namespace) finds no netem. ``prefix``
+    (``chs-...-``) names the run's namespaces; a fresh one by default."""
     check()
     check_netem_support(net, netem_probe)
     directions = rank_directions(net, world)
