@@ -56,7 +56,9 @@ def _check(args: argparse.Namespace) -> int:
     config, _ = preflight(args.config, world_size, world_size)
     p = config.parallel
     dp = world_size // (p.tp * p.pp)
-    print(f"ok: {config.model.arch}, world size {world_size} = tp {p.tp} x pp {p.pp} x dp {dp}")
+    experts = f" (experts over ep {p.ep})" if p.ep > 1 else ""
+    layout = f"tp {p.tp} x pp {p.pp} x dp {dp}{experts}"
+    print(f"ok: {config.model.arch}, world size {world_size} = {layout}")
     return 0
 
 
