@@ -16,15 +16,11 @@ tensors (``install_full_state_dict``), like Colossal-AI's sharded modules.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from colossalai.tensor.d_tensor.api import (
-    customized_distributed_tensor_to_existing_param,
-    is_customized_distributed_tensor,
-)
+from colossalai.tensor.d_tensor.api import customized_distributed_tensor_to_existing_param
 from torch import nn
 
 from colossal_hetero.tp2d import comm2d
@@ -140,10 +136,3 @@ def install_full_state_dict(model: nn.Module) -> None:
 
     model._register_state_dict_hook(gather_hook)
     model.register_load_state_dict_pre_hook(shard_hook)
-
-
-def mark_all(params: Sequence[tuple[nn.Parameter, BlockSpec]]) -> None:
-    """``mark`` for several parameters."""
-    for param, spec in params:
-        if not is_customized_distributed_tensor(param) or spec_of(param) is None:
-            mark(param, spec)
