@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import platform
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +98,7 @@ def cases(quick: bool, modes: tuple[str, ...]) -> tuple[list[ThroughputCase], Di
         ThroughputCase(name, build(width, 8, seq), phases, modes, warmup=warmup, seq_len=seq)
         for name, build in (("gpt2", _gpt2), ("llama", _llama))
     ]
-    digits = DigitsCase(model=vit_model(), steps=160 if quick else 320, modes=modes)
+    digits = DigitsCase(model=vit_model(), steps=200 if quick else 400, modes=modes)
     return throughput, digits
 
 
@@ -124,27 +123,47 @@ def bench_rank(
     return out
 
 
+PARTS = ("gpt2", "llama", "digits")
+"""The benchmark's parts: two throughput models and the accuracy run."""
+
+
+def select(only: str, modes: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(parts, modes) kept by ``--only``: comma-separated parts (gpt2, llama, digits) and
+    balancer modes (replan, resize, migrate, semi); a kind left unnamed keeps all of it."""
+    tokens = [t.strip() for t in only.split(",") if t.strip()]
+    unknown = [t for t in tokens if t not in PARTS and t not in CANDIDATE_MODES]
+    if unknown:
+        raise ValueError(
+            f"bench dynamic: --only {only!r}: unknown {unknown}; parts {list(PARTS)}, modes "
+            f"{list(CANDIDATE_MODES)}"
+        )
+    parts = tuple(t for t in PARTS if t in tokens) or PARTS
+    named = [t for t in tokens if t in CANDIDATE_MODES]
+    return parts, tuple(m for m in modes if not named or m in named)
+
+
 def run_dynamic_benchmark(*, quick: bool, json_path: str = "", only: str = "") -> int:
     """Run the benchmark, print its tables, write the JSON (``json_path``) and return 0.
 
-    ``only``: keep the throughput models whose name contains it; ``digits`` keeps only the
-    accuracy run.
+    ``only``: see :func:`select`; modes the build refuses are never run.
     """
     from rich.console import Console
 
     from colossal_hetero.bench.dynamic_report import print_report
     from colossal_hetero.bench.spawn import spawn_ranks
 
-    console = Console()
+    console = Console(width=160)  # ten columns per table
     started = time.perf_counter()
-    modes, refused = available_modes()
-    throughput, digits = cases(quick, modes)
-    if only:
-        throughput = [c for c in throughput if only in c.name]
-        digits = replace(digits) if "digits" in only else None  # type: ignore[assignment]
+    available, refused = available_modes()
+    parts, modes = select(only, available)
+    skipped = {m: "left out by --only" for m in available if m not in modes}
+    throughput, digits_case = cases(quick, modes)
+    throughput = [c for c in throughput if c.name in parts]
+    digits = digits_case if "digits" in parts else None
+    not_run = sorted({**refused, **skipped})
     console.print(
-        f"[bold]bench dynamic[/]: TP=4 on 4 CPU ranks; modes {['none', *modes]}"
-        + (f"; not available: {sorted(refused)}" if refused else "")
+        f"[bold]bench dynamic[/]: TP=4 on 4 CPU ranks; parts {list(parts)}; modes "
+        f"{['none', *modes]}" + (f"; not run: {not_run}" if not_run else "")
     )
     result = spawn_ranks(bench_rank, 4, throughput=throughput, digits=digits)[0]
     rows = [
@@ -155,9 +174,10 @@ def run_dynamic_benchmark(*, quick: bool, json_path: str = "", only: str = "") -
     report: dict[str, Any] = {
         "benchmark": "dynamic",
         "quick": quick,
+        "only": only,
         "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, measured under load",
         "modes": ["none", *modes],
-        "summary": summarise(rows, accuracy, refused),
+        "summary": summarise(rows, accuracy, {**refused, **skipped}),
         "throughput": rows,
         "accuracy": accuracy,
         "raw": result,

@@ -45,6 +45,8 @@ class DigitsCase:
     modes: tuple[str, ...]
     batch_size: int = 64
     eval_every: int = 25
+    lr: float = 3e-3
+    """AdamW learning rate (the digits example config's)."""
     slow_rank: int = 2
     factor: float = 8.0
     world: int = 4
@@ -110,6 +112,7 @@ def digits_rank(
         train_batch=lambda step: data.train_batch(step, case.batch_size, 0),
         val_batches=data.val_batches(EVAL_BATCH, data.max_val_batches(EVAL_BATCH)),
         eval_every=case.eval_every,
+        lr=case.lr,
     )
     result = run_variants(world, {}, configs, device)
     result["fixed_fraction"] = fraction

@@ -186,14 +186,22 @@ def phase_figures(
 
 
 def detection_delay(
-    records: Sequence[Mapping[str, Any]], phase: Phase, phase_start: int | None = None
+    records: Sequence[Mapping[str, Any]],
+    phase: Phase,
+    before: Phase | None = None,
+    phase_start: int | None = None,
 ) -> int | None:
-    """Steps from the phase's change to the first decision record whose flagged ranks are
-    the phase's true stragglers: that record's step + 1 - change (the record follows its
-    step). ``phase_start``: the step at which the change happened (default ``phase.start``;
-    the first phase's change is step 0). None when no record in the phase matches.
+    """Steps from the phase's change to the first decision record that reflects it: every
+    rank whose factor changed (from ``before``; from all at 1x when None) is flagged exactly
+    when it is slower than the fastest in this phase. Counted as that record's step + 1 -
+    change (the record follows its step). Ranks whose speed did not change do not count, so
+    a noise flag elsewhere does not hide a detection. ``phase_start``: the step of the change
+    (default ``phase.start``). None when no record in the phase reflects it.
     """
     change = phase.start if phase_start is None else phase_start
+    previous = before.factors if before is not None else (1.0,) * len(phase.factors)
+    changed = [r for r, (a, b) in enumerate(zip(previous, phase.factors, strict=True)) if a != b]
+    slow = set(phase.stragglers)
     for record in records:
         step = int(record["step"])
         if step < change or step >= phase.end:
@@ -201,7 +209,8 @@ def detection_delay(
         inputs = record.get("inputs", {})
         if "stragglers" not in inputs:
             continue  # a measured-gain record
-        if tuple(inputs["stragglers"]) == phase.stragglers:
+        flagged = set(inputs["stragglers"])
+        if all((r in flagged) == (r in slow) for r in changed):
             return step + 1 - change
     return None
 
@@ -354,8 +363,10 @@ def summarise_case(
     for mode in (m for m in modes if m in BALANCED_MODES):
         records = variants[mode]["records"]
         starts = [0] + [p.start for p in phases[1:]]
+        befores = [None, *phases[:-1]]
         delays[mode] = {
-            p.name: detection_delay(records, p, s) for p, s in zip(phases, starts, strict=True)
+            p.name: detection_delay(records, p, b, s)
+            for p, b, s in zip(phases, befores, starts, strict=True)
         }
         actions[mode] = {
             p.name: action_delay(records, p, s) for p, s in zip(phases, starts, strict=True)

@@ -37,6 +37,8 @@ class World:
     val_batches: Sequence[dict[str, torch.Tensor]]
     eval_every: int = 0
     """Also evaluate every this many steps (0: only at the end of each phase)."""
+    lr: float = 1e-3
+    """AdamW learning rate of every variant (the runner's default is 1e-3)."""
 
     @property
     def steps(self) -> int:
@@ -65,6 +67,9 @@ def run_variants(
 
     started = time.perf_counter()
     runners, plugins = _build(world, stock, hetero, device)
+    for runner in runners.values():  # before the first step, so every variant starts alike
+        for group in runner.optimizer.param_groups:
+            group["lr"] = world.lr
     seconds = {"build": time.perf_counter() - started}
     sent: dict[str, list[float]] = {name: [] for name in runners}
     evals: dict[str, list[list[Any]]] = {name: [] for name in runners}

@@ -99,19 +99,24 @@ def _record(step: int, stragglers: list[int], action: str = "none") -> dict:
 
 
 def test_detection_delay_counts_steps_from_the_change() -> None:
+    first = Phase("p1", 2, 10, (1.0, 1.0, 1.0, 2.0))
     phase = Phase("p2", 10, 20, (1.0, 4.0, 1.0, 2.0))
+    last = Phase("p3", 20, 30, (1.0, 1.0, 1.0, 2.0))
     records = [
         _record(7, [3]),
         _record(9, [1, 3]),  # before the change: not this phase's
         _record(11, [3]),
         {"step": 12, "inputs": {"decision_step": 9}, "decision": {"action": "measured"}},
-        _record(13, [1, 3]),
+        _record(13, [0, 1]),  # rank 1 (the changed one) flagged; rank 0's flag is noise
         _record(15, [1, 3], "resize"),
+        _record(21, [1, 3]),
+        _record(23, [0, 3]),  # rank 1 released
     ]
-    assert detection_delay(records, phase) == 4  # the record after step 13: steps 10..13
-    assert detection_delay(records, Phase("p1", 2, 10, (1.0, 1.0, 1.0, 2.0)), 0) == 8
-    assert detection_delay(records[:3], phase) is None
-    assert [acted(r) for r in records] == [False] * 5 + [True]
+    assert detection_delay(records, phase, first) == 4  # the record after step 13: 10..13
+    assert detection_delay(records, first, None, 0) == 8  # rank 3 flagged at step 7
+    assert detection_delay(records, last, phase) == 4
+    assert detection_delay(records[:3], phase, first) is None
+    assert [acted(r) for r in records] == [False] * 5 + [True, False, False]
 
 
 def test_summary_picks_worst_values_and_never_invents_missing_ones() -> None:
