@@ -13,7 +13,7 @@ from colossal_hetero.bench.tp2d import UNSLOWED, VARIANTS, Tp2dCase
 from colossal_hetero.planner.tp2d_memory import Mode, gpt2_activation_bytes
 
 MIB = 2**20
-MODEL_MODES: dict[str, Mode] = {"1d": "1d", "1d_sp": "1d-sp", "2d": "2d"}
+MODEL_MODES: tuple[tuple[str, Mode], ...] = (("1d", "1d"), ("1d_sp", "1d-sp"), ("2d", "2d"))
 
 
 def quick_case() -> Tp2dCase:
@@ -40,7 +40,7 @@ def predicted_bytes(case: Tp2dCase) -> dict[str, float]:
             tp=case.world,
             elem_bytes=4,
         )
-        for variant, mode in MODEL_MODES.items()
+        for variant, mode in MODEL_MODES
     }
 
 
