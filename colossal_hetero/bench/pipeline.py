@@ -30,6 +30,7 @@ round's variants saw the same load and network state) with a bootstrap 95% inter
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import time
@@ -314,6 +315,7 @@ def run_pipeline_benchmark(*, quick: bool, json_path: str = "") -> int:
 
     console = Console()
     started = time.perf_counter()
+    load_start = os.getloadavg()[0]  # the machine is shared: say how loaded it was
     mode, why = _network_mode()
     if why:
         console.print(f"shaped links unavailable ({why}); falling back to the network model")
@@ -333,7 +335,8 @@ def run_pipeline_benchmark(*, quick: bool, json_path: str = "") -> int:
     report: dict[str, Any] = {
         "benchmark": "pipeline",
         "quick": quick,
-        "measured_under_load": True,
+        "load_average_1m": {"start": load_start, "end": os.getloadavg()[0]},
+        "cpu_count": os.cpu_count(),
         "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}",
         "network_note": why or "real tc-shaped links; tenant preemptions are real TCP traffic",
         "summary": summarise(mode, {n: v["figures"] for n, v in layouts.items()}),
