@@ -3,7 +3,7 @@
     >>> load_config("configs/demo.yaml").parallel.tp
     2
 
-A field error reads ``parallel.tp_sise: unknown key (did you mean 'tp'?)`` or
+A field error reads ``parallel.tp_size: unknown key (did you mean 'tp'?)`` or
 ``cluster.devices[2].speed: must be > 0, got 0``.
 """
 
@@ -94,6 +94,19 @@ def _refuse_repeated_keys(node: yaml.Node, path: str) -> None:
             _refuse_repeated_keys(value_node, key_path)
 
 
+def _closest(key: str, names: list[str]) -> str | None:
+    """The known name a mistyped ``key`` most likely meant, or None.
+
+    Colossal-AI's plugins spell sizes ``tp_size``, ``pp_size``, ``ep_size``; ours are ``tp``,
+    ``pp``, ``ep``, which string similarity alone would not pick (``tp_mode`` is closer).
+    """
+    stem = key.removesuffix("_size")
+    if stem != key and stem in names:
+        return stem
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.4)
+    return close[0] if close else None
+
+
 def from_dict(cls: type[T], data: Any, path: str = "") -> T:
     """Build dataclass ``cls`` from plain data, recursively and strictly."""
     if not isinstance(data, dict):
@@ -104,8 +117,8 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
     for key, value in data.items():
         key_path = _join(path, str(key))
         if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.4)
-            hint = f" (did you mean '{close[0]}'?)" if close else f" (known: {', '.join(names)})"
+            close = _closest(str(key), names)
+            hint = f" (did you mean '{close}'?)" if close else f" (known: {', '.join(names)})"
             raise ConfigError(f"{key_path}: unknown key{hint}")
         kwargs[key] = _convert(hints[key], value, key_path)
     try:

@@ -67,7 +67,7 @@ def _with(config: dict, **sections) -> dict:
 @pytest.mark.parametrize(
     ("sections", "message"),
     [
-        ({"parallel": {"tp_sise": 2}}, "parallel.tp_sise: unknown key (did you mean 'tp'?)"),
+        ({"parallel": {"tp_size": 2}}, "parallel.tp_size: unknown key (did you mean 'tp'?)"),
         ({"parallel": {"tp": 3, "pp": 1}}, "parallel: tp * pp = 3 * 1 = 3 does not divide"),
     ],
 )

@@ -30,11 +30,11 @@ def test_check_reports_the_layout(capsys):
 
 def test_unknown_key_is_one_line_and_status_2(tmp_path, capsys):
     path = tmp_path / "bad.yaml"
-    path.write_text("parallel: {tp_sise: 2}\n")
+    path.write_text("parallel: {tp_size: 2}\n")  # Colossal-AI's spelling
     assert main(["check", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.strip() == (
-        "colossal-hetero: config error: parallel.tp_sise: unknown key (did you mean 'tp'?)"
+        "colossal-hetero: config error: parallel.tp_size: unknown key (did you mean 'tp'?)"
     )
 
 

@@ -24,9 +24,9 @@ def _run(**sections) -> RunConfig:
 
 def test_unknown_key_names_its_path_and_suggests():
     with pytest.raises(
-        ConfigError, match=r"^parallel\.tp_sise: unknown key \(did you mean 'tp'\?\)"
+        ConfigError, match=r"^parallel\.tp_size: unknown key \(did you mean 'tp'\?\)"
     ):
-        _run(parallel={"tp_sise": 2})
+        _run(parallel={"tp_size": 2})
 
 
 def test_unknown_top_level_section():
