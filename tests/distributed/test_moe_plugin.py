@@ -105,13 +105,7 @@ def _check(rank: int, world_size: int, device: torch.device, placement: list | N
             reducer.priority = priority
         batch = torch.randint(0, 256, (world_size * PER_RANK, SEQ), generator=generator)
         shards = batch.split(PER_RANK)
-        ref_losses = []
-        reference.zero_grad(set_to_none=True)
-        for j, shard in enumerate(shards):
-            bias[0] = _bias(skew, j)
-            loss = reference(input_ids=shard, labels=shard).loss
-            (loss / world_size).backward()
-            ref_losses.append(float(loss))
+        ref_losses = _reference_step(reference, shards, skew, bias)
         bias[0] = _bias(skew, rank)
         loss = model(input_ids=shards[rank], labels=shards[rank]).loss
         booster.backward(loss, optimizer)
@@ -124,7 +118,7 @@ def _check(rank: int, world_size: int, device: torch.device, placement: list | N
         _compare_grads(inner, reference, case, depth)
         optimizer.step()
         optimizer.zero_grad()
-        with torch.no_grad():
+        with torch.no_grad():  # the same SGD step on the reference
             for p in reference.parameters():
                 if p.grad is not None:
                     p.add_(p.grad, alpha=-LR)
@@ -136,12 +130,28 @@ def _check(rank: int, world_size: int, device: torch.device, placement: list | N
             first_expert = min(r[3] for r in log if r[0] == "chunk" and r[1] == "expert")
             assert first_expert < max(r[3] for r in log if r[0] == "a2a"), case
         _check_sequences(plugin, log, rank, world_size, case)
+    _compare_params(inner, reference)
+    plugin.close()
+
+
+def _reference_step(reference, shards, skew: str | None, bias: list) -> list[float]:  # type: ignore[no-untyped-def]
+    """Backward of the mean of the shards' losses on the reference; returns each shard's loss."""
+    losses = []
+    reference.zero_grad(set_to_none=True)
+    for j, shard in enumerate(shards):
+        bias[0] = _bias(skew, j)
+        loss = reference(input_ids=shard, labels=shard).loss
+        (loss / len(shards)).backward()
+        losses.append(float(loss))
+    return losses
+
+
+def _compare_params(inner, reference) -> None:  # type: ignore[no-untyped-def]
     refs = dict(reference.named_parameters())
     for name, p in inner.named_parameters():
         scale = float(refs[name].abs().max())
         atol = chain_atol(transformer_depth(LAYERS) + 4, K_MAX, torch.float32, scale)
         torch.testing.assert_close(p, refs[name], rtol=0, atol=atol, msg=name)
-    plugin.close()
 
 
 def _compare_grads(inner, reference, case: str, depth: int) -> None:  # type: ignore[no-untyped-def]
