@@ -98,7 +98,7 @@ def cases(quick: bool, modes: tuple[str, ...]) -> tuple[list[ThroughputCase], Di
         ThroughputCase(name, build(width, 8, seq), phases, modes, warmup=warmup, seq_len=seq)
         for name, build in (("gpt2", _gpt2), ("llama", _llama))
     ]
-    digits = DigitsCase(model=vit_model(), steps=200 if quick else 400, modes=modes)
+    digits = DigitsCase(model=vit_model(), steps=300 if quick else 500, modes=modes)
     return throughput, digits
 
 
