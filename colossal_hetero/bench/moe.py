@@ -142,29 +142,8 @@ def moe_worker(rank: int, world_size: int, device: torch.device, *, quick: bool)
     ours = {name: _build_ours(name == "ours_on") for name in ("ours_off", "ours_on")}
     logs: dict[str, list[tuple[float, list]]] = {name: [] for name in ours}
     stock = _build_stock(device)
-    generator = torch.Generator().manual_seed(1234)
-    batches: list[torch.Tensor] = []
-
-    def batch(index: int) -> torch.Tensor:
-        while len(batches) <= index:  # the same global batch for every variant of a round
-            batches.append(torch.randint(0, 256, (world_size * PER_RANK, SEQ), generator=generator))
-        return batches[index].split(PER_RANK)[rank]
-
-    def step(booster: Any, model: Any, optimizer: Any, ids: torch.Tensor) -> tuple[float, float]:
-        comm = [0.0]
-        dist.barrier()
-        start = time.perf_counter()
-        with _timed_collectives(comm):
-            loss = model(input_ids=ids, labels=ids).loss
-            booster.backward(loss, optimizer)
-            optimizer.step()
-            optimizer.zero_grad()
-        return time.perf_counter() - start, comm[0]
-
-    def agreed(values: list[float]) -> list[float]:
-        tensor = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-        return tensor.tolist()
+    batches = _Batches(rank, world_size)
+    batch, step, agreed = batches.get, _train_step, _agreed
 
     def stock_variant(index: int, *, warmup: bool) -> dict[str, float]:
         report_bench_step(rank, index)
@@ -202,7 +181,7 @@ def moe_worker(rank: int, world_size: int, device: torch.device, *, quick: bool)
         decide=rank0_decides(device),
     )
     timelines = {name: _median_step(steps) for name, steps in logs.items()}
-    loss_diff = _loss_check(stock, ours, batch, len(batches))
+    loss_diff = _loss_check(stock, ours, batch, len(batches.drawn))
     for _, _, _, plugin in ours.values():
         plugin.close()
     return {
@@ -210,6 +189,41 @@ def moe_worker(rank: int, world_size: int, device: torch.device, *, quick: bool)
         "max_loss_diff_vs_stock": loss_diff,
         "timelines": timelines,
     }
+
+
+class _Batches:
+    """Round ``index``'s global batch (the same for every variant), this rank's shard."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.generator = torch.Generator().manual_seed(1234)
+        self.drawn: list[torch.Tensor] = []
+
+    def get(self, index: int) -> torch.Tensor:
+        while len(self.drawn) <= index:
+            shape = (self.world_size * PER_RANK, SEQ)
+            self.drawn.append(torch.randint(0, 256, shape, generator=self.generator))
+        return self.drawn[index].split(PER_RANK)[self.rank]
+
+
+def _train_step(booster: Any, model: Any, optimizer: Any, ids: torch.Tensor) -> tuple[float, float]:
+    """One step after a barrier: (wall seconds, seconds inside synchronous collectives)."""
+    comm = [0.0]
+    dist.barrier()
+    start = time.perf_counter()
+    with _timed_collectives(comm):
+        loss = model(input_ids=ids, labels=ids).loss
+        booster.backward(loss, optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+    return time.perf_counter() - start, comm[0]
+
+
+def _agreed(values: list[float]) -> list[float]:
+    """The maximum over ranks of each value (the slowest rank's), the same on every rank."""
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return [float(v) for v in tensor.tolist()]
 
 
 def _median_step(steps: list[tuple[float, list]]) -> list:
