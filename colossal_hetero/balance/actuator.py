@@ -40,7 +40,16 @@ from colossal_hetero.balance.ops.selection import (
     PriorityTracker,
     priority_order,
 )
-from colossal_hetero.layers.linear import ResizableParallelModule
+from colossal_hetero.layers.linear import (
+    ResizableConv1DCol,
+    ResizableConv1DRow,
+    ResizableLinearCol,
+    ResizableLinearRow,
+    ResizableParallelModule,
+)
+
+LINEAR = (ResizableLinearCol, ResizableLinearRow, ResizableConv1DCol, ResizableConv1DRow)
+"""The layers whose local product is ``_local_linear`` (the vocab embedding is not one)."""
 
 
 def _count(width: int, fraction: float) -> int:
@@ -64,7 +73,7 @@ class LayerOps:
         self.bytes_retired = 0  # bytes sent by migrations already removed
 
     def layers(self) -> list[ResizableParallelModule]:
-        return [m for m in self.model.modules() if isinstance(m, ResizableParallelModule)]
+        return [m for m in self.model.modules() if isinstance(m, LINEAR)]
 
     @property
     def bytes_sent(self) -> int:

@@ -40,6 +40,7 @@ from colossal_hetero.balance.detector import (
 )
 from colossal_hetero.balance.inlayer import (
     InLayerPlan,
+    effective_slowdown,
     plan_offloads,
     plan_units,
     predicted_times,
@@ -87,6 +88,9 @@ class _View:
     shares: tuple[float, ...]
     work: tuple[float, ...]
     """Per position, its units of work under the attached in-layer plan."""
+    slowdown: tuple[float, ...]
+    """Per position, the slowdown to plan in-layer ops from (``inlayer.effective_slowdown``)."""
+    stragglers: tuple[int, ...]
 
 
 class BalanceController:
@@ -140,6 +144,7 @@ class BalanceController:
         self._move_s = 0.0
         self._warm = False  # the next step is the first at these widths
         self._pending: tuple[int, float, float] | None = None  # move step, step before, gain
+        self._attached_at = 0  # the step the in-layer plan attached now was last measured raw
 
     def on_step_end(self, step: int, timing: StepTiming) -> None:
         """Record the step; every ``every`` steps agree, decide and maybe resize.
@@ -194,13 +199,21 @@ class BalanceController:
         self._log_measured(step, agreed)
         if self.actuator.ops is not None:
             self.actuator.ops.refresh()  # priority period: local, no communication
-        view = _View(detection, agreed, widths, shares, work)
+        slowdown, stragglers = effective_slowdown(
+            self.plan,
+            detection.slowdown,
+            detection.stragglers,
+            agreed.times,
+            release=self.settings.release,
+            budget=self.settings.accuracy_budget,
+        )
+        view = _View(detection, agreed, widths, shares, work, slowdown, stragglers)
         decision, gain, act = self._decide(step, view)
         self.log.write(
             {
                 "step": step,
                 "controller": "balance",
-                "inputs": _inputs(detection, agreed, widths, self.move_cost_s, self.plan),
+                "inputs": _inputs(view, self.move_cost_s, self.plan),
                 "decision": {"mode": self.settings.mode, **decision},
                 "predicted_gain": gain,
             }
@@ -217,21 +230,28 @@ class BalanceController:
     def _decide(self, step: int, view: _View) -> Outcome:
         """The decision record's body, its predicted gain, and what to run after logging."""
         mode = self.settings.mode
+        if not self.plan.empty and step - self._attached_at >= self.settings.probe_steps:
+            return self._probe(step, view)
         if mode == "detect":
             return {"action": "none", "reason": "detect only"}, 0.0, None
         if mode == "replan":
             return self._replan_outcome(step, view, view.agreed.times)
         if mode in ("resize", "migrate"):
-            return self._in_layer(step, view, {r: mode for r in view.detection.stragglers})
+            return self._in_layer(step, view, {r: mode for r in view.stragglers})
         return self._semi(step, view)
 
     def _semi(self, step: int, view: _View) -> Outcome:
-        """SEMI on the times the ranks would take without in-layer ops (measured seconds
-        per unit of work times their units at these widths), so that balanced ops do not
-        hide the straggler they balance."""
+        """SEMI on the times the ranks would take without in-layer ops (the slowdown to plan
+        from times the fastest unloaded rank's seconds per unit of work, times their units
+        at these widths), so that balanced ops do not hide the straggler they balance."""
         base = work_units(view.shares, self.settings.fixed_fraction)
-        measured = zip(view.agreed.times, view.work, base, strict=True)
-        times = tuple(t / max(w, 1e-12) * b for t, w, b in measured)
+        free = [
+            t / max(w, 1e-12)
+            for r, (t, w) in enumerate(zip(view.agreed.times, view.work, strict=True))
+            if self.plan.of(r) is None
+        ]
+        unit = min(free) if free else min(view.agreed.times)
+        times = tuple(unit * s * b for s, b in zip(view.slowdown, base, strict=True))
         semi = decide(self._semi_inputs(view.agreed, view.widths, times), self._semi_settings())
         extra: dict[str, Any] = {"semi": asdict(semi)}
         if semi.action == "replan":
@@ -242,7 +262,7 @@ class BalanceController:
         picks = {c.rank: c.action for c in semi.choices}
         current = self.plan.actions()
         actions = {}
-        for rank in view.detection.stragglers:  # the detector's hysteresis decides who
+        for rank in view.stragglers:  # the detector's hysteresis decides who
             action = picks.get(rank, current.get(rank))
             if action is not None:
                 actions[rank] = action
@@ -251,13 +271,14 @@ class BalanceController:
 
     def _in_layer(self, step: int, view: _View, actions: dict[int, str]) -> Outcome:
         """Attach the in-layer plan for ``actions`` unless it matches the attached one (within
-        ``stable_tolerance``), or it predicts no gain (removing ops always runs)."""
+        ``stable_tolerance``) or, under semi, it predicts no gain (removing ops always runs;
+        modes resize and migrate act on every flagged straggler, the gain only logged)."""
         settings, now = self.settings, self.plan
         if self.actuator.ops is None:
             return {"action": "none", "reason": "no in-layer ops in this model"}, 0.0, None
         new = plan_offloads(
             actions,
-            view.detection.slowdown,
+            view.slowdown,
             view.shares,
             fixed_fraction=settings.fixed_fraction,
             budget=settings.accuracy_budget,
@@ -282,7 +303,7 @@ class BalanceController:
                 gain,
                 self._attacher(step, new, view.agreed, gain),
             )
-        if gain <= 0:
+        if gain <= 0 and settings.mode == "semi":  # resize / migrate: the user's choice
             return {"action": "keep", "reason": f"predicted gain {gain:.4g} s <= 0"}, gain, None
         why = f"predicted {gain:.4g} s/step saved"
         return {**body, "reason": why}, gain, self._attacher(step, new, view.agreed, gain)
@@ -292,11 +313,29 @@ class BalanceController:
     ) -> Callable[[], None]:
         def attach() -> None:
             assert self.actuator.ops is not None
+            if self.plan.empty:
+                self._attached_at = step
             self.actuator.ops.apply(plan)
             self._restart_window()
             self._pending = (step, agreed.step_time, gain)
 
         return attach
+
+    def _probe(self, step: int, view: _View) -> Outcome:
+        """Take the in-layer ops off for one agreement window: the ops' own overheads (sends,
+        index copies) can hide a recovery from the measured times, so every ``probe_steps``
+        the stragglers' raw slowdown is measured again (the detector restarts its smoothing,
+        flags kept) and the next agreement plans from it."""
+        plan = self.plan
+
+        def probe() -> None:
+            assert self.actuator.ops is not None
+            self.actuator.ops.clear()
+            self.detector.reset(step)
+            self._restart_window()
+
+        body = {"action": "probe", **plan.record(), "reason": f"ops off to re-measure ({step})"}
+        return body, 0.0, probe
 
     def _replan_outcome(self, step: int, view: _View, times: tuple[float, ...]) -> Outcome:
         decision = self._replan(view.detection, times, view.widths)
@@ -392,12 +431,12 @@ class BalanceController:
         )
 
 
-def _inputs(
-    detection: Detection, agreed: Agreed, widths: Widths, move_cost_s: float, plan: InLayerPlan
-) -> dict[str, Any]:
+def _inputs(view: _View, move_cost_s: float, plan: InLayerPlan) -> dict[str, Any]:
+    detection, agreed, widths = view.detection, view.agreed, view.widths
     return {
         "attached": plan.record(),
         "slowdown": [round(s, 4) for s in detection.slowdown],
+        "planned_slowdown": [round(s, 4) for s in view.slowdown],
         "stragglers": list(detection.stragglers),
         "stable_for": detection.stable_for(),
         "times": [round(t, 6) for t in agreed.times],

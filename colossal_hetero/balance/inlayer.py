@@ -181,3 +181,41 @@ def predicted_times(
     before = plan_units(now, shares, fixed_fraction)
     after = plan_units(new, shares, fixed_fraction)
     return tuple(t / max(b, 1e-12) * a for t, b, a in zip(times, before, after, strict=True))
+
+
+def effective_slowdown(
+    plan: InLayerPlan,
+    slowdown: Sequence[float],
+    flagged: Sequence[int],
+    times: Sequence[float],
+    *,
+    release: float,
+    budget: float,
+) -> tuple[tuple[float, ...], tuple[int, ...]]:
+    """The slowdown vector and stragglers to plan from while ``plan`` is attached.
+
+    The work model can be off (a step's fixed part, the ops' own overhead), and then the
+    per-unit slowdown of a rank whose work the ops cut drifts, which would feed back into
+    ever larger cuts. So an offloaded rank's slowdown is corrected by what the ops achieved
+    instead: ``s' = s_planned * t_r / t_ref``, ``t_ref`` the slowest rank without an offload
+    (integral control: the amounts settle where the measured times meet, whatever the model).
+    A rank whose cut is at its cap and still lags keeps ``s_planned`` (nothing more to do);
+    one that is ahead takes the lower of ``s'`` and the detector's value (a recovery shows
+    at once where the work model holds). It stays a straggler while ``s' >= 1 + release``;
+    the other ranks keep the detector's value and flags. Where the ops' overheads keep a
+    recovered rank behind, only a probe (the controller's ``probe_steps``) shows it.
+    """
+    out, stragglers = list(slowdown), {r for r in flagged if plan.of(r) is None}
+    others = [t for r, t in enumerate(times) if plan.of(r) is None]
+    reference = max(others) if others else 0.0
+    for o in plan.offloads:
+        ratio = times[o.rank] / reference if reference > 0 else 1.0
+        capped = o.dropped >= budget - 1e-9 if o.migrated == 0 else o.dropped + o.migrated >= 1
+        if ratio > 1:
+            value = o.slowdown if capped else o.slowdown * ratio
+        else:  # ahead: recovering; the detector's value is taken when it is lower
+            value = min(o.slowdown * ratio, slowdown[o.rank])
+        out[o.rank] = max(value, 1.0)
+        if value >= 1 + release:
+            stragglers.add(o.rank)
+    return tuple(out), tuple(sorted(stragglers))

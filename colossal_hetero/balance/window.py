@@ -106,9 +106,12 @@ class Agreed:
 
     @property
     def bandwidth(self) -> float:
-        """The slowest rank's measured all-reduce bandwidth, bytes/s (0 when none seen)."""
+        """The all-reduce bandwidth, bytes/s (0 when none seen): the highest rank's. A rank's
+        bytes over its wait in the all-reduces understate the link by the time it waited for
+        late peers; the last rank to arrive waits for the transfer alone, and reads highest.
+        """
         seen = [r.bandwidth for r in self.rows if r.bandwidth > 0]
-        return min(seen) if seen else 0.0
+        return max(seen) if seen else 0.0
 
     @property
     def move_s(self) -> float:

@@ -65,13 +65,18 @@ class BalancerConfig:
     accuracy_weight: float = 0.5
     """semi: cost of dropping priority mass m, as m times this times the straggler's step."""
 
+    probe_steps: int = 50
+    """resize, migrate, semi: while in-layer ops are attached, every this many steps they
+    come off for one agreement window, so that the stragglers' raw slowdown is measured again
+    (the ops' own overheads can hide a recovery from the measured times)."""
+
     freeze_dropped: bool = True
     """resize, semi: the optimizer step leaves a straggler's dropped columns (weights and
     optimizer state) as they were, so momentum and weight decay do not move them while their
     gradient is imputed; false lets the optimizer move them."""
 
     def __post_init__(self) -> None:
-        for name in ("every", "window", "stable_steps", "horizon_steps"):
+        for name in ("every", "window", "stable_steps", "horizon_steps", "probe_steps"):
             value = getattr(self, name)
             _require(value >= 1, name, f"must be >= 1, got {value}")
         _require(0 < self.smoothing <= 1, "smoothing", f"must be in (0, 1], got {self.smoothing}")

@@ -8,6 +8,7 @@ import pytest
 from colossal_hetero.balance.inlayer import (
     InLayerPlan,
     Offload,
+    effective_slowdown,
     plan_offloads,
     plan_units,
     predicted_times,
@@ -102,4 +103,22 @@ def test_hysteresis_and_prediction():
     # and back: measured 2 ms under the plan -> 4 ms without it
     assert predicted_times((1e-3, 2e-3), a, InLayerPlan(), (0.5, 0.5), 0.0) == pytest.approx(
         (1e-3, 4e-3)
+    )
+
+
+def test_effective_slowdown_closes_the_loop_on_measured_times():
+    """Resize at s = 4 attached; the detector's per-unit value is off (the model is wrong),
+    the measured times decide: behind and capped -> keep 4; behind with room -> 4 x 2 = 8;
+    ahead -> the lower of 4 x 0.5 = 2 and the detector's 10; far ahead -> released."""
+    plan = InLayerPlan((Offload(1, "resize", 0.5, 0.0, 4.0),))
+    kw = {"release": 0.05, "budget": 0.5}
+    assert effective_slowdown(plan, (1.0, 10.0), (1,), (1.0, 2.0), **kw) == ((1.0, 4.0), (1,))
+    room = {"release": 0.05, "budget": 0.9}
+    assert effective_slowdown(plan, (1.0, 10.0), (1,), (1.0, 2.0), **room) == ((1.0, 8.0), (1,))
+    assert effective_slowdown(plan, (1.0, 10.0), (1,), (1.0, 0.5), **kw) == ((1.0, 2.0), (1,))
+    assert effective_slowdown(plan, (1.0, 3.0), (1,), (1.0, 0.2), **kw) == ((1.0, 1.0), ())
+    # a rank without an offload keeps the detector's value and flag
+    assert effective_slowdown(InLayerPlan(), (1.3, 1.0), (0,), (1.0, 1.0), **kw) == (
+        (1.3, 1.0),
+        (0,),
     )

@@ -27,6 +27,7 @@ would leave the helper waiting.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,7 +53,8 @@ def _is_column(layer: ResizableParallelModule) -> bool:
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1, t.shape[-1])
+    """[*, K] -> [prod(*), K]; also for K = 0 (a straggler whose columns all migrated)."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
 class Migration:
