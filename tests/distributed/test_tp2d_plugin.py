@@ -16,7 +16,8 @@ single-process Hugging Face model (same initial weights on every rank):
 - slow test only: Llama (grouped-query attention, untied head, uneven vocabulary) and ViT
   (uneven classes) first steps equal dense; a 1D (tp = 4) model loads the 2D folder and
   optimizer, computes the same loss and its next step (using the loaded momentum) gives the
-  dense model's weights; tp 1 x dp 4 (1 x 1 meshes): DDP's averaged gradients equal dense.
+  dense model's weights; tp 1 x dp 4 (1 x 1 meshes): DDP's averaged gradients equal dense;
+  block sizes and placement from a plan (uneven, permuted mesh) through ``convert_to_2d``.
 
 Tolerances: ``chain_atol`` over a transformer's reduction depth in float64 with a magnitude
 bound checked on the reference; errors of successive steps add (first order).
@@ -27,6 +28,7 @@ from __future__ import annotations
 import functools
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -47,7 +49,9 @@ from transformers import (
 
 from colossal_hetero.config import ClusterConfig, HeteroConfig, ParallelConfig
 from colossal_hetero.models import loss_from_outputs
+from colossal_hetero.planner.tp2d_plan import Resizable2D
 from colossal_hetero.plugin import HeteroParallelPlugin
+from colossal_hetero.tp2d.convert import convert_to_2d
 from colossal_hetero.tp2d.state import spec_of
 from tests.dist_utils import run_distributed
 from tests.tolerances import chain_atol, transformer_depth, unit_roundoff
@@ -293,6 +297,29 @@ def _check_dp_around_meshes(rank: int) -> None:
     plugin.close()
 
 
+def _check_planned_uneven() -> None:
+    """Block sizes and placement from a plan (``plan.tp2d``, here the planner's Resizable2D):
+    uneven batch (3, 1), heads (3, 1), MLP (96, 32), vocabulary, on a permuted mesh; the
+    converted GPT-2's loss and gradients still equal the dense model's."""
+    positions = (1, 3, 2, 0)  # rank 1 at (0, 0), rank 3 at (0, 1), ...
+    sizes = Resizable2D(positions, (3, 1), (3, 1), (96, 32), (200, 56), 1.0, 1.0, True)
+    reference = _gpt2()
+    world = dist.group.WORLD
+    model = convert_to_2d(_gpt2(), world, SimpleNamespace(tp2d=sizes))
+    assert (model.mesh.i, model.mesh.j) == divmod(positions.index(dist.get_rank()), 2)
+    batch = _batch(3)
+    loss = model(**batch).loss
+    loss.backward()
+    ref_loss = _dense_loss(reference, batch)
+    ref_loss.backward()
+    torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=0, atol=ATOL)
+    grads = {n: p.grad for n, p in reference.named_parameters()}
+    for name, param in model.named_parameters():
+        full = spec_of(param).gather(param.grad)
+        torch.testing.assert_close(full, grads[name], rtol=0, atol=ATOL, msg=name)
+    _expect_error("does not match the plan's 2D batch shares", lambda: model(**_batch(0, 2)))
+
+
 def _expect_error(match: str, action) -> None:
     with pytest.raises(ValueError, match=match):
         action()
@@ -331,6 +358,7 @@ def _run(rank: int, world_size: int, device: torch.device, folder: str, full: bo
     if full:
         _check_reload_1d(path, loss, dense)
         _check_dp_around_meshes(rank)
+        _check_planned_uneven()
     _check_bad_input()
 
 
