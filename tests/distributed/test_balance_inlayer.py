@@ -27,6 +27,7 @@ Decisions are identical on both ranks.
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import replace
 from pathlib import Path
@@ -268,3 +269,40 @@ def _check(rank: int, world_size: int, device: torch.device) -> None:
 @pytest.mark.dist
 def test_resize_and_migrate_driven_by_the_controller(tmp_path: Path):
     run_distributed(_check, world_size=2, force_cpu=True)
+
+
+def _check_semi_and_bf16(rank: int, world_size: int, device: torch.device) -> None:
+    """semi runs its own picks (a re-plan made too costly to pay, so in-layer ones), and
+    resize runs under bf16 (mixed precision; freezing then acts on the fp32 master weights,
+    which this test does not inspect)."""
+    del rank, world_size, device
+    semi = replace(_balancer("semi", 0.5), move_cost_s=1e6)
+    tp2 = ParallelConfig(tp=2)
+    run = _run(HeteroConfig(parallel=tp2, plan=PLAN, emulation=_emulation(4.0), balancer=semi))
+    controller = run["controller"]
+    picks = _in_layer(controller)
+    assert picks, _brief(controller)
+    for record in picks:
+        if record["decision"]["offloads"]:
+            chosen = {c["rank"]: c["action"] for c in record["decision"]["semi"]["choices"]}
+            assert {o["rank"]: o["action"] for o in record["decision"]["offloads"]} == chosen
+    assert all(run["eval_same"]) and all(math.isfinite(x) for x in run["losses"])
+
+    bf16 = ParallelConfig(tp=2, precision="bf16")
+    run = _run(
+        HeteroConfig(
+            parallel=bf16, plan=PLAN, emulation=_emulation(4.0), balancer=_balancer("resize", 0.9)
+        )
+    )
+    controller = run["controller"]
+    records = _in_layer(controller)
+    assert records, _brief(controller)
+    assert records[0]["decision"]["offloads"][0]["action"] == "resize", _brief(controller)
+    assert all(math.isfinite(x) for x in run["losses"]) and all(run["eval_same"])
+    _check_recovery(controller, run)
+
+
+@pytest.mark.slow  # two 20-step runs: about a minute on the shared 2-core host
+@pytest.mark.dist
+def test_semi_and_bf16_resize_driven_by_the_controller():
+    run_distributed(_check_semi_and_bf16, world_size=2, force_cpu=True)

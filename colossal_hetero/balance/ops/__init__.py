@@ -9,10 +9,12 @@
 
 Each op is a resizable layer's ``local_op`` (layers/linear.py): the layer's collectives are
 untouched and no op runs in eval or under no_grad. Choosing and attaching ops at run time is
-the controller's job (not wired yet; see docs/balancing-ops.md).
+the controller's job (balance/actuator.py; see docs/balancing-ops.md). ``multi`` serves
+several migrating stragglers with the same helpers.
 """
 
 from colossal_hetero.balance.ops.migrate import Migration, attach_migration
+from colossal_hetero.balance.ops.multi import MultiMigration
 from colossal_hetero.balance.ops.resize import (
     ZeroResize,
     attach_resize,
@@ -39,6 +41,7 @@ from colossal_hetero.balance.ops.selection import (
 __all__ = [
     "Migration",
     "MigrationSplit",
+    "MultiMigration",
     "PriorityTracker",
     "ZeroResize",
     "attach_migration",
