@@ -306,3 +306,34 @@ def _check_semi_and_bf16(rank: int, world_size: int, device: torch.device) -> No
 @pytest.mark.dist
 def test_semi_and_bf16_resize_driven_by_the_controller():
     run_distributed(_check_semi_and_bf16, world_size=2, force_cpu=True)
+
+
+def _check_dp(rank: int, world_size: int, device: torch.device) -> None:
+    """TP=2 x DP=2: rank 1 (position 1 of the first TP group) is 4x slow; the agreed plan
+    migrates position 1 in both TP groups (one decision for the world), each over its own
+    group, and training still matches the undisturbed run within the fp32 chain tolerance."""
+    del device
+    tp2 = ParallelConfig(tp=2)
+    undisturbed = _run(
+        HeteroConfig(parallel=tp2, plan=PLAN), resizable_policy(build_model(GPT2), {})
+    )
+    migrate = _run(
+        HeteroConfig(
+            parallel=tp2, plan=PLAN, emulation=_emulation(4.0), balancer=_balancer("migrate", 0.5)
+        )
+    )
+    controller = migrate["controller"]
+    assert _in_layer(controller), _brief(controller)
+    assert controller.actuator.ops.bytes_sent > 0  # stragglers send weights, helpers results
+    atol = chain_atol(STEPS * transformer_depth(2), 1536, torch.float32, 6.0)
+    diffs = [abs(a - b) for a, b in zip(migrate["losses"], undisturbed["losses"], strict=True)]
+    assert max(diffs) <= atol, (diffs, atol)
+    everyone: list[Any] = [None] * world_size
+    dist.all_gather_object(everyone, controller.log.records)
+    assert all(records == everyone[0] for records in everyone)
+
+
+@pytest.mark.slow  # 4 ranks on 2 cores, two 20-step runs: several minutes
+@pytest.mark.dist
+def test_migrate_under_data_parallelism():
+    run_distributed(_check_dp, world_size=4, force_cpu=True)
