@@ -16,7 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from colossal_hetero.config import ConfigError, RunConfig, load_config, validate_run
+from colossal_hetero.config import ConfigError, RunConfig, load_config
+from colossal_hetero.preflight import validate_run
 
 
 def _world_size_of(config: RunConfig) -> int:
@@ -78,7 +79,6 @@ def _train(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     import time
 
-    from colossal_hetero.config.validate import validate_launch
     from colossal_hetero.planner.plan import dump_plan, format_plan
     from colossal_hetero.planner.resolve import (
         check_plan,
@@ -86,6 +86,7 @@ def _plan(args: argparse.Namespace) -> int:
         plan_run,
         resolve_plan,
     )
+    from colossal_hetero.preflight import validate_launch
 
     config = load_config(args.config)
     world_size = args.world_size or _world_size_of(config)

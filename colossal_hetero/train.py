@@ -14,9 +14,9 @@ from pathlib import Path
 
 from colossal_hetero.config import ConfigError, RunConfig, load_config
 from colossal_hetero.config.loader import read_yaml
-from colossal_hetero.config.validate import validate_launch
 from colossal_hetero.planner.plan import Plan
 from colossal_hetero.planner.resolve import resolve_plan, unplanned_notice
+from colossal_hetero.preflight import validate_launch
 from colossal_hetero.utils.quiet import no_idle_compile_workers, quiet_third_party_warnings
 
 

@@ -20,7 +20,6 @@ from colossal_hetero.config.schema import (
     SlowdownSpec,
     TrainConfig,
 )
-from colossal_hetero.config.validate import resolve_dp, validate_layout, validate_run
 
 __all__ = [
     "CheckpointConfig",
@@ -44,8 +43,5 @@ __all__ = [
     "dump_config",
     "from_dict",
     "load_config",
-    "resolve_dp",
     "to_dict",
-    "validate_layout",
-    "validate_run",
 ]

@@ -3,7 +3,7 @@
 Every field's docstring (the string literal under it) is the reference documentation:
 ``docs/config.md`` is generated from these classes and a test keeps the two in sync.
 Field-local checks live in ``__post_init__``; checks that need the world size or the model
-live in ``colossal_hetero.config.validate``.
+live in ``colossal_hetero.preflight``.
 """
 
 from __future__ import annotations

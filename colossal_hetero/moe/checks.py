@@ -1,6 +1,6 @@
 """Config checks of expert parallelism (``parallel.ep`` and the ``moe`` section). Pure.
 
-Called from ``config/validate.py`` (no model: the layout) and ``validate_run`` / the plugin's
+Called from ``preflight/validate.py`` (no model: the layout) and ``validate_run`` / the plugin's
 ``configure`` (with the model's config: experts and top-k), on every rank before any
 collective, so bad input raises the same one-line ``ConfigError`` everywhere.
 """

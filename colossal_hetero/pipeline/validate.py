@@ -1,6 +1,6 @@
 """Config checks of the pipeline schedule (``parallel.pp_schedule`` and its fields). Pure.
 
-Called from ``config/validate.py`` on every rank before any collective, so a bad schedule
+Called from ``preflight/validate.py`` on every rank before any collective, so a bad schedule
 setting raises the same one-line ``ConfigError`` everywhere. What needs the model (a memory
 budget below one micro-batch's measured activations) is checked at runtime by
 ``pipeline/seam_adapter.py``, also on every rank.
@@ -8,9 +8,10 @@ budget below one micro-batch's measured activations) is checked at runtime by
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from colossal_hetero.config.loader import ConfigError
 from colossal_hetero.config.schema import HeteroConfig, ParallelConfig
-from colossal_hetero.planner.stages import check_layers_per_stage
 
 MIB = 1 << 20
 
@@ -44,6 +45,20 @@ def check_pipeline_config(config: HeteroConfig) -> None:
         raise ConfigError(
             f"parallel.pp_schedule: {schedule} runs on gloo only (cluster.device cpu); "
             "on cuda (NCCL) its early-posted receives would hang"
+        )
+
+
+def check_layers_per_stage(layers_per_stage: Sequence[int], num_layers: int, pp: int) -> None:
+    """Raise ValueError unless a given split has ``pp`` positive entries summing to the layers."""
+    field_name = "parallel.num_layers_per_stage"
+    if len(layers_per_stage) != pp:
+        raise ValueError(f"{field_name}: {len(layers_per_stage)} entries for {pp} stages")
+    if any(n < 1 for n in layers_per_stage):
+        raise ValueError(f"{field_name}: every stage needs a layer, got {list(layers_per_stage)}")
+    if sum(layers_per_stage) != num_layers:
+        raise ValueError(
+            f"{field_name}: {list(layers_per_stage)} sums to {sum(layers_per_stage)}, "
+            f"the model has {num_layers} layers"
         )
 
 

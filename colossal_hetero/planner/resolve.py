@@ -305,7 +305,7 @@ def compare_layouts(
     """The run's model, batch and devices planned for every ``tp x dp`` of ``world_size``
     ranks (pp 1), each in the space the plugin executes for it; by increasing tp.
 
-    A layout that ``check`` (the run's validation, e.g. ``config.validate_run``: heads, batch
+    A layout that ``check`` (the run's validation, e.g. ``preflight.validate_run``: heads, batch
     divisibility) or the planner (heads, memory) rejects is listed with the reason instead of
     a time. ``check`` is passed in so that the planner does not import config validation.
     """

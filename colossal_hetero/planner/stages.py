@@ -33,20 +33,6 @@ def remainder_priority(num_stages: int) -> list[int]:
     return order
 
 
-def check_layers_per_stage(layers_per_stage: Sequence[int], num_layers: int, pp: int) -> None:
-    """Raise ValueError unless a given split has ``pp`` positive entries summing to the layers."""
-    field_name = "parallel.num_layers_per_stage"
-    if len(layers_per_stage) != pp:
-        raise ValueError(f"{field_name}: {len(layers_per_stage)} entries for {pp} stages")
-    if any(n < 1 for n in layers_per_stage):
-        raise ValueError(f"{field_name}: every stage needs a layer, got {list(layers_per_stage)}")
-    if sum(layers_per_stage) != num_layers:
-        raise ValueError(
-            f"{field_name}: {list(layers_per_stage)} sums to {sum(layers_per_stage)}, "
-            f"the model has {num_layers} layers"
-        )
-
-
 def _caps(
     p: int,
     num_layers: int,

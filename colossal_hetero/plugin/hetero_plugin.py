@@ -40,7 +40,6 @@ from colossal_hetero.compat.attention import keep_gpt2_causal
 from colossal_hetero.compat.grad_norm import count_customized_shards_in_grad_norm
 from colossal_hetero.config.loader import ConfigError
 from colossal_hetero.config.schema import HeteroConfig
-from colossal_hetero.config.validate import validate_layout
 from colossal_hetero.emulation import CollectiveInterceptor, build_interceptor
 from colossal_hetero.emulation.ddp import route_ddp_through_interceptor
 from colossal_hetero.metrics.decisions import DecisionWriter
@@ -61,6 +60,7 @@ from colossal_hetero.plugin.planning import (
 from colossal_hetero.plugin.resizing import resize_boosted
 from colossal_hetero.plugin.seam import StepMetrics, StepSeam
 from colossal_hetero.policies import ResizablePolicy, resizable_policy
+from colossal_hetero.preflight import validate_layout
 from colossal_hetero.tp2d.convert import convert_to_2d
 from colossal_hetero.tp2d.policy import Converted2DPolicy
 from colossal_hetero.utils.device import SUPPORTED_DEVICE_TYPES, backend_for, resolve_device

@@ -12,8 +12,8 @@ from colossal_hetero.config import (
     dump_config,
     from_dict,
     load_config,
-    validate_run,
 )
+from colossal_hetero.preflight import validate_run
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 
@@ -162,7 +162,7 @@ def test_the_same_key_in_two_mappings_is_fine(tmp_path):
 
 
 def test_model_hf_values_are_type_checked_against_transformers_defaults():
-    from colossal_hetero.config.validate import checked_hf_config
+    from colossal_hetero.preflight import checked_hf_config
 
     def model(**hf):
         return from_dict(RunConfig, {"model": {"arch": "llama", "hf": hf}}).model

@@ -9,7 +9,7 @@ import pytest
 
 from colossal_hetero.config.loader import ConfigError, from_dict, load_config
 from colossal_hetero.config.schema import RunConfig
-from colossal_hetero.config.validate import validate_run
+from colossal_hetero.preflight import validate_run
 
 ROOT = Path(__file__).resolve().parents[2]
 HF = {

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from colossal_hetero.config import ConfigError, HeteroConfig, RunConfig, from_dict, validate_layout
+from colossal_hetero.config import ConfigError, HeteroConfig, RunConfig, from_dict
 from colossal_hetero.pipeline.validate import MIB, budget_bytes, check_budget, check_stage_split
+from colossal_hetero.preflight import validate_layout
 
 
 def _plugin_config(**sections) -> HeteroConfig:

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 
 from colossal_hetero.pipeline.simulator import Trace, simulate
+from colossal_hetero.pipeline.validate import check_layers_per_stage
 from colossal_hetero.planner.stages import (
     PipelineCosts,
-    check_layers_per_stage,
     choose_microbatches,
     remainder_priority,
     split_layers,

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from colossal_hetero.config import ConfigError, RunConfig, from_dict, validate_run
+from colossal_hetero.config import ConfigError, RunConfig, from_dict
+from colossal_hetero.preflight import validate_run
 
 GPT2 = {"arch": "gpt2", "hf": {"n_layer": 2, "n_embd": 64, "n_head": 4, "n_positions": 64}}
 NO_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
