@@ -7,6 +7,7 @@ rank, before any collective starts, and the process exits with status 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import textwrap
@@ -34,7 +35,7 @@ def preflight(
     Raises:
         ConfigError: one line naming the field (or the file).
     """
-    config = load_config(config_path)
+    config = with_tp_mode_resolved(load_config(config_path), world_size)
     validate_launch(config, world_size, local_world_size)
     plan_path = config.plan.path
     if config.plan.mode == "file" and plan_path is not None and Path(plan_path).is_file():
@@ -44,6 +45,20 @@ def preflight(
             except ConfigError as error:
                 raise ConfigError(f"plan.path: {error}") from None
     return config, resolve_plan(config, world_size)
+
+
+def with_tp_mode_resolved(config: RunConfig, world_size: int) -> RunConfig:
+    """``parallel.tp_mode: auto`` replaced by the planner's pick (1d or 2d; the pick that
+    ``colossal-hetero plan`` prints), pure and the same on every rank; other modes as given."""
+    if config.parallel.tp_mode != "auto":
+        return config
+    from colossal_hetero.planner.tp2d_choice import resolved_tp_mode
+
+    mode = resolved_tp_mode(config, world_size)
+    return dataclasses.replace(
+        config,
+        parallel=dataclasses.replace(config.parallel, tp_mode=mode),  # type: ignore[arg-type]
+    )
 
 
 def error_line(error: BaseException, rank: int | None = None) -> str:

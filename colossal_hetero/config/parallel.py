@@ -23,7 +23,8 @@ class ParallelConfig:
     tp_mode: Literal["1d", "2d", "auto"] = "1d"
     """How the tp ranks split the model: 1d (Megatron: weights split, activations whole); 2d
     (Optimus/SUMMA on a q x q mesh, tp = q * q: weights and activations split; GPT-2,
-    Llama and ViT; docs/tp2d.md); auto (the plan picks 1d or 2d)."""
+    Llama and ViT; docs/tp2d.md); auto (train, check and plan pick 1d or 2d from the whole
+    run config, as plan prints; a plugin built directly takes 1d or 2d only)."""
 
     pp: int = 1
     """Pipeline-parallel size (stages)."""

@@ -38,6 +38,11 @@ def resolve_dp(config: HeteroConfig, world_size: int) -> int:
 def validate_layout(config: HeteroConfig, world_size: int) -> int:
     """Check the plugin's part of a config against the world size; returns the dp size."""
     dp = resolve_dp(config, world_size)
+    if config.parallel.tp_mode == "auto":  # needs the model and data sections to choose
+        raise ConfigError(
+            "parallel.tp_mode: auto is chosen from the whole run config by colossal-hetero "
+            "train, check and plan (plan prints the pick); give the plugin 1d or 2d"
+        )
     devices = config.cluster.devices
     if devices and len(devices) != world_size:
         raise ConfigError(

@@ -63,3 +63,18 @@ def test_2d_layouts_that_fit_pass():
     assert validate_run(_run(batch=8), 8) == 2  # dp 2 around a 2 x 2 mesh
     llama = {"arch": "llama", "hf": {"hidden_size": 64, "num_attention_heads": 4}}
     assert validate_run(_run(model=llama), 4) == 1
+
+
+def test_tp_mode_auto_is_resolved_by_the_launch_and_refused_unresolved():
+    """The launch path replaces auto by the planner's pick (the one plan prints); the plugin,
+    which lacks the model and data sections, refuses an unresolved auto naming the field."""
+    from colossal_hetero.planner.tp2d_choice import resolved_tp_mode
+    from colossal_hetero.preflight import validate_layout
+    from colossal_hetero.train import with_tp_mode_resolved
+
+    config = _run({"tp_mode": "auto"})
+    resolved = with_tp_mode_resolved(config, 4)
+    assert resolved.parallel.tp_mode == resolved_tp_mode(config, 4) in ("1d", "2d")
+    assert with_tp_mode_resolved(_run(), 4).parallel.tp_mode == "2d"  # given modes stay
+    with pytest.raises(ConfigError, match=r"^parallel\.tp_mode: auto is chosen"):
+        validate_layout(config.plugin_config(), 4)
