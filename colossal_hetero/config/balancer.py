@@ -60,7 +60,8 @@ class BalancerConfig:
     """Estimated seconds of one re-plan and resize, until a measured one replaces it."""
 
     accuracy_budget: float = 0.5
-    """semi: the largest fraction of a straggler's reduction dimension resize may drop."""
+    """resize, semi: the largest fraction of a straggler's reduction dimension resize may drop
+    (migrate+resize drops this much first)."""
 
     accuracy_weight: float = 0.5
     """semi: cost of dropping priority mass m, as m times this times the straggler's step."""
