@@ -6,9 +6,9 @@ rank. Results travel through files, so a rank's return value must be JSON-serial
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
+import pickle
 import tempfile
 import time
 from collections.abc import Callable
@@ -22,20 +22,13 @@ from colossal_hetero.utils.device import backend_for, bind_device, local_device
 from colossal_hetero.utils.quiet import no_idle_compile_workers, quiet_optional_kernel_warnings
 
 
-def _resolve(fn_name: tuple[str, str]) -> Callable[..., Any]:
-    module, qualname = fn_name
-    target: Any = importlib.import_module(module)
-    for part in qualname.split("."):
-        target = getattr(target, part)
-    return target  # type: ignore[no-any-return]
-
-
-def _entry(rank: int, world_size: int, folder: str, fn_name: tuple[str, str], kwargs: dict) -> None:
-    # The function travels by name and is imported only here, after the filters: unpickling a
-    # function imports its module (and colossalai with it) before this body would run.
+def _entry(rank: int, world_size: int, folder: str, payload: bytes) -> None:
+    # The function and its arguments travel pickled and are unpickled only here, after the
+    # filters: unpickling imports their modules (and colossalai with them), which would print
+    # its import-time notices on every rank before this body ran.
     quiet_optional_kernel_warnings()
     no_idle_compile_workers()
-    fn = _resolve(fn_name)
+    fn, kwargs = pickle.loads(payload)
     torch.set_num_threads(1)
     device = local_device(rank, world_size)
     bind_device(device)
@@ -60,8 +53,8 @@ def _entry(rank: int, world_size: int, folder: str, fn_name: tuple[str, str], kw
 def spawn_ranks(fn: Callable[..., Any], world_size: int, **kwargs: Any) -> list[Any]:
     """``[fn(rank=r, world_size=, device=, **kwargs) for r in ranks]``, each in its own process."""
     with tempfile.TemporaryDirectory() as folder:
-        fn_name = (fn.__module__, fn.__qualname__)
-        mp.spawn(_entry, args=(world_size, folder, fn_name, kwargs), nprocs=world_size, join=True)
+        payload = pickle.dumps((fn, kwargs))
+        mp.spawn(_entry, args=(world_size, folder, payload), nprocs=world_size, join=True)
         results = []
         for rank in range(world_size):
             with open(os.path.join(folder, f"result_{rank}.json")) as handle:
