@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from colossal_hetero.bench import BENCHMARKS
 from colossal_hetero.config import ConfigError, RunConfig, load_config
 from colossal_hetero.preflight import validate_run
 
@@ -158,18 +159,6 @@ def _profile(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    if args.name == "tp2d":  # 2D (SUMMA) vs stock 1D TP and 1D + sequence parallelism
-        from colossal_hetero.bench.tp2d_report import run_tp2d_benchmark
-
-        return run_tp2d_benchmark(quick=args.quick, json_path=args.json)
-    if args.name == "moe":  # Mixtral EP=2 x DP=2: stock MoE plugin vs ours, priority off/on
-        from colossal_hetero.bench.moe import run_moe_benchmark
-
-        return run_moe_benchmark(quick=args.quick, json_path=args.json)
-    if args.name == "dynamic":
-        from colossal_hetero.bench.dynamic import run_dynamic_benchmark
-
-        return run_dynamic_benchmark(quick=args.quick, json_path=args.json, only=args.only)
     from colossal_hetero.bench import run_benchmark
 
     return run_benchmark(
@@ -215,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     profile.set_defaults(handler=_profile)
 
     bench = commands.add_parser("bench", help="run a benchmark against stock Colossal-AI")
-    bench.add_argument("name", choices=["static", "network", "pipeline", "dynamic", "tp2d", "moe"])
+    bench.add_argument("name", choices=list(BENCHMARKS))
     bench.add_argument("--quick", action="store_true", help="fewer cases and steps")
     bench.add_argument("--json", default="", help="write results here")
     bench.add_argument(

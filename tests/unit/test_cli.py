@@ -126,3 +126,18 @@ def test_plan_compares_the_other_layouts_of_the_same_ranks(capsys):
     options = {o.tp: o for o in compare_layouts(two_heads, 4)}
     assert options[4].step_time is None and "heads" in options[4].reason
     assert options[1].step_time is not None and options[2].step_time is not None
+
+
+def test_bench_names_dispatch_and_refusals():
+    """Every name the CLI offers is one the dispatcher knows; an unknown name and a
+    --only that selects nothing are one ValueError each, before any rank starts."""
+    from colossal_hetero.bench import BENCHMARKS, run_benchmark
+    from colossal_hetero.cli import build_parser
+
+    parser = build_parser()
+    for name in BENCHMARKS:
+        assert parser.parse_args(["bench", name]).name == name
+    with pytest.raises(ValueError, match=r"unknown benchmark 'nope'; known: static, network"):
+        run_benchmark("nope", quick=True)
+    with pytest.raises(ValueError, match=r"--only 'no-such-case' matches no case of static"):
+        run_benchmark("static", quick=True, only="no-such-case")
