@@ -17,6 +17,7 @@ summary keys that need it are null with that reason.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -175,7 +176,8 @@ def run_dynamic_benchmark(*, quick: bool, json_path: str = "", only: str = "") -
         "benchmark": "dynamic",
         "quick": quick,
         "only": only,
-        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, measured under load",
+        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}",
+        "load_average_1min": round(os.getloadavg()[0], 1),  # other work on the host, at the end
         "modes": ["none", *modes],
         "summary": summarise(rows, accuracy, {**refused, **skipped}),
         "throughput": rows,

@@ -114,7 +114,8 @@ def print_report(console: Any, report: dict[str, Any]) -> None:
         value = summary.get(key)
         why = summary["reasons"].get(key, "")
         console.print(f"{key}: {value}" + (f"  ({why})" if why else ""))
-    console.print(f"total {report['wall_time_s']:.0f} s (measured under load)")
+    load = report.get("load_average_1min")
+    console.print(f"total {report['wall_time_s']:.0f} s; host load average at the end: {load}")
 
 
 def plot_step_times(report: dict[str, Any], out_png: Path, model: int = 0) -> Path:
@@ -143,7 +144,7 @@ def plot_step_times(report: dict[str, Any], out_png: Path, model: int = 0) -> Pa
             ax.set_ylim(bottom=0)
         axes[0].legend(fontsize=7, ncol=5, loc="upper left")
         axes[-1].set_xlabel("step (grey: phase starts)")
-        fig.suptitle(f"{row['model']}: per-rank compute time per step (measured under load)")
+        fig.suptitle(f"{row['model']}: per-rank compute time per step")
         fig.tight_layout()
         fig.savefig(out_png, dpi=90)
     finally:

@@ -59,7 +59,7 @@ def print_report(console: Any, report: dict[str, Any]) -> None:
     from rich.table import Table
 
     for name, layout in report["layouts"].items():
-        table = Table(title=f"bench pipeline {name}: samples/s (median, measured under load)")
+        table = Table(title=f"bench pipeline {name}: samples/s (median)")
         for column in ("variant", "a", "b preempted", "c", "peak MiB per stage (a)", "k", "sim"):
             table.add_column(column, justify="right")
         by: dict[str, dict[str, Any]] = {}
