@@ -252,6 +252,30 @@ def relative_increase(value: float, reference: float) -> float:
     return (value - reference) / reference
 
 
+def _semi_speedups_in_spike(throughput: Sequence[Mapping[str, Any]]) -> list[float]:
+    """semi's speedup over stock in each model's 4x phase (where semi ran)."""
+    return [
+        t["phases"][t["spike_phase"]]["semi"]["speedup_vs_stock"]["value"]
+        for t in throughput
+        if "semi" in t["phases"].get(t["spike_phase"], {})
+    ]
+
+
+def _detection_delays(throughput: Sequence[Mapping[str, Any]]) -> tuple[list[int], list[str]]:
+    """Every measured detection delay (steps), and ``"model mode phase"`` for each phase
+    change that no decision record answered."""
+    delays: list[int] = []
+    undetected: list[str] = []
+    for t in throughput:
+        for mode, per_phase in t["delays"].items():
+            for phase, delay in per_phase.items():
+                if delay is None:
+                    undetected.append(f"{t['model']} {mode} {phase}")
+                else:
+                    delays.append(delay)
+    return delays, undetected
+
+
 def summarise(
     throughput: Sequence[Mapping[str, Any]],
     accuracy: Mapping[str, Any] | None,
@@ -289,11 +313,7 @@ def summarise(
 
     put("semi_min_efficiency", semi_phase("efficiency", min), why("semi", "no throughput run"))
     put("semi_min_slowdown_removed", semi_phase("slowdown_removed", min), why("semi", "no run"))
-    spike = [
-        t["phases"][t["spike_phase"]]["semi"]["speedup_vs_stock"]["value"]
-        for t in throughput
-        if "semi" in t["phases"].get(t["spike_phase"], {})
-    ]
+    spike = _semi_speedups_in_spike(throughput)
     put("semi_speedup_in_4x_phase", [min(spike)] if spike else [], why("semi", "no run"))
     for mode in ("migrate", "replan"):
         diffs = [t["loss_diff"][mode] for t in throughput if mode in t["loss_diff"]]
@@ -304,15 +324,7 @@ def summarise(
         put(f"{mode}_digits_accuracy_drop", value, why(mode, "no accuracy run"))
     increases = [t["val_increase"]["semi"] for t in throughput if "semi" in t["val_increase"]]
     put("semi_text_val_loss_increase", [max(increases)] if increases else [], why("semi", "no run"))
-    delays: list[int] = []
-    undetected: list[str] = []
-    for t in throughput:
-        for mode, per_phase in t["delays"].items():
-            for phase, delay in per_phase.items():
-                if delay is None:
-                    undetected.append(f"{t['model']} {mode} {phase}")
-                else:
-                    delays.append(delay)
+    delays, undetected = _detection_delays(throughput)
     if undetected:
         out["max_detection_delay_steps"] = None
         reasons["max_detection_delay_steps"] = "no matching detection in: " + ", ".join(undetected)
