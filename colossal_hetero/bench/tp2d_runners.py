@@ -109,41 +109,20 @@ class TwoDRunner:
         self.optimizer.zero_grad()
 
 
-class DedicatedDeviceInterceptor(CollectiveInterceptor):
-    """An interceptor whose slowed ranks behave like devices with their own compute.
-
-    The stock stretch adds ``(factor - 1) x`` the interval's CPU time to whatever wall time
-    the interval took, so on a host shared with other jobs a rank's compute costs its
-    contended wall time plus the stretch. Here each compute interval lasts ``factor x`` its
-    CPU time of wall, sleeping only what remains after the real (contended) work: contention
-    up to the factor is absorbed, as it would be on a device of that speed, and the extra time
-    still scales with the work the rank really did (its CPU time). Beyond the factor the
-    interval takes its real wall time.
-    """
-
-    def _arrive(self) -> float:
-        now = self._clock()  # CPU ranks only (``build_dedicated``): no device to synchronise
-        step = self._step if self._step is not None else 0
-        factor = 1.0 if self.slowdown is None else self.slowdown.factor_at(step)
-        if factor > 1.0:
-            target = factor * (self._work_clock() - self._work_boundary)
-            remaining = target - (now - self._boundary)
-            if remaining > 0:
-                self._sleep(remaining)
-            stretched = self._clock()
-            self._stretch_time += stretched - now
-            now = stretched
-        return now
-
-
 def build_dedicated(
     emulation: EmulationConfig, rank: int, world_size: int, device: torch.device
 ) -> CollectiveInterceptor:
-    """A ``DedicatedDeviceInterceptor`` for this rank's compute slowdowns (not installed)."""
+    """An interceptor whose slowed ranks behave like devices with their own compute
+    (``stretch="dedicated"``, see ``CollectiveInterceptor``), for this rank's compute
+    slowdowns; not installed."""
     if device.type != "cpu":
         raise ValueError("the dedicated-device stretch emulates CPU ranks only")
-    interceptor = DedicatedDeviceInterceptor(
-        rank, world_size, slowdown=SlowdownSchedule.from_config(emulation, rank), device=device
+    interceptor = CollectiveInterceptor(
+        rank,
+        world_size,
+        slowdown=SlowdownSchedule.from_config(emulation, rank),
+        device=device,
+        stretch="dedicated",
     )
     interceptor.emulation = emulation  # the router compares whole-world configs
     return interceptor

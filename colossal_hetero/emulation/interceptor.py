@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -73,10 +73,18 @@ class CollectiveInterceptor:
         *,
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.perf_counter,
+        stretch: Literal["added", "dedicated"] = "added",
     ) -> None:
         """``sleep`` and ``clock`` are seams for tests: every emulated delay is one call of
-        ``sleep`` and every timing reads ``clock`` (the CPU work clock stays the thread's)."""
+        ``sleep`` and every timing reads ``clock`` (the CPU work clock stays the thread's).
+
+        ``stretch``: how a slowed rank's compute interval is lengthened. ``added`` sleeps
+        ``(factor - 1) x`` the interval's work on top of its wall time. ``dedicated`` makes the
+        interval last ``factor x`` its work, sleeping only what the real (possibly contended)
+        wall time left: contention up to the factor is absorbed, as on a device of its own.
+        Both scale with the work the rank really did."""
         self.rank, self.world_size = rank, world_size
+        self.stretch = stretch
         self._sleep, self._clock = sleep, clock
         # This rank's link, kept across steps as transfers are.
         self._link = (
@@ -309,7 +317,14 @@ class CollectiveInterceptor:
         now = self._clock()
         step = self._step if self._step is not None else 0
         factor = 1.0 if self.slowdown is None else self.slowdown.factor_at(step)
-        if factor > 1.0:
+        if factor > 1.0 and self.stretch == "dedicated":
+            want = factor * (self._work_clock() - self._work_boundary) - (now - self._boundary)
+            if want > 0:
+                self._sleep(want)
+            stretched = self._clock()
+            self._stretch_time += stretched - now
+            now = stretched
+        elif factor > 1.0:
             # A loaded host wakes a sleeper late; the overshoot is owed back by the next sleeps,
             # so the stretch follows the work done, not the number of collectives it spans.
             want = (factor - 1.0) * (self._work_clock() - self._work_boundary) - self._overslept

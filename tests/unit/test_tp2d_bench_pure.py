@@ -94,13 +94,12 @@ def test_summary_ratios_from_a_hand_made_result():
 
 
 def test_dedicated_device_stretch_targets_factor_times_cpu():
-    from colossal_hetero.bench.tp2d_runners import DedicatedDeviceInterceptor
     from colossal_hetero.config.schema import EmulationConfig, SlowdownSpec
-    from colossal_hetero.emulation import SlowdownSchedule
+    from colossal_hetero.emulation import CollectiveInterceptor, SlowdownSchedule
 
     wall, cpu, slept = [0.0], [0.0], []
 
-    class Fake(DedicatedDeviceInterceptor):
+    class Fake(CollectiveInterceptor):
         def _work_clock(self) -> float:
             return cpu[0]
 
@@ -115,6 +114,7 @@ def test_dedicated_device_stretch_targets_factor_times_cpu():
         slowdown=SlowdownSchedule.from_config(emulation, 0),
         sleep=sleep,
         clock=lambda: wall[0],
+        stretch="dedicated",
     )
     fake._step = 0
     # 0.1 s of CPU took 0.3 s of wall (a contended host): the interval should last 0.4 s.
