@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from colossal_hetero.pipeline.tuner import choose_k
@@ -177,16 +178,7 @@ def plan_stages(
     room = list(memory)
     room[0] -= costs.head_state_bytes
     room[-1] -= costs.tail_state_bytes
-    # A boundary's link: the slowest device link on either side, over its pipeline columns.
-    link = [
-        min(
-            cluster.bandwidths[(d * pp + s + e) * tp + t]
-            for d in range(dp)
-            for t in range(tp)
-            for e in (0, 1)
-        )
-        for s in range(pp - 1)
-    ]
+    link = boundary_bandwidths(cluster.bandwidths, pp, tp, dp)
     extra = [0.0] * pp
     if balance_ends:
         extra[0] += costs.head_flops / flops[0]
@@ -202,11 +194,7 @@ def plan_stages(
     choice = choose_microbatches(_costs(costs, layers, flops, room, link), pipeline_batch)
     even = even_split(costs.num_blocks, pp)
     m = choice.num_microbatches
-    even_profile = _costs(costs, even, flops, room, link).profile(pipeline_batch // m)
-    try:
-        even_step = choose_k(even_profile, m, candidates=[1]).predicted_step_s
-    except ValueError:  # the even split does not fit the memory
-        even_step = math.inf
+    even_costs = _costs(costs, even, flops, room, link)
     return StagePlan(
         layers_per_stage=tuple(layers),
         stage_flops=tuple(flops),
@@ -214,8 +202,30 @@ def plan_stages(
         k=choice.decision.k,
         step_s=choice.decision.predicted_step_s,
         even_layers=tuple(even),
-        even_step_s=even_step,
+        even_step_s=_one_f_one_b_step(even_costs, pipeline_batch, m),
     )
+
+
+def boundary_bandwidths(bandwidths: Sequence[float], pp: int, tp: int, dp: int) -> list[float]:
+    """Each stage boundary's bandwidth: the slowest device link on either side of it, over its
+    pipeline columns (ranks in Colossal-AI's dp-outer order, as :func:`stage_speeds`)."""
+    return [
+        min(
+            bandwidths[(d * pp + s + e) * tp + t]
+            for d in range(dp)
+            for t in range(tp)
+            for e in (0, 1)
+        )
+        for s in range(pp - 1)
+    ]
+
+
+def _one_f_one_b_step(costs: PipelineCosts, pipeline_batch: int, m: int) -> float:
+    """Predicted 1F1B step of ``costs`` with ``m`` micro-batches; inf when it does not fit."""
+    try:
+        return choose_k(costs.profile(pipeline_batch // m), m, candidates=[1]).predicted_step_s
+    except ValueError:  # the activations of one micro-batch do not fit the memory
+        return math.inf
 
 
 def format_stage_plan(plan: StagePlan) -> str:
