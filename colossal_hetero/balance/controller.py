@@ -35,6 +35,7 @@ from colossal_hetero.balance.detector import (
     Detection,
     DetectorSettings,
     StragglerDetector,
+    fixed_fraction_from_move,
     shares_of,
     work_units,
 )
@@ -145,6 +146,11 @@ class BalanceController:
         self._warm = False  # the next step is the first at these widths
         self._pending: tuple[int, float, float] | None = None  # move step, step before, gain
         self._attached_at = 0  # the step the in-layer plan attached now was last measured raw
+        self.fixed_fraction = settings.fixed_fraction
+        """The work model's fixed fraction: the config's, then refined from each move's
+        measured times (``detector.fixed_fraction_from_move``)."""
+        self._moved: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+        # (shares, per-position times) of the window before the last move
 
     def on_step_end(self, step: int, timing: StepTiming) -> None:
         """Record the step; every ``every`` steps agree, decide and maybe resize.
@@ -193,7 +199,8 @@ class BalanceController:
             self.move_cost_s = agreed.move_s
         widths = self.actuator.widths()
         shares = shares_of(widths, self.tp_size)
-        work = plan_units(self.plan, shares, self.settings.fixed_fraction)
+        self._refine_fixed_fraction(agreed, shares)
+        work = plan_units(self.plan, shares, self.fixed_fraction)
         detection = self.detector.update(step, agreed.windows, work)
         self.detections.append(detection)
         self._log_measured(step, agreed)
@@ -213,7 +220,7 @@ class BalanceController:
             {
                 "step": step,
                 "controller": "balance",
-                "inputs": _inputs(view, self.move_cost_s, self.plan),
+                "inputs": _inputs(view, self.move_cost_s, self.plan, self.fixed_fraction),
                 "decision": {"mode": self.settings.mode, **decision},
                 "predicted_gain": gain,
             }
@@ -244,7 +251,7 @@ class BalanceController:
         """SEMI on the times the ranks would take without in-layer ops (the slowdown to plan
         from times the fastest unloaded rank's seconds per unit of work, times their units
         at these widths), so that balanced ops do not hide the straggler they balance."""
-        base = work_units(view.shares, self.settings.fixed_fraction)
+        base = work_units(view.shares, self.fixed_fraction)
         free = [
             t / max(w, 1e-12)
             for r, (t, w) in enumerate(zip(view.agreed.times, view.work, strict=True))
@@ -280,14 +287,14 @@ class BalanceController:
             actions,
             view.slowdown,
             view.shares,
-            fixed_fraction=settings.fixed_fraction,
+            fixed_fraction=self.fixed_fraction,
             budget=settings.accuracy_budget,
         )
         if new.same_as(now, settings.stable_tolerance):
             why = "no straggler" if new.empty else "ops attached for these slowdowns"
             return {"action": "none" if new.empty else "keep", "reason": why}, 0.0, None
         times = view.agreed.times
-        predicted = predicted_times(times, now, new, view.shares, settings.fixed_fraction)
+        predicted = predicted_times(times, now, new, view.shares, self.fixed_fraction)
         inputs = self._semi_inputs(view.agreed, view.widths, times)
         comm = sum(comm_time(o.migrated, o.rank, inputs) for o in new.migrating)
         gain = max(times) - max(predicted) - comm
@@ -371,7 +378,7 @@ class BalanceController:
             planned,
             horizon_steps=settings.horizon_steps,
             move_cost_s=self.move_cost_s,
-            fixed_fraction=settings.fixed_fraction,
+            fixed_fraction=self.fixed_fraction,
         )
 
     def _restart_window(self) -> None:
@@ -382,6 +389,9 @@ class BalanceController:
 
     def _move(self, step: int, decision: ReplanDecision, agreed: Agreed) -> None:
         start = time.perf_counter()
+        # Times under in-layer ops do not follow the widths: no estimate from such a move.
+        old = shares_of(self.actuator.widths(), self.tp_size)
+        self._moved = (old, agreed.times) if self.plan.empty else None
         if self.actuator.ops is not None:
             self.actuator.ops.clear()  # the ops' columns belong to the old widths
         self.actuator.resize(decision.widths)
@@ -389,6 +399,18 @@ class BalanceController:
         self.detector.reset(step)  # shares changed: per-unit times start afresh
         self._restart_window()
         self._pending = (step, agreed.step_time, decision.predicted_gain)
+
+    def _refine_fixed_fraction(self, agreed: Agreed, shares: tuple[float, ...]) -> None:
+        """At the first complete agreement after a move, re-estimate the fixed fraction from
+        the times before and after it (the devices' speeds are taken as unchanged) and keep
+        the mean of the old value and the estimate (one noisy window moves it half-way)."""
+        if self._moved is None:
+            return
+        old_shares, before = self._moved
+        self._moved = None
+        estimate = fixed_fraction_from_move(before, old_shares, agreed.times, shares)
+        if estimate is not None:
+            self.fixed_fraction = 0.5 * (self.fixed_fraction + estimate)
 
     def _log_measured(self, step: int, agreed: Agreed) -> None:
         if self._pending is None:
@@ -431,7 +453,9 @@ class BalanceController:
         )
 
 
-def _inputs(view: _View, move_cost_s: float, plan: InLayerPlan) -> dict[str, Any]:
+def _inputs(
+    view: _View, move_cost_s: float, plan: InLayerPlan, fixed_fraction: float
+) -> dict[str, Any]:
     detection, agreed, widths = view.detection, view.agreed, view.widths
     return {
         "attached": plan.record(),
@@ -445,4 +469,5 @@ def _inputs(view: _View, move_cost_s: float, plan: InLayerPlan) -> dict[str, Any
         "bandwidth": agreed.bandwidth,
         "widths": {k: list(v) for k, v in widths.items()},
         "move_cost_s": move_cost_s,
+        "fixed_fraction": round(fixed_fraction, 4),
     }

@@ -152,3 +152,38 @@ def shares_of(widths: Mapping[str, Sequence[int]], size: int) -> tuple[float, ..
     if not fractions:
         return tuple(1.0 / size for _ in range(size))
     return tuple(sum(f[i] for f in fractions) / len(fractions) for i in range(size))
+
+
+MIN_SHARE_CHANGE = 0.25
+"""Smallest change of a rank's even-split work (``n * share``) across a move for its times to
+say anything about the fixed fraction (smaller changes drown in timing noise)."""
+
+
+def fixed_fraction_from_move(
+    before: Sequence[float],
+    old_shares: Sequence[float],
+    after: Sequence[float],
+    new_shares: Sequence[float],
+) -> float | None:
+    """The fixed fraction ``phi`` that explains a move's measured times, or None.
+
+    A rank's device keeps its speed ``v_i`` across the move, so with ``a = n * old_share``
+    and ``b = n * new_share`` its times are ``v (phi + (1 - phi) a)`` before and
+    ``v (phi + (1 - phi) b)`` after; their ratio ``r`` gives
+    ``phi = (b - r a) / ((b - 1) - r (a - 1))``. Each rank whose ``|b - a|`` is at least
+    ``MIN_SHARE_CHANGE`` gives one estimate, clipped to ``[0, 0.9]``; the result is their
+    median (None when no rank's share moved enough or a time is not positive).
+    """
+    n = len(before)
+    assert len(old_shares) == len(after) == len(new_shares) == n
+    estimates = []
+    for t0, s0, t1, s1 in zip(before, old_shares, after, new_shares, strict=True):
+        a, b = n * s0, n * s1
+        if abs(b - a) < MIN_SHARE_CHANGE or t0 <= 0 or t1 <= 0:
+            continue
+        r = t1 / t0
+        denominator = (b - 1) - r * (a - 1)
+        if abs(denominator) < 1e-12:
+            continue
+        estimates.append(min(max((b - r * a) / denominator, 0.0), 0.9))
+    return statistics.median(estimates) if estimates else None

@@ -370,19 +370,7 @@ def summarise_case(
         per_phase[phase.name] = figures
     losses = {name: [row[3] for row in variants[name]["rows"]] for name in names}
     compared = [m for m in (*modes, "oracle") if m in variants]
-    delays: dict[str, dict[str, int | None]] = {}
-    actions: dict[str, dict[str, int | None]] = {}
-    for mode in (m for m in modes if m in BALANCED_MODES):
-        records = variants[mode]["records"]
-        starts = [0] + [p.start for p in phases[1:]]
-        befores = [None, *phases[:-1]]
-        delays[mode] = {
-            p.name: detection_delay(records, p, b, s)
-            for p, b, s in zip(phases, befores, starts, strict=True)
-        }
-        actions[mode] = {
-            p.name: action_delay(records, p, s) for p, s in zip(phases, starts, strict=True)
-        }
+    delays, actions = _delays_of(variants, phases, modes)
     return {
         "model": model,
         "spike_phase": spike.name,
@@ -405,6 +393,27 @@ def summarise_case(
         "widths": {name: variants[name]["widths"] for name in names},
         "oracle_widths": result.get("oracle_widths"),
     }
+
+
+def _delays_of(
+    variants: Mapping[str, Any], phases: Sequence[Phase], modes: Sequence[str]
+) -> tuple[dict[str, dict[str, int | None]], dict[str, dict[str, int | None]]]:
+    """Per balanced mode and phase, the detection delay and the action delay (the first
+    phase's change is at step 0, when the steady straggler starts)."""
+    delays: dict[str, dict[str, int | None]] = {}
+    actions: dict[str, dict[str, int | None]] = {}
+    starts = [0] + [p.start for p in phases[1:]]
+    befores = [None, *phases[:-1]]
+    for mode in (m for m in modes if m in BALANCED_MODES):
+        records = variants[mode]["records"]
+        delays[mode] = {
+            p.name: detection_delay(records, p, b, s)
+            for p, b, s in zip(phases, befores, starts, strict=True)
+        }
+        actions[mode] = {
+            p.name: action_delay(records, p, s) for p, s in zip(phases, starts, strict=True)
+        }
+    return delays, actions
 
 
 def accuracy_report(result: Mapping[str, Any], modes: Sequence[str]) -> dict[str, Any]:

@@ -63,8 +63,6 @@ def run_variants(
     ``records``: the balancer's decision records (agreed, so rank 0's stand for all);
     ``op_bytes``: what in-layer ops' own counters (``bytes_sent``) hold at the end.
     """
-    from colossal_hetero.bench.rounds import RoundsPolicy, rank0_decides, run_rounds
-
     started = time.perf_counter()
     runners, plugins = _build(world, stock, hetero, device)
     for runner in runners.values():  # before the first step, so every variant starts alike
@@ -74,38 +72,10 @@ def run_variants(
     sent: dict[str, list[float]] = {name: [] for name in runners}
     evals: dict[str, list[list[Any]]] = {name: [] for name in runners}
     oracle_widths = _oracle_widths(world, hetero, plugins, runners, oracle)
-    val = [{k: v.to(device) for k, v in b.items()} for b in world.val_batches]
-    ends = {p.end for p in world.phases}
-    if world.eval_every:
-        ends |= set(range(world.eval_every, world.steps + 1, world.eval_every))
-
-    def variant(name: str) -> Any:
-        runner = runners[name]
-
-        def step(index: int, *, warmup: bool) -> dict[str, float] | None:
-            if name == oracle:
-                _oracle_move(index, world.phases, oracle_widths, plugins[name], runner)
-            runner.step(index, record=True, batch=world.train_batch(index))
-            timing = runner.seam.last_timing
-            sent[name].append(float(sum(timing.bytes_by_kind.values())) if timing else 0.0)
-            if index + 1 in ends:
-                evals[name].append([index + 1, *_evaluate(runner, val, device)])
-            if warmup:
-                return None
-            row, ranks = runner.rows[-1], len(runner.rows[-1]) // 4
-            return {"step": max(row[0::4]), "compute": sum(row[1::4]) / ranks}
-
-        return step
-
-    rounds_n = world.steps - world.warmup
-    policy = RoundsPolicy(
-        warmup=world.warmup, min_rounds=rounds_n, max_rounds=rounds_n, budget_s=1e9
-    )
+    stepper = _Stepper(world, runners, plugins, device, oracle, oracle_widths, sent, evals)
     started = time.perf_counter()
     try:
-        rounds = run_rounds(
-            {name: variant(name) for name in runners}, {}, policy, decide=rank0_decides(device)
-        )
+        rounds = _run_rounds(world, stepper, device)
         out = {
             name: {
                 "rows": runner.rows,
@@ -129,6 +99,60 @@ def run_variants(
         "oracle_widths": oracle_widths,
         "seconds": seconds,
     }
+
+
+def _run_rounds(world: World, stepper: _Stepper, device: torch.device) -> Any:
+    """Every step of the schedule as one round of every variant (no early stop)."""
+    from colossal_hetero.bench.rounds import RoundsPolicy, rank0_decides, run_rounds
+
+    rounds_n = world.steps - world.warmup
+    policy = RoundsPolicy(
+        warmup=world.warmup, min_rounds=rounds_n, max_rounds=rounds_n, budget_s=1e9
+    )
+    variants = {name: stepper.variant(name) for name in stepper.runners}
+    return run_rounds(variants, {}, policy, decide=rank0_decides(device))
+
+
+@dataclass
+class _Stepper:
+    """One training step of a named variant, as ``bench.rounds`` calls it: the oracle's
+    move at a phase start, the step, its bytes, and an evaluation at phase ends."""
+
+    world: World
+    runners: Mapping[str, Any]
+    plugins: Mapping[str, Any]
+    device: torch.device
+    oracle: str | None
+    oracle_widths: Sequence[dict[str, list[int]]]
+    sent: dict[str, list[float]]
+    evals: dict[str, list[list[Any]]]
+
+    def __post_init__(self) -> None:
+        world = self.world
+        self.val = [{k: v.to(self.device) for k, v in b.items()} for b in world.val_batches]
+        self.ends = {p.end for p in world.phases}
+        if world.eval_every:
+            self.ends |= set(range(world.eval_every, world.steps + 1, world.eval_every))
+
+    def variant(self, name: str) -> Callable[..., dict[str, float] | None]:
+        def step(index: int, *, warmup: bool) -> dict[str, float] | None:
+            return self.step(name, index, warmup=warmup)
+
+        return step
+
+    def step(self, name: str, index: int, *, warmup: bool) -> dict[str, float] | None:
+        runner, world = self.runners[name], self.world
+        if name == self.oracle:
+            _oracle_move(index, world.phases, self.oracle_widths, self.plugins[name], runner)
+        runner.step(index, record=True, batch=world.train_batch(index))
+        timing = runner.seam.last_timing
+        self.sent[name].append(float(sum(timing.bytes_by_kind.values())) if timing else 0.0)
+        if index + 1 in self.ends:
+            self.evals[name].append([index + 1, *_evaluate(runner, self.val, self.device)])
+        if warmup:
+            return None
+        row, ranks = runner.rows[-1], len(runner.rows[-1]) // 4
+        return {"step": max(row[0::4]), "compute": sum(row[1::4]) / ranks}
 
 
 def _build(

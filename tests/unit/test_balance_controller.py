@@ -80,7 +80,11 @@ class _Cluster:
 
 
 def _controller(
-    cluster: _Cluster, mode: str, monkeypatch: Any, move_cost_s: float = 0.01
+    cluster: _Cluster,
+    mode: str,
+    monkeypatch: Any,
+    move_cost_s: float = 0.01,
+    fixed_fraction: float = PHI,
 ) -> BalanceController:
     settings = BalancerConfig(
         mode=mode,  # type: ignore[arg-type]
@@ -90,7 +94,7 @@ def _controller(
         stable_steps=3,
         horizon_steps=1000,
         move_cost_s=move_cost_s,
-        fixed_fraction=PHI,
+        fixed_fraction=fixed_fraction,
     )
     history: dict[str, list[float]] = {"0": [], "1": []}
 
@@ -151,6 +155,25 @@ def test_replan_moves_to_the_fast_rank_and_back(monkeypatch):
     assert all(r["predicted_gain"] > 0 for r in records if r["decision"]["action"] == "resize")
     slow_at_skew = [d for d in controller.detections if 14 <= d.step < 30]
     assert all(d.slowdown == pytest.approx((1.0, 4.0)) for d in slow_at_skew)
+
+
+def test_a_wrong_fixed_fraction_is_refined_from_each_move(monkeypatch):
+    """Configured phi 0 while the cluster's is 0.2: each move's before/after times pull the
+    controller's phi half-way to the truth (0.1 after the first move, 0.15 after the second),
+    the logged inputs carry it, and the moves are those of the right model."""
+    cluster = _Cluster()
+    controller = _controller(cluster, "replan", monkeypatch, fixed_fraction=0.0)
+    _drive(controller, cluster, 48)
+    assert cluster.moves == [SKEW, EVEN]
+    assert controller.fixed_fraction == pytest.approx(0.15)
+    logged = [
+        r["inputs"]["fixed_fraction"] for r in controller.log.records if "slowdown" in r["inputs"]
+    ]
+    assert logged[0] == 0.0 and logged[-1] == pytest.approx(0.15)
+    # After the first move the slowdown at the skewed widths reads nearer the true 4x.
+    skew = [d.slowdown[1] for d in controller.detections if 14 <= d.step < 30]
+    wrong = work_units(shares_of(SKEW, 2), PHI)[1] / work_units(shares_of(SKEW, 2), 0.0)[1]
+    assert all(abs(s - 4.0) < abs(4.0 * wrong - 4.0) for s in skew)
 
 
 def _in_layer(controller: BalanceController) -> list[tuple[int, list]]:
