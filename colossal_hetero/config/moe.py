@@ -33,6 +33,20 @@ class MoeConfig:
     """Experts held by each expert-parallel rank, ``placement[r]`` for rank r of an ep group;
     every expert exactly once. Empty: Colossal-AI's contiguous blocks."""
 
+    packing: bool = False
+    """Expert packing: a token whose top-k experts share an expert-parallel rank is sent there
+    once, its experts' outputs weighted and summed there, and one row sent back (fewer a2a
+    bytes; outputs equal up to the order of that sum)."""
+
+    replace_every: int = 0
+    """Speed-aware re-placement: every this many steps, place the experts again from the
+    router's measured loads and the ranks' speeds (cluster.devices), moving expert weights and
+    optimizer state between steps. 0: never (the placement stays fixed). fp32 only."""
+
+    max_experts_per_rank: int = 0
+    """Most experts one expert-parallel rank may hold after a re-placement; 0: twice the even
+    share (num_local_experts / parallel.ep)."""
+
     log_events: bool = True
     """Keep each step's log of all-to-all and chunk launch/finish times (written as
     ``moe_rank{r}.jsonl`` beside the metrics when the plugin has a metrics folder)."""
@@ -40,6 +54,14 @@ class MoeConfig:
     def __post_init__(self) -> None:
         _require(self.chunk_kib >= 1, "chunk_kib", f"must be >= 1, got {self.chunk_kib}")
         _require(self.max_inflight >= 1, "max_inflight", f"must be >= 1, got {self.max_inflight}")
+        _require(
+            self.replace_every >= 0, "replace_every", f"must be >= 0, got {self.replace_every}"
+        )
+        _require(
+            self.max_experts_per_rank >= 0,
+            "max_experts_per_rank",
+            f"must be >= 0, got {self.max_experts_per_rank}",
+        )
 
     @property
     def chunk_bytes(self) -> int:

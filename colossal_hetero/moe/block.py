@@ -32,6 +32,7 @@ from colossalai.tensor.moe_tensor.api import set_moe_tensor_ep_group
 from torch.distributed import ProcessGroup
 
 from colossal_hetero.moe.comm import MoeComm, Span
+from colossal_hetero.moe.packed import packed_exchange
 from colossal_hetero.moe.placement import Placement
 
 
@@ -91,6 +92,7 @@ class HeteroEPMixtralSparseMoeBlock(EPMixtralSparseMoeBlock):
     placement: Placement
     held: tuple[int, ...]
     backward_spans: list[Span]
+    packing: bool = False  # moe.packing: one row per (token, rank), combined there (packed.py)
 
     @staticmethod
     def from_native_module(  # type: ignore[override]
@@ -101,6 +103,7 @@ class HeteroEPMixtralSparseMoeBlock(EPMixtralSparseMoeBlock):
         *args: Any,
         comm: MoeComm | None = None,
         placement: Placement | None = None,
+        packing: bool = False,
         **kwargs: Any,
     ) -> HeteroEPMixtralSparseMoeBlock:
         """Turn a ``MixtralSparseMoeBlock`` into this block in place (shardformer's hook)."""
@@ -109,6 +112,7 @@ class HeteroEPMixtralSparseMoeBlock(EPMixtralSparseMoeBlock):
         LazyInitContext.materialize(module)
         module.__class__ = HeteroEPMixtralSparseMoeBlock
         module.setup_placement(ep_group, moe_dp_group, comm, placement)
+        module.packing = packing
         return module
 
     def setup_placement(
@@ -128,7 +132,18 @@ class HeteroEPMixtralSparseMoeBlock(EPMixtralSparseMoeBlock):
                 f"{placement.num_devices} ranks, the model has {self.num_experts} on ep "
                 f"{self.ep_size}"
             )
-        self.comm, self.placement, self.backward_spans = comm, placement, []
+        self.comm, self.backward_spans = comm, []
+        self.index_placement(placement)
+        kept = {self.experts[e] for e in self.held}
+        set_tensors_to_none(self.experts, exclude=kept)
+        for expert in kept:
+            for param in expert.parameters():
+                set_moe_tensor_ep_group(param, ep_group)
+
+    def index_placement(self, placement: Placement) -> None:
+        """Adopt ``placement``'s routing tables (held experts, slots); tensors are not moved
+        here (setup drops the others', moe/replace.py moves them)."""
+        self.placement = placement
         self.held = placement.experts_on(self.ep_rank)
         # Slot order: experts grouped by device, each device's in increasing index.
         order = [e for d in range(self.ep_size) for e in placement.experts_on(d)]
@@ -137,11 +152,6 @@ class HeteroEPMixtralSparseMoeBlock(EPMixtralSparseMoeBlock):
             slot_of[expert] = slot
         self.slot_of = torch.tensor(slot_of, dtype=torch.long)
         self.device_sizes = [len(placement.experts_on(d)) for d in range(self.ep_size)]
-        kept = {self.experts[e] for e in self.held}
-        set_tensors_to_none(self.experts, exclude=kept)
-        for expert in kept:
-            for param in expert.parameters():
-                set_moe_tensor_ep_group(param, ep_group)
 
     def expert_parameters(self) -> list[torch.nn.Parameter]:
         """The parameters of the experts this rank holds (reduced over their replicas)."""
@@ -161,10 +171,14 @@ class HeteroEPMixtralSparseMoeBlock(EPMixtralSparseMoeBlock):
         weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
         span = self.comm.open_span(self.ep_group)
         try:
-            combined = self._exchange(x, selected)
+            if self.packing:
+                a2a, dispatch, combine = _all_to_all, _Dispatch.apply, _Combine.apply
+                out = packed_exchange(self, x, selected, weights, a2a, dispatch, combine)
+            else:
+                combined = self._exchange(x, selected)
+                out = (combined.view(-1, self.top_k, hidden) * weights.unsqueeze(-1)).sum(dim=1)
         finally:
             self.comm.close_span(span)
-        out = (combined.view(-1, self.top_k, hidden) * weights.unsqueeze(-1)).sum(dim=1)
         return out.view(batch, seq, hidden), router_logits
 
     def _exchange(self, x: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:

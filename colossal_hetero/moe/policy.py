@@ -20,9 +20,9 @@ from colossal_hetero.moe.placement import Placement
 class HeteroMixtralForCausalLMPolicy(MixtralForCausalLMPolicy):
     """``MixtralForCausalLMPolicy`` with our expert-parallel block (needs an ep group)."""
 
-    def __init__(self, comm: MoeComm, placement: Placement) -> None:
+    def __init__(self, comm: MoeComm, placement: Placement, packing: bool = False) -> None:
         super().__init__()
-        self.comm, self.placement = comm, placement
+        self.comm, self.placement, self.packing = comm, placement, packing
 
     def module_policy(self) -> Any:
         from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
@@ -38,6 +38,7 @@ class HeteroMixtralForCausalLMPolicy(MixtralForCausalLMPolicy):
                     **description.kwargs,
                     "comm": self.comm,
                     "placement": self.placement,
+                    "packing": self.packing,
                 }
                 replaced += 1
         if replaced != 1:  # Colossal-AI's policy changed shape: fail loudly, not silently stock

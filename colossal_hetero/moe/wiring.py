@@ -50,7 +50,8 @@ def moe_policy(config: HeteroConfig, model: nn.Module, world_size: int) -> MoeSe
     placement = check_moe_model(config.parallel, config.moe, model.config, world_size)
     assert placement is not None  # ep > 1 here
     comm = MoeComm(log=config.moe.log_events)
-    return MoeSetup(HeteroMixtralForCausalLMPolicy(comm, placement), comm, placement)
+    policy = HeteroMixtralForCausalLMPolicy(comm, placement, packing=config.moe.packing)
+    return MoeSetup(policy, comm, placement)
 
 
 def gradient_groups(world_size: int, ep: int) -> tuple[ProcessGroup, ProcessGroup]:
