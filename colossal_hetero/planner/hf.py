@@ -106,23 +106,7 @@ def _attention(
             head_dim=head_dim,
             opens_residual=opens,
         ),
-        LayerSpec(
-            name=f"{prefix}.core",
-            kind=LayerKind.ATTENTION_CORE,
-            tokens=tokens,
-            in_features=qkv_features,
-            out_features=q_width,
-            # QK^T and softmax(.)V: 2 * tokens * q_width FLOPs per token each (causal masks
-            # are not skipped by the eager/SDPA kernels Colossal-AI runs on CPU).
-            flops_per_token=4.0 * tokens * q_width,
-            in_shard=heads_dim,
-            out_shard=heads_dim,
-            num_heads=kv_heads,
-            head_dim=head_dim,
-            saves_output=True,
-            default=Strategy.COLUMN,
-            modules=(prefix,),
-        ),
+        _attention_core(prefix, tokens, qkv_features, heads_dim, kv_heads, head_dim),
         _linear(
             out,
             LayerKind.ATTENTION_OUT,
@@ -138,6 +122,35 @@ def _attention(
             closes_residual=True,
         ),
     ]
+
+
+def _attention_core(
+    prefix: str,
+    tokens: int,
+    qkv_features: int,
+    heads_dim: ShardDim,
+    kv_heads: int,
+    head_dim: int,
+) -> LayerSpec:
+    """The head-local attention core (QK^T, softmax, times V) between QKV and the output."""
+    q_width = heads_dim.size
+    return LayerSpec(
+        name=f"{prefix}.core",
+        kind=LayerKind.ATTENTION_CORE,
+        tokens=tokens,
+        in_features=qkv_features,
+        out_features=q_width,
+        # QK^T and softmax(.)V: 2 * tokens * q_width FLOPs per token each (causal masks
+        # are not skipped by the eager/SDPA kernels Colossal-AI runs on CPU).
+        flops_per_token=4.0 * tokens * q_width,
+        in_shard=heads_dim,
+        out_shard=heads_dim,
+        num_heads=kv_heads,
+        head_dim=head_dim,
+        saves_output=True,
+        default=Strategy.COLUMN,
+        modules=(prefix,),
+    )
 
 
 def _mlp(

@@ -59,16 +59,7 @@ def minimize_max_sum(
         x0: values kept for a simplex no term or limit depends on (default: uniform), so an
             unused share vector does not come back as an arbitrary vertex.
     """
-    const_offset = 0.0
-    blocks = []
-    for rows, weight in terms:
-        const, coef = _parts(rows, num_vars)
-        if weight == 0:
-            continue
-        if not coef.any():
-            const_offset += weight * float(const.max())
-        else:
-            blocks.append((const, coef, float(weight)))
+    blocks, const_offset = _objective_blocks(terms, num_vars)
     # Times are ~1e-6..1e2 s and memory ~1e9 bytes: scale both to O(1) for HiGHS' tolerances.
     scale = max([float(np.abs(c).max() + np.abs(a).max()) for c, a, _ in blocks] + [1e-30])
     num_z = len(blocks)
@@ -87,22 +78,12 @@ def minimize_max_sum(
         rows_a.append(np.hstack([coef / cap[:, None], np.zeros((const.size, num_z))]))
         rhs.append((cap - const) / cap)
         used |= np.any(coef != 0, axis=0)
-    bounds: list[tuple[float | None, float | None]] = [(0.0, 1.0)] * num_vars
-    bounds += [(None, None)] * num_z
     x_keep = _default_x0(num_vars, simplices) if x0 is None else np.asarray(x0, dtype=float)
-    a_eq = np.zeros((len(simplices), num_vars + num_z))
-    for s, index in enumerate(simplices):
-        a_eq[s, list(index)] = 1.0
-        if not used[list(index)].any():
-            for j in index:
-                bounds[j] = (float(x_keep[j]), float(x_keep[j]))
-    c = np.concatenate([np.zeros(num_vars), [w for _, _, w in blocks]])
-    a_ub = sparse.csr_matrix(np.vstack(rows_a)) if rows_a else None
-    b_ub = np.concatenate(rhs) if rhs else None
+    a_eq, bounds = _share_constraints(num_vars, num_z, simplices, used, x_keep)
     res = linprog(
-        c,
-        A_ub=a_ub,
-        b_ub=b_ub,
+        np.concatenate([np.zeros(num_vars), [w for _, _, w in blocks]]),
+        A_ub=sparse.csr_matrix(np.vstack(rows_a)) if rows_a else None,
+        b_ub=np.concatenate(rhs) if rhs else None,
         A_eq=a_eq,
         b_eq=np.ones(len(simplices)),
         bounds=bounds,
@@ -116,6 +97,45 @@ def minimize_max_sum(
     for index in simplices:  # remove solver noise so each share vector sums to exactly 1
         x[list(index)] /= x[list(index)].sum()
     return LPResult(x, float(res.fun) * scale + const_offset)
+
+
+def _objective_blocks(
+    terms: Sequence[tuple[RowVec, float]], num_vars: int
+) -> tuple[list[tuple[np.ndarray, np.ndarray, float]], float]:
+    """Split the terms into ``(const, coef, weight)`` blocks that depend on ``x`` and a constant.
+
+    A term whose rows do not depend on ``x`` contributes ``weight * max(const)`` to the offset.
+    """
+    const_offset = 0.0
+    blocks = []
+    for rows, weight in terms:
+        const, coef = _parts(rows, num_vars)
+        if weight == 0:
+            continue
+        if not coef.any():
+            const_offset += weight * float(const.max())
+        else:
+            blocks.append((const, coef, float(weight)))
+    return blocks, const_offset
+
+
+def _share_constraints(
+    num_vars: int,
+    num_z: int,
+    simplices: Sequence[Sequence[int]],
+    used: np.ndarray,
+    x_keep: np.ndarray,
+) -> tuple[np.ndarray, list[tuple[float | None, float | None]]]:
+    """Equality rows (each simplex sums to 1) and bounds; unused simplices stay at ``x_keep``."""
+    bounds: list[tuple[float | None, float | None]] = [(0.0, 1.0)] * num_vars
+    bounds += [(None, None)] * num_z
+    a_eq = np.zeros((len(simplices), num_vars + num_z))
+    for s, index in enumerate(simplices):
+        a_eq[s, list(index)] = 1.0
+        if not used[list(index)].any():
+            for j in index:
+                bounds[j] = (float(x_keep[j]), float(x_keep[j]))
+    return a_eq, bounds
 
 
 def _default_x0(num_vars: int, simplices: Sequence[Sequence[int]]) -> np.ndarray:

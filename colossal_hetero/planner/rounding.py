@@ -88,15 +88,34 @@ def round_widths(
             f"{dim} elements hold {units} units of {granularity}, fewer than {min_units} "
             f"for each of {n} devices"
         )
+    cap_units, cap_elems = _caps_in_units(caps, n, granularity, dim, lo, min_units)
+    base = _integer_units(r, units, lo, cap_units)
+    widths = base * granularity
+    if leftover:
+        takers = sorted(range(n), key=lambda d: (-r[d], d))
+        taker = next((d for d in takers if widths[d] + leftover <= cap_elems[d]), None)
+        if taker is None:
+            raise ValueError(f"no device has room for the {leftover} leftover elements of {dim}")
+        widths[taker] += leftover
+    return tuple(int(w) for w in widths)
+
+
+def _caps_in_units(
+    caps: Sequence[int] | None,
+    n: int,
+    granularity: int,
+    dim: int,
+    lo: np.ndarray,
+    min_units: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per-device caps in granules and in elements (inf without caps); checks they fit."""
     if caps is None:
-        cap_units = np.full(n, np.inf)
-        cap_elems = np.full(n, np.inf)
-    else:
-        cap_elems = np.asarray(caps, dtype=float)
-        if cap_elems.shape != (n,) or np.any(cap_elems < 0):
-            raise ValueError(f"caps must be {n} values >= 0, got {caps!r}")
-        cap_units = np.floor(cap_elems / granularity)
-    if cap_units.sum() < units:
+        return np.full(n, np.inf), np.full(n, np.inf)
+    cap_elems = np.asarray(caps, dtype=float)
+    if cap_elems.shape != (n,) or np.any(cap_elems < 0):
+        raise ValueError(f"caps must be {n} values >= 0, got {caps!r}")
+    cap_units = np.floor(cap_elems / granularity)
+    if cap_units.sum() < dim // granularity:
         raise ValueError(
             f"caps hold {int(cap_units.sum()) * granularity} elements in multiples of "
             f"{granularity}, fewer than the {dim} to split"
@@ -107,15 +126,7 @@ def round_widths(
             f"device {d}: its cap of {int(cap_elems[d])} is below the minimum of "
             f"{min_units * granularity}"
         )
-    base = _integer_units(r, units, lo, cap_units)
-    widths = base * granularity
-    if leftover:
-        takers = sorted(range(n), key=lambda d: (-r[d], d))
-        taker = next((d for d in takers if widths[d] + leftover <= cap_elems[d]), None)
-        if taker is None:
-            raise ValueError(f"no device has room for the {leftover} leftover elements of {dim}")
-        widths[taker] += leftover
-    return tuple(int(w) for w in widths)
+    return cap_units, cap_elems
 
 
 def _integer_units(r: np.ndarray, units: int, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:

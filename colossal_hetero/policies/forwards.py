@@ -75,7 +75,6 @@ def gpt2_lm_forward(
     this mirrors it around ``GPT2PipelineForwards.gpt2_model_forward``.
     """
     from colossalai.shardformer.modeling.gpt2 import GPT2PipelineForwards
-    from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
 
     outputs = GPT2PipelineForwards.gpt2_model_forward(
         self.transformer,
@@ -100,9 +99,16 @@ def gpt2_lm_forward(
     )
     if stage_manager is not None and not stage_manager.is_last_stage():
         return {"hidden_states": outputs["hidden_states"]}
-    logits = self.lm_head(outputs[0])
+    return _lm_output(self.lm_head, outputs, labels, return_dict)
+
+
+def _lm_output(lm_head: nn.Module, outputs: Any, labels: Any, return_dict: bool | None) -> Any:
+    """The LM head's logits and loss wrapped as transformers' causal-LM output."""
+    from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
+
+    logits = lm_head(outputs[0])
     result = CausalLMOutputWithCrossAttentions(
-        loss=None if labels is None else head_loss(self.lm_head, logits, labels),
+        loss=None if labels is None else head_loss(lm_head, logits, labels),
         logits=logits,
         past_key_values=outputs.past_key_values,
         hidden_states=outputs.hidden_states,

@@ -71,6 +71,27 @@ def run_training(config: RunConfig, device: torch.device, plan: Plan | None = No
         plugin.close()
 
 
+@dataclass(slots=True)
+class _Boosted:
+    """What ``Booster.boost`` returned, kept together for the loop."""
+
+    booster: Booster
+    model: Any
+    optimizer: Any
+    criterion: Any
+    lr_scheduler: Any
+
+
+@dataclass(frozen=True, slots=True)
+class _RankData:
+    """This rank's view of the data: its batch share, loss scale and validation batches."""
+
+    shares: list[int]
+    dp_rank: int
+    loss_scale: float
+    val_batches: list[Any]
+
+
 def _train(
     config: RunConfig, device: torch.device, plugin: HeteroParallelPlugin, rank: int
 ) -> RunResult:
@@ -78,6 +99,24 @@ def _train(
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yaml").write_text(dump_config(config))
+    boosted = _boost(config, plugin)
+    start_step = _maybe_resume(
+        config, boosted.booster, boosted.model, boosted.optimizer, boosted.lr_scheduler
+    )
+    if rank == 0 and plugin.plan is not None:
+        dump_plan(plugin.plan, out_dir / "plan.yaml")  # the layout this run trained with
+    data = build_data(config.data, config.model.arch)
+    rank_data = _rank_data(config, plugin, data, rank, device)
+    batches = data.train_batches(config.data.global_batch_size, config.data.seed, start_step)
+    dist.barrier()
+    val_losses, accuracy = _loop(config, device, plugin, boosted, rank_data, batches, start_step)
+    dist.barrier()
+    if rank == 0 and config.logging.plot:
+        plot_run(read_run(out_dir), out_dir / "plot.png", title=_title(config))
+    return RunResult(final_step=config.train.steps, val_losses=val_losses, val_accuracy=accuracy)
+
+
+def _boost(config: RunConfig, plugin: HeteroParallelPlugin) -> _Boosted:
     model = build_model(config.model)
     optimizer = build_optimizer(model, config.optimizer)
     lr_scheduler = build_lr_scheduler(optimizer, config.optimizer, config.train.steps)
@@ -85,11 +124,13 @@ def _train(
     model, optimizer, criterion, _, lr_scheduler = booster.boost(
         model, optimizer, loss_from_outputs, lr_scheduler=lr_scheduler
     )
-    start_step = _maybe_resume(config, booster, model, optimizer, lr_scheduler)
-    if rank == 0 and plugin.plan is not None:
-        dump_plan(plugin.plan, out_dir / "plan.yaml")  # the layout this run trained with
+    return _Boosted(booster, model, optimizer, criterion, lr_scheduler)
 
-    data = build_data(config.data, config.model.arch)
+
+def _rank_data(
+    config: RunConfig, plugin: HeteroParallelPlugin, data: Any, rank: int, device: torch.device
+) -> _RankData:
+    """Batch shares from the plan (or the config), and this data-parallel rank's part."""
     dp_rank = rank // (plugin.tp_size * plugin.pp_size)  # dp is the outermost mesh axis
     if plugin.plan is not None and not config.parallel.batch_shares:
         shares = list(plugin.plan.group_samples)
@@ -97,16 +138,27 @@ def _train(
         shares = batch_shares(
             config.plugin_config(), plugin.world_size, plugin.dp_size, config.data.global_batch_size
         )
-    loss_scale = share_loss_scale(shares, dp_rank)
-    use_pipeline = plugin.pp_size > 1
     val_batches = [
         to_device(shard_batch_by_shares(b, shares, dp_rank), device)
         for b in data.val_batches(config.data.global_batch_size, config.train.eval_batches)
     ]
-    batches = data.train_batches(config.data.global_batch_size, config.data.seed, start_step)
+    return _RankData(shares, dp_rank, share_loss_scale(shares, dp_rank), val_batches)
+
+
+def _loop(
+    config: RunConfig,
+    device: torch.device,
+    plugin: HeteroParallelPlugin,
+    boosted: _Boosted,
+    rank_data: _RankData,
+    batches: Any,
+    start_step: int,
+) -> tuple[list[tuple[int, float]], float | None]:
+    """Run steps ``start_step..train.steps-1``; returns the validation curve and last accuracy."""
+    rank = dist.get_rank()
+    out_dir = Path(config.logging.dir)
     val_losses: list[tuple[int, float]] = []
     accuracy: float | None = None
-    dist.barrier()
     with (
         MetricsWriter(rank_metrics_path(out_dir, rank)) as writer,
         TrainingProgress(
@@ -117,39 +169,63 @@ def _train(
         for step in range(start_step, config.train.steps):
             if step_dir:  # the launcher's controller applies step-scheduled preemptions
                 report_step(step_dir, rank, step)
-            batch = to_device(shard_batch_by_shares(next(batches), shares, dp_rank), device)
-            plugin.seam.begin_step(step)  # explicit, so resumed runs keep their step numbers
-            loss = train_step(
-                booster,
-                model,
-                optimizer,
-                criterion,
-                batch,
-                use_pipeline=use_pipeline,
-                loss_scale=loss_scale,
-            )
-            timing = plugin.seam.end_step()  # closed by optimizer.step(); this fetches it
-            lr_scheduler.step()
-            record = step_record(timing, rank, loss, lr=lr_scheduler.get_last_lr()[0])
-            if _is_eval_step(config, step):
-                result = evaluate(
-                    booster, model, criterion, val_batches, use_pipeline=use_pipeline, device=device
-                )
-                val_losses.append((step, result.loss))
-                accuracy = result.accuracy
-                record = replace(record, val_loss=result.loss, val_accuracy=result.accuracy)
+            batch = next(batches)
+            record = _one_step(config, device, plugin, boosted, rank_data, batch, step)
+            if record.val_loss is not None:
+                val_losses.append((step, record.val_loss))
+                accuracy = record.val_accuracy
             writer.write(record)
-            _show_progress(bar, record, shares[dp_rank], device)
+            _show_progress(bar, record, rank_data.shares[rank_data.dp_rank], device)
             if record.val_loss is not None:
                 bar.log(_val_line(record))
             if config.checkpoint.dir is not None and _is_checkpoint_step(config, step):
                 save_checkpoint(
-                    booster, config.checkpoint.dir, step + 1, model, optimizer, lr_scheduler
+                    boosted.booster,
+                    config.checkpoint.dir,
+                    step + 1,
+                    boosted.model,
+                    boosted.optimizer,
+                    boosted.lr_scheduler,
                 )
-    dist.barrier()
-    if rank == 0 and config.logging.plot:
-        plot_run(read_run(out_dir), out_dir / "plot.png", title=_title(config))
-    return RunResult(final_step=config.train.steps, val_losses=val_losses, val_accuracy=accuracy)
+    return val_losses, accuracy
+
+
+def _one_step(
+    config: RunConfig,
+    device: torch.device,
+    plugin: HeteroParallelPlugin,
+    boosted: _Boosted,
+    rank_data: _RankData,
+    batch: Any,
+    step: int,
+) -> StepRecord:
+    """One training step on the seam (and an evaluation when due); returns its record."""
+    use_pipeline = plugin.pp_size > 1
+    local = to_device(shard_batch_by_shares(batch, rank_data.shares, rank_data.dp_rank), device)
+    plugin.seam.begin_step(step)  # explicit, so resumed runs keep their step numbers
+    loss = train_step(
+        boosted.booster,
+        boosted.model,
+        boosted.optimizer,
+        boosted.criterion,
+        local,
+        use_pipeline=use_pipeline,
+        loss_scale=rank_data.loss_scale,
+    )
+    timing = plugin.seam.end_step()  # closed by optimizer.step(); this fetches it
+    boosted.lr_scheduler.step()
+    record = step_record(timing, dist.get_rank(), loss, lr=boosted.lr_scheduler.get_last_lr()[0])
+    if _is_eval_step(config, step):
+        result = evaluate(
+            boosted.booster,
+            boosted.model,
+            boosted.criterion,
+            rank_data.val_batches,
+            use_pipeline=use_pipeline,
+            device=device,
+        )
+        record = replace(record, val_loss=result.loss, val_accuracy=result.accuracy)
+    return record
 
 
 def _show_progress(
