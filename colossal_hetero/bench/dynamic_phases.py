@@ -373,6 +373,7 @@ def summarise_case(
     delays, actions = _delays_of(variants, phases, modes)
     return {
         "model": model,
+        "compute_fraction": compute_fraction(series),
         "spike_phase": spike.name,
         "phases": per_phase,
         "phase_steps": {p.name: [p.start, p.end] for p in phases},
@@ -393,6 +394,15 @@ def summarise_case(
         "widths": {name: variants[name]["widths"] for name in names},
         "oracle_widths": result.get("oracle_widths"),
     }
+
+
+def compute_fraction(
+    series: Mapping[str, Sequence[float]], reference: str = "unperturbed"
+) -> float:
+    """Median over the recorded rounds of the reference variant's mean compute time over its
+    step time: how much of a step the balancers can act on (the rest is collectives)."""
+    pairs = zip(series[f"{reference}.compute"], series[f"{reference}.step"], strict=True)
+    return statistics.median(c / s for c, s in pairs if s > 0)
 
 
 def _delays_of(

@@ -95,7 +95,9 @@ def print_report(console: Any, report: dict[str, Any]) -> None:
     from rich.table import Table
 
     for row in report["throughput"]:
-        table = Table(title=f"bench dynamic, {row['model']}: per phase, 95% intervals")
+        fraction = row.get("compute_fraction")
+        share = f"; compute {fraction:.2f} of an unperturbed step" if fraction else ""
+        table = Table(title=f"bench dynamic, {row['model']}: per phase, 95% intervals{share}")
         for header in HEADERS:
             table.add_column(header, justify="right")
         for cells in table_rows(row):
