@@ -19,8 +19,19 @@ class MoeConfig:
     optimizer reduces the gradients and this section's reducer settings are unused."""
 
     chunk_kib: int = 256
-    """Size of one gradient all-reduce chunk, KiB. Chunks are fixed by parameter shapes, never
-    by routing, so every rank issues the same all-reduces."""
+    """Size of one gradient all-reduce chunk, KiB (the largest, with chunk_efficiency). Chunks
+    are fixed by parameter shapes, never by routing, so every rank issues the same
+    all-reduces."""
+
+    chunk_efficiency: float = 0.0
+    """0: chunks of chunk_kib. In (0, 1): the smallest chunk whose all-reduce spends at least
+    this fraction of its time moving bytes, from an alpha-beta profile measured at boost time
+    on the gradient groups (agreed over the world), at most chunk_kib."""
+
+    fit_gaps: bool = True
+    """With priority: a gradient chunk may go between two all-to-alls (also inside the expert
+    compute) only if its predicted all-reduce ends before the next all-to-all's expected start,
+    learned from recent steps; false: nothing goes from dispatch to combine."""
 
     max_inflight: int = 2
     """Most gradient chunks on the wire at once, per gradient group."""
@@ -54,6 +65,11 @@ class MoeConfig:
     def __post_init__(self) -> None:
         _require(self.chunk_kib >= 1, "chunk_kib", f"must be >= 1, got {self.chunk_kib}")
         _require(self.max_inflight >= 1, "max_inflight", f"must be >= 1, got {self.max_inflight}")
+        _require(
+            0 <= self.chunk_efficiency < 1,
+            "chunk_efficiency",
+            f"must be in [0, 1), got {self.chunk_efficiency}",
+        )
         _require(
             self.replace_every >= 0, "replace_every", f"must be >= 0, got {self.replace_every}"
         )

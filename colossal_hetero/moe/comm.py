@@ -6,6 +6,14 @@ combine (forward), and from the combine's backward a2a to the dispatch's backwar
 (backward): the expert computation between the two is exactly when an a2a is pending. While a
 span is open every attached :class:`ChunkedGradReducer` holds its chunks back (priority on).
 
+With ``fit`` on (the default) the span itself no longer holds chunks; instead, as each a2a
+call ends, every reducer gets a *window*: the expected start of the next a2a call (this
+call's end plus the shortest gap seen after it in recent steps, :class:`GapModel`, times
+``FIT_MARGIN``). A chunk goes inside the window only if its predicted all-reduce ends before
+it, so gradient traffic overlaps the expert and attention compute between a2a's without being
+on the wire when the next a2a starts; after the step's last a2a there is no window. Without a
+history (the first step) nothing goes before the flush. ``fit`` off: the span holds them.
+
 ``events`` is the log of one step: a2a calls, pending spans and every reducer's chunks, each
 ``(kind, group, id, t_launch, t_done, nbytes)``; see :meth:`step_log`.
 """
@@ -25,6 +33,37 @@ from colossal_hetero.moe.scheduler import ChunkedGradReducer
 LogRow = tuple[str, str, int, float, float, int]
 """One row of a step's log: (kind, group, id, t_launch, t_done, nbytes)."""
 
+FIT_MARGIN = 0.9
+"""Fraction of the expected gap before the next a2a that a chunk may use (timing jitter)."""
+
+
+@dataclass
+class GapModel:
+    """Expected compute gaps between consecutive a2a calls of a step (pure; no collectives).
+
+    Steps repeat the same a2a sequence, so the gap after call ``k`` (its end to the start of
+    call ``k + 1``) in recent steps predicts the next one: the shortest of the last
+    ``history`` steps with the same number of calls (conservative under jitter).
+    """
+
+    history: int = 3
+    steps: list[list[tuple[float, float]]] = field(default_factory=list)
+
+    def record(self, calls: Sequence[tuple[float, float]]) -> None:
+        """Add one step's a2a calls ``(start, end)`` in issue order."""
+        if calls:
+            self.steps = [*self.steps, list(calls)][-self.history :]
+
+    def gap_after(self, k: int) -> float | None:
+        """Expected seconds from the end of call ``k`` to the start of call ``k + 1``;
+        ``inf`` after the last call; None without a history (or ``k`` beyond it)."""
+        same = [s for s in self.steps if len(s) == len(self.steps[-1])] if self.steps else []
+        if not same or k >= len(same[-1]):
+            return None
+        if k == len(same[-1]) - 1:
+            return float("inf")
+        return min(step[k + 1][0] - step[k][1] for step in same)
+
 
 @dataclass(slots=True)
 class CommEvent:
@@ -43,6 +82,7 @@ class Span:
 
     event: CommEvent
     open: bool = True
+    gated: bool = True
 
 
 @dataclass
@@ -54,10 +94,13 @@ class MoeComm:
     """
 
     log: bool = True
+    fit: bool = True
     reducers: dict[str, ChunkedGradReducer] = field(default_factory=dict)
     events: list[CommEvent] = field(default_factory=list)
+    gaps: GapModel = field(default_factory=GapModel)
     _open: int = 0
     _count: int = 0
+    _calls: list[tuple[float, float]] = field(default_factory=list)
 
     def attach(self, reducers: dict[str, ChunkedGradReducer]) -> None:
         """Gate ``reducers`` from now on (spans open now are not applied to them)."""
@@ -83,9 +126,11 @@ class MoeComm:
             reducer.close_a2a()
 
     def open_span(self, group: ProcessGroup) -> Span:
-        """An a2a on ``group`` is pending from now: gradient chunks wait (priority on)."""
-        self._gate(group)
-        return Span(self._event("pending"))
+        """An a2a on ``group`` is pending from now: gradient chunks wait (priority on; with
+        ``fit`` the windows protect the a2a calls instead, and the span is only logged)."""
+        if not self.fit:
+            self._gate(group)
+        return Span(self._event("pending"), gated=not self.fit)
 
     def close_span(self, span: Span) -> None:
         """End ``span``; chunks that became ready meanwhile may go now."""
@@ -93,17 +138,25 @@ class MoeComm:
             return
         span.open = False
         span.event.t_done = time.perf_counter()
-        self._ungate()
+        if span.gated:
+            self._ungate()
 
     @contextmanager
     def a2a_call(self, group: ProcessGroup, nbytes: int) -> Iterator[CommEvent]:
-        """Gate and log one a2a call, from before it is issued until it has completed."""
+        """Gate and log one a2a call, from before it is issued until it has completed; then
+        open the window up to the next call's expected start (``fit``)."""
         self._gate(group)
         event = self._event("a2a", nbytes)
         try:
             yield event
         finally:
             event.t_done = time.perf_counter()
+            self._calls.append((event.t_launch, event.t_done))
+            if self.fit:
+                gap = self.gaps.gap_after(len(self._calls) - 1)
+                until = event.t_done if gap is None else event.t_done + FIT_MARGIN * gap
+                for reducer in self.reducers.values():
+                    reducer.window_until = None if until == float("inf") else until
             self._ungate()
 
     def idle(self, params: list[Any]) -> None:
@@ -120,11 +173,16 @@ class MoeComm:
             raise RuntimeError("flush with an a2a still pending: a MoE block's span never closed")
         if not any(reducer.touched for reducer in self.reducers.values()):
             return
+        self.gaps.record(self._calls)
+        self._calls = []
+        for reducer in self.reducers.values():  # every group's chunks on the wire together
+            reducer.launch_rest()
         for reducer in self.reducers.values():
-            reducer.flush()
+            reducer.wait_all()
 
     def clear(self) -> None:
-        """Start a new step's log."""
+        """Start a new step's log (and a2a call sequence)."""
+        self._calls = []
         self.events.clear()
         for reducer in self.reducers.values():
             reducer.clear_log()

@@ -15,6 +15,10 @@ Contract, for one data-parallel ``group`` (the gradient group):
   ``with scheduler.a2a(): ...``. Chunks that become ready then are queued and launched when the
   last open a2a closes. With ``priority`` off the gate is ignored: plain bucketed overlap, each
   chunk launched as soon as it and its predecessors are ready (DDP/DeepSpeed-like).
+- Gap fitting (priority on): while ``window_until`` is set (a ``perf_counter`` time, set by
+  :class:`.comm.MoeComm` from the next a2a's expected start), a chunk is launched only if its
+  predicted duration (:meth:`predict`, the measured alpha-beta profile scaled by what recent
+  lone chunks really took) ends before it; ``None``: no a2a ahead, no limit.
 - ``flush()`` (before ``optimizer.step()``) zero-fills gradients this rank never produced (an
   expert that got no tokens here), launches every remaining chunk in order and waits for all.
   Afterwards every gradient equals a plain all-reduce of the same gradients.
@@ -50,14 +54,23 @@ from colossal_hetero.moe.chunks import Chunk, plan_chunks
 class Event:
     """One communication: ``kind`` "chunk" (all-reduce) or "a2a"; times from ``perf_counter``.
 
-    For a chunk, ``t_done`` is when its completion was observed (polled or waited); for an a2a,
-    when its gate closed. ``None`` until then.
+    For a chunk, ``t_done`` is when it completed (its future's callback), or failing that when
+    its completion was observed; for an a2a, when its gate closed. ``None`` until then.
+    ``alone``: a chunk launched with no other chunk of its reducer in flight; ``deadline``:
+    the window it was launched under (None: none) and ``predicted`` its predicted duration.
     """
 
     kind: str
     id: int
     t_launch: float
     t_done: float | None = None
+    alone: bool = False
+    deadline: float | None = None
+    predicted: float | None = None
+
+
+def _stamp(event: Event) -> None:
+    event.t_done = time.perf_counter()
 
 
 @dataclass(slots=True)
@@ -114,6 +127,9 @@ class ChunkedGradReducer:
         self._inflight: deque[_InFlight] = deque()
         self._open_a2a = 0
         self._a2a_count = 0
+        self.window_until: float | None = None
+        self._profile: tuple[float, float] | None = None
+        self._ratios: deque[float] = deque(maxlen=8)
         self._reset()
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self._params)
@@ -174,6 +190,37 @@ class ChunkedGradReducer:
         """True while a chunk may not be launched because an a2a is open (priority on)."""
         return self._priority and self._open_a2a > 0
 
+    def set_profile(self, alpha_s: float, beta_bytes_per_s: float) -> None:
+        """The measured cost ``alpha + bytes / beta`` of one all-reduce on this group (the same
+        on every rank: agreed before), which :meth:`predict` starts from."""
+        if alpha_s < 0 or beta_bytes_per_s <= 0:
+            raise ValueError("ChunkedGradReducer.set_profile: need alpha >= 0 and beta > 0")
+        self._profile = (alpha_s, beta_bytes_per_s)
+
+    def predict(self, chunk: Chunk) -> float | None:
+        """Predicted seconds of ``chunk``'s all-reduce: the profile times the median ratio of
+        observed to profiled time of the last lone chunks (at least 1); None without a profile."""
+        base = self._profiled(chunk)
+        return None if base is None else self._scale() * base
+
+    def _profiled(self, chunk: Chunk) -> float | None:
+        if self._profile is None:
+            return None
+        alpha, beta = self._profile
+        return alpha + chunk.numel * chunk.dtype.itemsize / beta
+
+    def _scale(self) -> float:
+        ratios = sorted(self._ratios)
+        return max(1.0, ratios[len(ratios) // 2]) if ratios else 1.0
+
+    def _fits(self, chunk: Chunk) -> bool:
+        """Whether ``chunk`` may go now under the window (priority on): it must end before the
+        next a2a's expected start; without a prediction it waits."""
+        if not self._priority or self.window_until is None:
+            return True
+        predicted = self.predict(chunk)
+        return predicted is not None and time.perf_counter() + predicted <= self.window_until
+
     def _pump(self) -> None:
         """Reap finished chunks, then launch ready ones in order while the gate and window allow."""
         while self._inflight and self._inflight[0].work.is_completed():
@@ -183,6 +230,7 @@ class ChunkedGradReducer:
             and self._missing[self._next] == 0
             and not self.gated
             and (self._max_inflight is None or len(self._inflight) < self._max_inflight)
+            and self._fits(self.chunks[self._next])
         ):
             self._launch(self.chunks[self._next])
             self._next += 1
@@ -194,16 +242,27 @@ class ChunkedGradReducer:
             assert grad is not None, "a ready parameter has a gradient"
             parts.append(grad.detach().reshape(-1)[s.start : s.stop])
         flat = torch.cat(parts)  # a copy: the local gradient stays intact until the result lands
-        event = Event("chunk", chunk.index, time.perf_counter())
+        event = Event("chunk", chunk.index, time.perf_counter(), alone=not self._inflight)
+        if self._priority and self.window_until is not None:
+            event.deadline, event.predicted = self.window_until, self.predict(chunk)
         work = dist.all_reduce(flat, group=self._group, async_op=True)
         assert work is not None
+        try:  # the completion time, from the communication thread (a plain float store)
+            work.get_future().then(lambda _: _stamp(event))
+        except RuntimeError:  # a backend without futures: completion as observed
+            pass
         self.events.append(event)
         self.collectives.append(("all_reduce", chunk.index, chunk.numel))
         self._inflight.append(_InFlight(chunk, work, flat, event))
 
     def _finish(self, entry: _InFlight) -> None:
         entry.work.wait()
-        entry.event.t_done = time.perf_counter()
+        event = entry.event
+        if event.t_done is None:
+            event.t_done = time.perf_counter()
+        base = self._profiled(entry.chunk)
+        if event.alone and base is not None and base > 0:  # how far off the profile really is
+            self._ratios.append((event.t_done - event.t_launch) / base)
         flat = entry.flat
         if self._divisor is not None and self._divisor != 1:
             flat = flat / self._divisor
@@ -253,6 +312,13 @@ class ChunkedGradReducer:
 
     def flush(self) -> None:
         """Zero-fill missing gradients, launch every remaining chunk in order, wait for all."""
+        self.launch_rest()
+        self.wait_all()
+
+    def launch_rest(self) -> None:
+        """The first half of :meth:`flush`: zero-fill missing gradients and launch chunks in
+        order up to the window (no a2a is ahead: the gap window no longer applies), so that
+        several reducers' flushes can be on the wire together."""
         if self._open_a2a:
             raise RuntimeError("flush() inside an open a2a: close it first")
         for index, param in enumerate(self._params):
@@ -261,6 +327,11 @@ class ChunkedGradReducer:
                     # No tokens reached this parameter here; other ranks may have a gradient.
                     param.grad = torch.zeros_like(param)
                 self._mark_ready(index)
+        self.window_until = None
+        self._pump()
+
+    def wait_all(self) -> None:
+        """The second half of :meth:`flush`: launch what the window held, wait for every chunk."""
         while self._next < len(self.chunks):
             if self._max_inflight is not None and len(self._inflight) >= self._max_inflight:
                 self._finish(self._inflight.popleft())

@@ -7,6 +7,8 @@ The reducers then run on the step seam:
 - gradients of dense parameters are reduced over all data-parallel ranks, those of the experts
   a rank holds over the ranks holding the same experts (``moe_dp``), both averaged over all
   data-parallel ranks, in fixed chunks, on process groups of their own (never the a2a's);
+  each group's all-reduce cost is profiled once (moe/profile.py) to predict chunk times and,
+  with ``moe.chunk_efficiency``, to size the chunks;
 - the boosted optimizer's ``step`` first flushes both reducers, so every gradient is reduced
   before the update (and before clipping);
 - :class:`MoeStepLog`, a seam controller, starts each step's event log and, with a metrics
@@ -29,9 +31,11 @@ from colossal_hetero.config.schema import HeteroConfig
 from colossal_hetero.metrics.decisions import DecisionWriter
 from colossal_hetero.moe.block import HeteroEPMixtralSparseMoeBlock
 from colossal_hetero.moe.checks import check_moe_model
+from colossal_hetero.moe.chunks import chunk_bytes_for
 from colossal_hetero.moe.comm import MoeComm
 from colossal_hetero.moe.placement import Placement
 from colossal_hetero.moe.policy import HeteroMixtralForCausalLMPolicy
+from colossal_hetero.moe.profile import profile_groups
 from colossal_hetero.moe.scheduler import ChunkedGradReducer
 
 
@@ -49,7 +53,7 @@ def moe_policy(config: HeteroConfig, model: nn.Module, world_size: int) -> MoeSe
     any collective) and build the policy that installs our expert-parallel blocks."""
     placement = check_moe_model(config.parallel, config.moe, model.config, world_size)
     assert placement is not None  # ep > 1 here
-    comm = MoeComm(log=config.moe.log_events)
+    comm = MoeComm(log=config.moe.log_events, fit=config.moe.fit_gaps)
     policy = HeteroMixtralForCausalLMPolicy(comm, placement, packing=config.moe.packing)
     return MoeSetup(policy, comm, placement)
 
@@ -85,15 +89,24 @@ def install_reducers(
     expert_params = [p for p in params if id(p) in expert_ids]
     dense_group, expert_group = gradient_groups(dist.get_world_size(), config.parallel.ep)
     common: dict[str, Any] = {
-        "chunk_bytes": moe.chunk_bytes,
         "max_inflight": moe.max_inflight,
         "priority": moe.priority,
         "divisor": dp_size,
     }
-    reducers = {
-        "dense": ChunkedGradReducer(dense_params, dense_group, **common),
-        "expert": ChunkedGradReducer(expert_params, expert_group, **common),
-    }
+    profiles = profile_groups([dense_group, expert_group])  # collective, same on every rank
+    reducers = {}
+    for name, group, group_params, profile in zip(
+        ("dense", "expert"),
+        (dense_group, expert_group),
+        (dense_params, expert_params),
+        profiles,
+        strict=True,
+    ):
+        size = moe.chunk_bytes
+        if moe.chunk_efficiency > 0:
+            size = min(size, chunk_bytes_for(*profile, moe.chunk_efficiency))
+        reducers[name] = ChunkedGradReducer(group_params, group, chunk_bytes=size, **common)
+        reducers[name].set_profile(*profile)
     comm.attach(reducers)
     if optimizer is not None:
         optimizer.step = _flush_first(optimizer.step, comm.flush)

@@ -17,8 +17,11 @@ Checks per case, with priority on and off:
   at most ``max_inflight`` chunks are ever in flight;
 - both ranks issued the same gradient-group sequence, chunk 0..C-1 with the planned sizes.
 A direct gate check runs backward *inside* an open async a2a: with priority on every chunk
-waits for the gate to close; with priority off some launch inside. Groups get a 60 s timeout
-so a hang fails the test instead of stalling it.
+waits for the gate to close; with priority off some launch inside. A window check (gap
+fitting): with a profile predicting 50 ms per chunk, a window 5 ms ahead holds every chunk
+until the flush, a window 60 s ahead lets them go during backward, each with launch time plus
+prediction before the window's end; gradients stay exact. Groups get a 60 s timeout so a hang
+fails the test instead of stalling it.
 """
 
 from __future__ import annotations
@@ -152,12 +155,39 @@ def _gate_check(rank: int, group, a2a_group) -> None:
         reducer.remove()
 
 
+def _window_check(rank: int, group, a2a_group) -> None:
+    import time
+
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(rank + 3))
+    routing = torch.arange(T) % E  # every expert gets tokens: every chunk ready in backward
+    expected = _reference_grads(x, routing, group, a2a_group)
+    for ahead, launched_in_backward in ((0.005, False), (60.0, True)):
+        model = _ToyMoE()
+        params = list(model.parameters())
+        reducer = ChunkedGradReducer(params, group, CHUNK_BYTES, None, True, average=True)
+        reducer.set_profile(0.05, 1e9)  # 50 ms per chunk, whatever its size
+        loss = model(x, routing, a2a_group)  # no reducer gate: only the window acts
+        reducer.window_until = time.perf_counter() + ahead
+        loss.backward()
+        early = [e for e in reducer.events if e.kind == "chunk"]
+        assert (len(early) == len(reducer.chunks)) == launched_in_backward, (ahead, len(early))
+        assert launched_in_backward or not early
+        for e in early:
+            assert e.deadline is not None and e.predicted is not None
+            assert e.t_launch + e.predicted <= e.deadline
+        reducer.flush()
+        for p, ref in zip(model.parameters(), expected, strict=True):
+            assert torch.equal(p.grad, ref), ahead
+        reducer.remove()
+
+
 def _check(rank: int, world_size: int, device: torch.device) -> None:
     timeout = timedelta(seconds=60)
     group = dist.new_group([0, 1], timeout=timeout)
     a2a_group = dist.new_group([0, 1], timeout=timeout)
     _moe_cases(rank, group, a2a_group)
     _gate_check(rank, group, a2a_group)
+    _window_check(rank, group, a2a_group)
     with pytest.raises(ValueError, match="different process group"):
         ChunkedGradReducer(list(_ToyMoE().parameters()), group, 40).a2a(group).__enter__()
 
