@@ -145,6 +145,11 @@ class BalanceController:
         self._move_s = 0.0
         self._warm = False  # the next step is the first at these widths
         self._pending: tuple[int, float, float] | None = None  # move step, step before, gain
+        self._pending_in_layer = False  # whether the pending measurement is of in-layer ops
+        self.bridge_off: tuple[int, float] | None = None
+        """Under semi, (step, measured gain) of the in-layer plan whose next window measured a
+        clear loss (the step slower by over 10%): semi then removes the ops and attaches none
+        for the rest of the run, re-planning alone (its cost model had under-priced them)."""
         self._attached_at = 0  # the step the in-layer plan attached now was last measured raw
         self.fixed_fraction = settings.fixed_fraction
         """The work model's fixed fraction: the config's, then refined from each move's
@@ -273,6 +278,9 @@ class BalanceController:
             action = picks.get(rank, current.get(rank))
             if action is not None:
                 actions[rank] = action
+        if self.bridge_off is not None:  # the ops measured a loss here: no bridge, ops off
+            extra["bridge_off"] = {"step": self.bridge_off[0], "measured": self.bridge_off[1]}
+            actions = {}
         decision, gain, act = self._in_layer(step, view, actions)
         return {**decision, **extra, "executed": decision["action"]}, gain, act
 
@@ -325,6 +333,7 @@ class BalanceController:
             self.actuator.ops.apply(plan)
             self._restart_window()
             self._pending = (step, agreed.step_time, gain)
+            self._pending_in_layer = not plan.empty
 
         return attach
 
@@ -399,6 +408,7 @@ class BalanceController:
         self.detector.reset(step)  # shares changed: per-unit times start afresh
         self._restart_window()
         self._pending = (step, agreed.step_time, decision.predicted_gain)
+        self._pending_in_layer = False
 
     def _refine_fixed_fraction(self, agreed: Agreed, shares: tuple[float, ...]) -> None:
         """At the first complete agreement after a move, re-estimate the fixed fraction from
@@ -431,6 +441,10 @@ class BalanceController:
                 "measured_gain": before - agreed.step_time,
             }
         )
+        # A clear loss (10% of the step; the window before can hold a few pre-change steps).
+        loss = agreed.step_time - before > 0.1 * before
+        if self._pending_in_layer and loss and self.bridge_off is None:
+            self.bridge_off = (step, before - agreed.step_time)
 
     def _semi_inputs(self, agreed: Agreed, widths: Widths, times: tuple[float, ...]) -> SemiInputs:
         positions = agreed.positions

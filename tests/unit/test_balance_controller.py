@@ -248,3 +248,29 @@ def test_semi_executes_its_pick(monkeypatch):
     assert [r["step"] for r in replans] == [11]
     assert cheap.ops.clears == 1
     assert [step for step, _ in _in_layer(controller) if step > 11] == [14]
+
+
+class _CostlyOps(_Cluster):
+    """In-layer ops that cost every rank 5 ms per step (as migration's messages can on CPU)."""
+
+    def times(self, step: int) -> list[float]:
+        extra = 5e-3 if self.ops.plan.offloads else 0.0
+        return [t + extra for t in super().times(step)]
+
+
+def test_semi_stops_bridging_after_ops_measured_a_loss(monkeypatch):
+    """SEMI attaches its in-layer pick (a re-plan does not pay at this move cost); the next
+    window's step is slower by far more than 10%, so the controller records the loss, takes
+    the ops off and attaches none again; without the cost the ops stay on."""
+    cluster = _CostlyOps()
+    controller = _controller(cluster, "semi", monkeypatch, move_cost_s=1e6)
+    _drive(controller, cluster, 30)
+    attached = [p for p in cluster.ops.applied if p.offloads]
+    assert len(attached) == 1 and cluster.ops.plan.empty
+    assert controller.bridge_off is not None and controller.bridge_off[1] < 0
+    later = [r for r in controller.log.records if r["step"] > controller.bridge_off[0]]
+    assert later and all("bridge_off" in r["decision"] for r in later if "semi" in r["decision"])
+    fine = _Cluster()
+    controller = _controller(fine, "semi", monkeypatch, move_cost_s=1e6)
+    _drive(controller, fine, 30)
+    assert controller.bridge_off is None and not fine.ops.plan.empty
