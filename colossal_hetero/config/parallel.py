@@ -43,7 +43,8 @@ class ParallelConfig:
     """Parameter and compute precision."""
 
     num_microbatches: int = 1
-    """Micro-batches per step and data-parallel rank (used when pp > 1)."""
+    """Micro-batches per step and data-parallel rank (used when pp > 1); 0: planned, the count
+    with the least simulated step time (``colossal-hetero plan`` shows it)."""
 
     max_norm: float = 0.0
     """Gradient clipping norm; 0 disables clipping."""
@@ -65,7 +66,8 @@ class ParallelConfig:
     backwards; ada_kfkb, kfkb with k retuned every pp_retune_every steps (docs/pipeline.md)."""
 
     pp_k: int = 1
-    """kfkb's group size, and ada_kfkb's first k (1 <= pp_k <= num_microbatches)."""
+    """kfkb's group size, and ada_kfkb's first k (1 <= pp_k <= num_microbatches); 0: planned
+    with the micro-batch count."""
 
     pp_retune_every: int = 10
     """ada_kfkb: steps between retunings of k."""
@@ -74,9 +76,17 @@ class ParallelConfig:
     """ada_kfkb: MiB each rank may spend on in-flight activations; null: no limit."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "ep", "num_microbatches", "pp_k", "pp_retune_every"):
+        for name in ("tp", "pp", "ep", "pp_retune_every"):
             value = getattr(self, name)
             _require(value >= 1, f"{name}", f"must be >= 1, got {value}")
+        for name in ("num_microbatches", "pp_k"):  # 0: the stage planner chooses it
+            value = getattr(self, name)
+            _require(value >= 0, f"{name}", f"must be >= 1, or 0 to plan it, got {value}")
+        _require(
+            self.num_microbatches > 0 or (not self.batch_shares and self.batch_split == "even"),
+            "num_microbatches",
+            "0 (planned) needs batch_split even and no batch_shares (one batch per pipeline)",
+        )
         _require(self.dp >= 0, "dp", f"must be >= 0 (0 = derive), got {self.dp}")
         _require(
             self.zero_stage == 0 or self.precision != "fp32",

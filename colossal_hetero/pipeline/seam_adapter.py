@@ -72,8 +72,8 @@ def install_schedule(engine: Any, config: HeteroConfig, rank: int) -> AdaKSeamCo
     parallel = config.parallel
     if parallel.pp_schedule == "1f1b":
         return None
-    schedule = KFKBSchedule(
-        engine.stage_manager, num_microbatches=parallel.num_microbatches, k=parallel.pp_k
+    schedule = KFKBSchedule(  # planned m and k (0) are set at configure (plugin/planning.py)
+        engine.stage_manager, num_microbatches=parallel.num_microbatches, k=parallel.pp_k or 1
     )
     engine.scheduler = schedule
     if parallel.pp_schedule != "ada_kfkb":

@@ -36,7 +36,7 @@ def check_pipeline_config(config: HeteroConfig) -> None:
             f"parallel.pp_schedule: {schedule} needs pipeline parallelism (parallel.pp > 1), "
             "got pp = 1"
         )
-    if parallel.pp_k > parallel.num_microbatches:
+    if parallel.pp_k > parallel.num_microbatches > 0:  # a planned count (0) keeps m >= pp_k
         raise ConfigError(
             f"parallel.pp_k: {parallel.pp_k} is larger than parallel.num_microbatches "
             f"({parallel.num_microbatches})"

@@ -26,7 +26,8 @@ def batch_shares(
     a group has the same size). Raises ConfigError naming the field when impossible.
     """
     parallel = config.parallel
-    granularity = parallel.num_microbatches if parallel.pp > 1 else 1
+    # 0 micro-batches: planned per even share (config/parallel.py refuses uneven shares)
+    granularity = (parallel.num_microbatches or 1) if parallel.pp > 1 else 1
     if parallel.batch_shares:
         shares = list(parallel.batch_shares)
         _check(shares, dp_size, global_batch_size, granularity, "parallel.batch_shares")

@@ -80,21 +80,45 @@ def wants_stage_plan(config: HeteroConfig) -> bool:
     return auto and parallel.pp > 1 and not parallel.num_layers_per_stage
 
 
+def wants_planned_schedule(config: HeteroConfig) -> bool:
+    """Whether the planner chooses the micro-batch count or ``k`` (pp > 1 and
+    ``parallel.num_microbatches: 0``, or ``parallel.pp_k: 0`` under kfkb / ada_kfkb)."""
+    parallel = config.parallel
+    planned_k = parallel.pp_schedule != "1f1b" and parallel.pp_k == 0
+    return parallel.pp > 1 and (parallel.num_microbatches == 0 or planned_k)
+
+
 def stage_plan_for(config: HeteroConfig, spec: ModelSpec, world_size: int) -> StagePlan:
     """The pipeline stages for ``spec`` (its ``batch_size`` is the global batch) on the
-    config's devices (``plan`` settings as for the tensor-parallel planner).
+    config's devices (``plan`` settings as for the tensor-parallel planner). What the config
+    fixes stays: the split unless ``wants_stage_plan`` (else the configured or Colossal-AI's
+    even one), a micro-batch count or ``pp_k`` other than 0, ``k = 1`` under 1f1b.
 
     Raises:
         ConfigError: the blocks or their activations do not fit the stages' memory.
     """
     from colossal_hetero.planner.spec import ClusterSpec
-    from colossal_hetero.planner.stage_plan import plan_stages
+    from colossal_hetero.planner.stage_plan import block_costs, even_split, plan_stages
 
     parallel = config.parallel
     cluster = ClusterSpec.from_config(config.cluster, world_size, **_device_model(config.plan))
     dp = world_size // (parallel.tp * parallel.pp)
+    split: list[int] = []
+    k = 1 if parallel.pp_schedule == "1f1b" else parallel.pp_k
     try:
-        return plan_stages(spec, cluster, parallel.pp, parallel.tp, spec.batch_size // dp)
+        if not wants_stage_plan(config):
+            split = list(parallel.num_layers_per_stage)
+            split = split or even_split(block_costs(spec).num_blocks, parallel.pp)
+        return plan_stages(
+            spec,
+            cluster,
+            parallel.pp,
+            parallel.tp,
+            spec.batch_size // dp,
+            layers_per_stage=split,
+            num_microbatches=parallel.num_microbatches,
+            k=k,
+        )
     except ValueError as error:
         raise ConfigError(f"plan: infeasible pipeline stages: {error}") from None
 

@@ -122,6 +122,8 @@ class StagePlan:
     """Colossal-AI's even split of the same blocks."""
     even_step_s: float
     """Predicted seconds per step of the even split with 1F1B and the same micro-batches."""
+    configured: tuple[str, ...] = ()
+    """Which of ``layers``, ``microbatches``, ``k`` the config fixed (the rest are planned)."""
 
 
 def _costs(
@@ -158,6 +160,9 @@ def plan_stages(
     pipeline_batch: int,
     *,
     balance_ends: bool = True,
+    layers_per_stage: Sequence[int] = (),
+    num_microbatches: int = 0,
+    k: int = 0,
 ) -> StagePlan:
     """Layers per stage, micro-batches and ``k`` for ``pp`` stages of ``tp`` devices each (any
     data-parallel replicas: ``cluster`` lists ``pp * tp * dp`` devices in Colossal-AI's dp-outer
@@ -169,6 +174,9 @@ def plan_stages(
     even split does: equal devices then get exactly that split. The predicted times count the
     ends either way.
 
+    ``layers_per_stage`` / ``num_microbatches`` / ``k``: keep these as given (a configured
+    split, count or group size; ``k = 1`` for 1F1B) and plan only the rest; empty / 0: plan.
+
     Raises ValueError when the blocks or their activations cannot fit the stages' memory.
     """
     costs = block_costs(spec)
@@ -179,19 +187,13 @@ def plan_stages(
     room[0] -= costs.head_state_bytes
     room[-1] -= costs.tail_state_bytes
     link = boundary_bandwidths(cluster.bandwidths, pp, tp, dp)
-    extra = [0.0] * pp
-    if balance_ends:
-        extra[0] += costs.head_flops / flops[0]
-        extra[-1] += costs.tail_flops / flops[-1]
-    layers = split_layers(
-        costs.num_blocks,
-        flops,
-        layer_seconds=costs.block_flops,
-        extra_seconds=extra,
-        memory_bytes=room,
-        layer_bytes=costs.block_state_bytes,
+    layers = list(layers_per_stage) or _split(costs, flops, room, balance_ends)
+    choice = choose_microbatches(
+        _costs(costs, layers, flops, room, link),
+        pipeline_batch,
+        num_microbatches=num_microbatches,
+        k=k,
     )
-    choice = choose_microbatches(_costs(costs, layers, flops, room, link), pipeline_batch)
     even = even_split(costs.num_blocks, pp)
     m = choice.num_microbatches
     even_costs = _costs(costs, even, flops, room, link)
@@ -203,6 +205,29 @@ def plan_stages(
         step_s=choice.decision.predicted_step_s,
         even_layers=tuple(even),
         even_step_s=_one_f_one_b_step(even_costs, pipeline_batch, m),
+        configured=_configured(layers_per_stage, num_microbatches, k),
+    )
+
+
+def _configured(layers: Sequence[int], m: int, k: int) -> tuple[str, ...]:
+    pairs = (("layers", bool(layers)), ("microbatches", m > 0), ("k", k > 0))
+    return tuple(name for name, fixed in pairs if fixed)
+
+
+def _split(costs: BlockCosts, flops: list[float], room: list[float], ends: bool) -> list[int]:
+    """``split_layers`` of the blocks over stages of ``flops`` with ``room`` bytes for states
+    (``ends``: count the embeddings' and head's time on the first and last stage)."""
+    extra = [0.0] * len(flops)
+    if ends:
+        extra[0] += costs.head_flops / flops[0]
+        extra[-1] += costs.tail_flops / flops[-1]
+    return split_layers(
+        costs.num_blocks,
+        flops,
+        layer_seconds=costs.block_flops,
+        extra_seconds=extra,
+        memory_bytes=room,
+        layer_bytes=costs.block_state_bytes,
     )
 
 
@@ -231,14 +256,18 @@ def _one_f_one_b_step(costs: PipelineCosts, pipeline_batch: int, m: int) -> floa
 def format_stage_plan(plan: StagePlan) -> str:
     """A few lines for ``colossal-hetero plan``."""
     speeds = ", ".join(f"{f / 1e12:.3g}" for f in plan.stage_flops)
+
+    def how(name: str) -> str:
+        return "   (configured)" if name in plan.configured else ""
+
     return "\n".join(
         [
             "pipeline stages (planned):",
             f"  stage TFLOP/s         {speeds}",
             f"  layers per stage      {list(plan.layers_per_stage)}"
-            f"   (even: {list(plan.even_layers)})",
-            f"  micro-batches         {plan.num_microbatches}",
-            f"  kFkB group size k     {plan.k}",
+            f"   (even: {list(plan.even_layers)}){how('layers')}",
+            f"  micro-batches         {plan.num_microbatches}{how('microbatches')}",
+            f"  kFkB group size k     {plan.k}{how('k')}",
             f"  predicted step        {plan.step_s * 1e3:.3g} ms"
             f"   (even split, 1F1B: {plan.even_step_s * 1e3:.3g} ms,"
             f" {plan.even_step_s / plan.step_s:.2f}x)",

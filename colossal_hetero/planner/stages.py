@@ -148,21 +148,30 @@ class MicrobatchChoice:
     step_s_by_microbatches: dict[int, float] = field(repr=False)
 
 
-def choose_microbatches(costs: PipelineCosts, global_batch_size: int) -> MicrobatchChoice:
+def choose_microbatches(
+    costs: PipelineCosts, global_batch_size: int, *, num_microbatches: int = 0, k: int = 0
+) -> MicrobatchChoice:
     """Micro-batch count ``m`` (a divisor of the batch, ``m >= p`` as Colossal-AI's 1F1B requires)
     and ``k`` with the least simulated step time whose activations fit; ties to the smaller ``m``.
+
+    ``num_microbatches`` / ``k``: fixed values (the config's), 0 to choose them. A fixed ``k``
+    limits ``m`` to ``m >= k``; ``k = 1`` is 1F1B's step.
     """
     p = len(costs.forward_s_per_sample)
-    candidates = [m for m in range(p, global_batch_size + 1) if global_batch_size % m == 0]
+    if num_microbatches:
+        candidates = [num_microbatches]
+    else:
+        low = max(p, k)
+        candidates = [m for m in range(low, global_batch_size + 1) if global_batch_size % m == 0]
     decisions: dict[int, KDecision] = {}
     for m in candidates:
         prof = costs.profile(global_batch_size // m)
-        if fits_memory(prof, m, 1):  # 1F1B holds the fewest micro-batches of any k
-            decisions[m] = choose_k(prof, m)
+        if fits_memory(prof, m, k or 1):  # 1F1B holds the fewest micro-batches of any k
+            decisions[m] = choose_k(prof, m, candidates=[k] if k else None)
     if not decisions:
         raise ValueError(
             f"data.global_batch_size: no micro-batch count of {global_batch_size} samples "
-            f"(>= {p} micro-batches) fits the stage memory budgets"
+            f"(>= {max(p, k)} micro-batches) fits the stage memory budgets"
         )
     times = {m: d.predicted_step_s for m, d in decisions.items()}
     best = min(times.values())

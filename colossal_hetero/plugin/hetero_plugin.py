@@ -215,8 +215,15 @@ class HeteroParallelPlugin(PipelinePluginBase):
         keep_gpt2_causal(model)
         check_stage_split(self.config.parallel, model.config.num_hidden_layers)  # no collective
         # pp > 1 on unequal devices: layers per stage follow the stages' speed and memory
-        self.stage_plan = plan_stages_at_configure(
-            self.config, model, self.world_size, self.workload, self.stage_manager, self.rank
+        self.stage_plan = plan_stages_at_configure(  # and the planned m and k (config 0)
+            self.config,
+            model,
+            self.world_size,
+            self.workload,
+            self.stage_manager,
+            self.rank,
+            scheduler=getattr(self.engine, "scheduler", None),
+            dataloader=dataloader,
         )
         two_d = self.config.parallel.tp_mode == "2d"
         if self.plan is None and not two_d:  # measures the devices unless reference_tflops

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from colossal_hetero.config.loader import ConfigError
 from colossal_hetero.config.schema import HeteroConfig
 from colossal_hetero.planner.plan import Plan, dump_plan, format_plan_summary, with_widths
 from colossal_hetero.planner.resolve import (
@@ -19,6 +20,7 @@ from colossal_hetero.planner.resolve import (
     plan_for_model,
     stage_plan_for_model,
     wants_plan,
+    wants_planned_schedule,
     wants_stage_plan,
 )
 from colossal_hetero.planner.stage_plan import StagePlan, format_stage_plan
@@ -58,16 +60,36 @@ def plan_stages_at_configure(
     workload: tuple[int, int] | None,
     stage_manager: Any,
     rank: int,
+    scheduler: Any = None,
+    dataloader: Any = None,
 ) -> StagePlan | None:
     """Plan the pipeline stages for ``model`` and set them on Colossal-AI's ``stage_manager``
     (its ``num_layers_per_stage``, which the shardformer policy reads when it shards), or None
-    when the config keeps the stages as they are (``wants_stage_plan``). Rank 0 prints the
-    plan. Pure planning, no collective: every rank computes the same split. Call before the
-    engine shards the model."""
-    if not wants_stage_plan(config):
+    when the config keeps the stages as they are (``wants_stage_plan``) and fixes the
+    micro-batch count and ``k``. A planned count (``parallel.num_microbatches: 0``) and ``k``
+    (``parallel.pp_k: 0``) are set on ``scheduler`` (Colossal-AI's 1F1B or ``KFKBSchedule``);
+    the count needs the batch size: ``workload`` or ``dataloader`` (``workload_of``). Rank 0
+    prints the plan. Pure planning, no collective: every rank computes the same plan. Call
+    before the engine shards the model and before the first step.
+    """
+    if not (wants_stage_plan(config) or wants_planned_schedule(config)):
         return None
+    parallel = config.parallel
+    dp = world_size // (parallel.tp * parallel.pp)
+    if workload is None and dataloader is not None:
+        workload = workload_of(dataloader, dp)
+    if workload is None and parallel.num_microbatches == 0:
+        raise ConfigError(
+            "parallel.num_microbatches: 0 (planned) needs the batch size: pass workload= to "
+            "the plugin or a dataloader to boost, or set the count"
+        )
     plan = stage_plan_for_model(config, model, world_size, workload)
-    stage_manager.num_layers_per_stage = list(plan.layers_per_stage)
+    if wants_stage_plan(config):
+        stage_manager.num_layers_per_stage = list(plan.layers_per_stage)
+    if scheduler is not None and parallel.num_microbatches == 0:
+        scheduler.num_microbatches = plan.num_microbatches
+    if scheduler is not None and parallel.pp_k == 0 and hasattr(scheduler, "set_k"):
+        scheduler.set_k(plan.k)  # KFKBSchedule (kfkb, ada_kfkb's first k)
     if rank == 0:
         print(format_stage_plan(plan))
     return plan

@@ -154,7 +154,8 @@ def _validate_even_split(config: RunConfig, dp: int) -> None:
             f"data.global_batch_size: {samples_per_rank} samples per data-parallel group do not "
             f"split evenly over the {side} mesh rows of parallel.tp_mode 2d"
         )
-    if parallel.pp > 1 and samples_per_rank % parallel.num_microbatches != 0:
+    planned_m = parallel.num_microbatches == 0  # the stage planner picks a divisor
+    if parallel.pp > 1 and not planned_m and samples_per_rank % parallel.num_microbatches:
         raise ConfigError(
             f"parallel.num_microbatches: {parallel.num_microbatches} does not divide the "
             f"{samples_per_rank} samples per data-parallel rank"

@@ -8,6 +8,8 @@ bit, as a run given that split explicitly (``parallel.num_layers_per_stage``, no
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from colossalai.booster import Booster
@@ -41,7 +43,9 @@ def _train(config: HeteroConfig):
                 losses.append(result["loss"].clone())
         names = model.unwrap().named_parameters()
         blocks = {n.split(".")[2] for n, _ in names if n.startswith("transformer.h.")}
-        return plugin.stage_plan, losses, blocks
+        schedule = plugin.engine.scheduler
+        ran = (schedule.num_microbatches, getattr(schedule, "k", 1))
+        return plugin.stage_plan, losses, blocks, ran
     finally:
         plugin.close()
 
@@ -53,7 +57,7 @@ def _run(rank, world_size, device):
         cluster=ClusterConfig(devices=devices),
         plan=PlanConfig(mode="auto", reference_tflops=1.0),
     )
-    plan, losses, blocks = _train(planned)
+    plan, losses, blocks, _ = _train(planned)
     assert plan is not None
     split = list(plan.layers_per_stage)
     assert sum(split) == 4 and split[0] > split[1] >= 1, split  # the fast stage holds more
@@ -63,10 +67,23 @@ def _run(rank, world_size, device):
         parallel=ParallelConfig(pp=2, num_microbatches=M, num_layers_per_stage=split),
         plan=PlanConfig(mode="even"),
     )
-    none, want, _ = _train(explicit)
+    none, want, _, _ = _train(explicit)
     assert none is None
     assert len(losses) == (2 if rank == 1 else 0)
     assert all(torch.isfinite(x) for x in losses)
+    assert all(map(torch.equal, losses, want)), (losses, want)
+    # Planned micro-batch count and k (config 0): the schedule runs the plan's m and k, and
+    # trains as 1F1B with that count given explicitly (kFkB's losses equal 1F1B's for any k).
+    auto = HeteroConfig(
+        parallel=ParallelConfig(pp=2, num_microbatches=0, pp_schedule="kfkb", pp_k=0),
+        cluster=ClusterConfig(devices=devices),
+        plan=PlanConfig(mode="auto", reference_tflops=1.0),
+    )
+    plan, losses, _, ran = _train(auto)
+    assert ran == (plan.num_microbatches, plan.k) and 2 * M % plan.num_microbatches == 0, ran
+    fixed = replace(planned.parallel, num_microbatches=plan.num_microbatches)
+    _, want, _, _ = _train(replace(planned, parallel=fixed))
+    assert len(losses) == (2 if rank == 1 else 0)
     assert all(map(torch.equal, losses, want)), (losses, want)
 
 

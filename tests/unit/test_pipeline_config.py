@@ -52,7 +52,7 @@ def test_layout_errors_name_the_field(parallel, cluster, message):
 @pytest.mark.parametrize(
     ("parallel", "message"),
     [
-        ({"pp_k": 0}, r"^parallel\.pp_k: must be >= 1, got 0"),
+        ({"pp_k": -1}, r"^parallel\.pp_k: must be >= 1, or 0 to plan it, got -1"),
         ({"pp_retune_every": 0}, r"^parallel\.pp_retune_every: must be >= 1, got 0"),
         ({"pp_memory_budget_mib": 0}, r"^parallel\.pp_memory_budget_mib: must be > 0, got 0"),
         ({"pp_schedule": "gpipe"}, r"^parallel\.pp_schedule: "),

@@ -139,3 +139,41 @@ def test_plan_command_shows_the_stages(tmp_path, capsys):
     assert main(["plan", str(path)]) == 0
     out = capsys.readouterr().out
     assert "layers per stage" in out and "micro-batches" in out and "kFkB group size k" in out
+
+
+def test_planned_microbatches_and_k_for_configs():
+    """``num_microbatches: 0`` / ``pp_k: 0`` are planned, other values kept as configured."""
+    devices = [DeviceSpec(speed=1.0), DeviceSpec(speed=0.5)]
+    cluster = ClusterConfig(devices=devices)
+
+    def plan_for(**parallel):
+        config = HeteroConfig(parallel=ParallelConfig(pp=2, **parallel), cluster=cluster)
+        return stage_plan_for(config, _spec(6, batch=16), 2)
+
+    both = plan_for(num_microbatches=0, pp_schedule="kfkb", pp_k=0)
+    assert 16 % both.num_microbatches == 0 and 2 <= both.num_microbatches <= 16
+    assert 1 <= both.k <= both.num_microbatches and both.configured == ()
+    # The planned pair is the simulated optimum over every divisor and k (brute force).
+    costs = block_costs(_spec(6, batch=16))
+    assert costs.num_blocks == 6
+    for m in (2, 4, 8, 16):
+        fixed = plan_for(num_microbatches=m, pp_schedule="kfkb", pp_k=0)
+        assert fixed.num_microbatches == m and fixed.configured == ("microbatches",)
+        assert both.step_s <= fixed.step_s * (1 + 1e-9)
+    kept = plan_for(num_microbatches=4, pp_schedule="kfkb", pp_k=3)
+    assert (kept.num_microbatches, kept.k) == (4, 3)
+    assert kept.configured == ("microbatches", "k")
+    # A fixed k bounds the count from below; 1f1b plans m for k = 1.
+    assert plan_for(num_microbatches=0, pp_schedule="kfkb", pp_k=8).num_microbatches >= 8
+    assert plan_for(num_microbatches=0).k == 1
+    # With an explicit split only m and k are planned; the split stays.
+    split = plan_for(num_microbatches=0, num_layers_per_stage=[2, 4])
+    assert split.layers_per_stage == (2, 4) and "layers" in split.configured
+    assert "(configured)" in format_stage_plan(split)
+    # Bad values: one error naming the field (the loader prefixes the section).
+    with pytest.raises(ValueError, match="^num_microbatches: must be >= 1, or 0"):
+        ParallelConfig(pp=2, num_microbatches=-1)
+    with pytest.raises(ValueError, match="^pp_k: must be >= 1, or 0"):
+        ParallelConfig(pp=2, pp_k=-2)
+    with pytest.raises(ValueError, match="^num_microbatches: 0 .planned. needs batch_split"):
+        ParallelConfig(pp=2, num_microbatches=0, batch_split="speed")
