@@ -39,9 +39,9 @@ from colossal_hetero.config.schema import (
 )
 
 BALANCER_KNOBS: dict[str, Any] = {
-    "every": 2,
-    "window": 4,
-    "smoothing": 0.8,
+    "every": 1,
+    "window": 3,
+    "smoothing": 0.9,
     "threshold": 0.3,
     "release": 0.1,
     "stable_tolerance": 0.25,
@@ -49,9 +49,13 @@ BALANCER_KNOBS: dict[str, Any] = {
     "horizon_steps": 100,
     "move_cost_s": 0.2,
 }
-"""The benchmark's balancer settings (``fixed_fraction`` is measured per model): an agreement
-every 2 steps over the last 4, and thresholds wide enough for a loaded 2-core host, where 4
-ranks share 2 cores with other jobs and a rank's compute time jitters by tens of percent."""
+"""The benchmark's balancer settings (``fixed_fraction`` is the calibration's first guess,
+refined by the controller from each move): an agreement every step over the median of the
+last 3 (a change shows in 2 steps, a re-plan follows 2 steps later, inside a 10-step phase),
+and thresholds wide enough for a loaded 2-core host, where 4 ranks share 2 cores with other
+jobs and a rank's compute time jitters by tens of percent; the median and the hysteresis
+(flag above 1.3x, release below 1.1x, move only when the speeds left the plan's by 25%)
+keep that jitter from moving the widths."""
 
 
 @dataclass(frozen=True)
