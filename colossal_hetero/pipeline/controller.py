@@ -19,6 +19,7 @@ configured per-message latency on top (0 in the plugin: the measurement includes
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import replace
 from typing import Any
 
@@ -27,7 +28,7 @@ import torch.distributed as dist
 
 from colossal_hetero.pipeline.profile import profile_from_records, record_from_vector, vector_width
 from colossal_hetero.pipeline.schedule import KFKBSchedule
-from colossal_hetero.pipeline.tuner import PipelineProfile, choose_k
+from colossal_hetero.pipeline.tuner import PipelineProfile, choose_k_over_window
 
 
 class AdaKController:
@@ -53,9 +54,13 @@ class AdaKController:
         period: int = 10,
         group: dist.ProcessGroup | None = None,
         min_gain: float = 0.01,
+        window: int = 1,
     ) -> None:
         if period < 1:
             raise ValueError(f"period: retune every >= 1 steps, got {period}")
+        if window < 1:
+            raise ValueError(f"window: retune over >= 1 steps, got {window}")
+        self._profiles: deque[PipelineProfile] = deque(maxlen=window)
         self.schedule, self.stage_of_rank, self.period = schedule, stage_of_rank, period
         self.memory_budget_bytes = memory_budget_bytes
         self.latency_s, self.group, self.min_gain = latency_s, group, min_gain
@@ -83,7 +88,8 @@ class AdaKController:
         dist.all_gather(rows, mine, group=self.group)
         num_stages = self.schedule.stage_manager.num_stages
         profile = agreed_profile([r.tolist() for r in rows], self.stage_of_rank, num_stages, m)
-        decision = choose_k(profile, m, rel_tol=self.min_gain)
+        self._profiles.append(profile)  # identical on every rank: so is the window
+        decision = choose_k_over_window(list(self._profiles), m, min_gain=self.min_gain)
         previous = self.schedule.k
         self.schedule.set_k(decision.k)
         before = decision.step_s_by_k.get(previous)  # None: the old k no longer fits memory
@@ -99,6 +105,7 @@ class AdaKController:
                 "memory_budget_bytes": profile.memory_budget_bytes,
             },
             "decision": {"k": decision.k, "previous_k": previous},
+            "window": len(self._profiles),
             "predicted_gain": None if before is None else before / decision.predicted_step_s - 1,
         }
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import pickle
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,56 +115,55 @@ class Outbox:
 
 
 class Inbox:
-    """Receives ``count`` objects from ``src`` (global rank) on ``group``, one receive ahead.
+    """Receives ``count`` objects from ``src`` (global rank) on ``group``, receives posted early.
 
-    As soon as one message has been taken, the receive for the next is posted, so its transfer
-    overlaps whatever the stage computes meanwhile. Received tensors are fresh buffers with the
-    sender's ``requires_grad`` (the schedule's backward reads their ``.grad``).
+    gloo moves a message's data only once its receive is posted (the sender waits for the
+    receiver's "ready"), so a receive posted late idles the link while the receiver computes.
+    The step's first message carries the metadata (shapes); as soon as it has been read, the
+    receives of **every** remaining message of the step are posted at once, so a burst of ``k``
+    sends flows back to back while this stage is busy. The buffers cost ``count`` messages of
+    memory (one activation or gradient tensor each, small next to the activations a
+    micro-batch saves). Messages that carry non-tensor objects each need their own header;
+    then the next receive is posted when the previous message has been taken. Received tensors
+    are fresh buffers with the sender's ``requires_grad`` (the schedule's backward reads their
+    ``.grad``).
     """
 
     def __init__(self, src: int, group: dist.ProcessGroup, device: torch.device) -> None:
         self.src, self.group, self.device = src, group, device
-        self._count = self._taken = 0
+        self._count = self._taken = self._posted = 0
         self._metadata: P2PMetadata | None = None
         self._header: tuple[dist.Work, torch.Tensor] | None = None
-        self._tensors: tuple[list[dist.Work], list[torch.Tensor]] | None = None
+        self._queue: deque[_Posted] = deque()
         self.log = LinkLog()
         """This step's traffic (:meth:`take_log` hands it over and starts a fresh one)."""
-        self._posted_at = 0.0
 
     def start(self, count: int) -> None:
         """Begin a step that will receive ``count`` messages: post the first receive now."""
-        assert self._header is None and self._tensors is None, "previous step left receives"
-        self._count, self._taken, self._metadata = count, 0, None
-        self._post_next()
+        assert self._header is None and not self._queue, "previous step left receives"
+        self._count, self._taken, self._posted, self._metadata = count, 0, 0, None
+        self._post_header()
 
     def get(self) -> Any:
         """The next object, waiting only for what has not landed yet."""
         assert self._taken < self._count, "more receives than the step announced"
         start = time.perf_counter()
         if self._header is not None:
-            work, header = self._header
-            work.wait()
-            payload = torch.empty(int(header[0]), dtype=torch.uint8, device=self.device)
-            dist.irecv(payload, src=self.src, group=self.group).wait()  # type: ignore[union-attr]
-            self._metadata = pickle.loads(payload.cpu().numpy().tobytes())
-            self._header = None
-            self.log.nbytes += _nbytes(header) + _nbytes(payload)
-            self._post_tensors()
-        assert self._tensors is not None and self._metadata is not None
-        works, buffers = self._tensors
-        for work in works:
+            self._read_metadata()
+        assert self._queue and self._metadata is not None
+        posted = self._queue.popleft()
+        for work in posted.works:
             work.wait()
         waited = time.perf_counter() - start
         self.log.wait_s += waited
-        self.log.nbytes += sum(_nbytes(b) for b in buffers)
+        self.log.nbytes += sum(_nbytes(b) for b in posted.buffers)
         self.log.times.append(time.time() if waited > BLOCKED_S else NOT_BLOCKED)
-        self.log.posted.append(self._posted_at)
+        self.log.posted.append(posted.at)
         meta = self._metadata
-        self._tensors = None
         self._taken += 1
-        self._post_next()
-        leaves: list[Any] = list(buffers)
+        if meta.non_tensor_obj_idx and self._posted < self._count:
+            self._post_header()  # objects may change the metadata: one message at a time
+        leaves: list[Any] = list(posted.buffers)
         for idx, obj in zip(meta.non_tensor_obj_idx, meta.non_tensor_objs, strict=True):
             leaves.insert(idx, obj)
         return tree_unflatten(leaves, meta.tree_spec)
@@ -173,23 +173,43 @@ class Inbox:
         log, self.log = self.log, LinkLog()
         return log
 
-    def _post_next(self) -> None:
-        if self._taken == self._count:
-            return
-        if self._metadata is None or self._metadata.non_tensor_obj_idx:
-            header = torch.zeros(1, dtype=torch.int64, device=self.device)
-            work = dist.irecv(header, src=self.src, group=self.group)
-            assert work is not None
-            self._header = (work, header)
-        else:
+    def _post_header(self) -> None:
+        header = torch.zeros(1, dtype=torch.int64, device=self.device)
+        work = dist.irecv(header, src=self.src, group=self.group)
+        assert work is not None
+        self._header = (work, header)
+
+    def _read_metadata(self) -> None:
+        """Wait for the posted header, read the metadata, post the tensors' receives."""
+        assert self._header is not None
+        work, header = self._header
+        work.wait()
+        payload = torch.empty(int(header[0]), dtype=torch.uint8, device=self.device)
+        dist.irecv(payload, src=self.src, group=self.group).wait()  # type: ignore[union-attr]
+        self._metadata = pickle.loads(payload.cpu().numpy().tobytes())
+        self._header = None
+        self.log.nbytes += _nbytes(header) + _nbytes(payload)
+        # Tensor-only messages share the first one's metadata: post all of them now.
+        last = self._posted + 1 if self._metadata.non_tensor_obj_idx else self._count
+        while self._posted < last:
             self._post_tensors()
 
     def _post_tensors(self) -> None:
+        """Post the receives of the next message's tensors (FIFO per link pairs them up)."""
         assert self._metadata is not None
         buffers = [
             torch.empty(m.shape, dtype=m.dtype, device=self.device, requires_grad=m.requires_grad)
             for m in self._metadata.tensor_metadata
         ]
         works = [dist.irecv(b, src=self.src, group=self.group) for b in buffers]
-        self._posted_at = time.time()
-        self._tensors = ([w for w in works if w is not None], buffers)
+        self._queue.append(_Posted([w for w in works if w is not None], buffers, time.time()))
+        self._posted += 1
+
+
+@dataclass(slots=True)
+class _Posted:
+    """One message's posted receives: their works, the buffers they fill, when posted."""
+
+    works: list[dist.Work]
+    buffers: list[torch.Tensor]
+    at: float

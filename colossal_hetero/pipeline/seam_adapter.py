@@ -7,21 +7,38 @@ after every step it calls :meth:`AdaKController.after_step` (one ``all_gather`` 
 
 Link time is measured online (``KFKBSchedule.last_record``'s per-message timestamps; see
 ``pipeline/profile.py``), not taken from the config.
+
+Memory budget: ``parallel.pp_memory_budget_mib`` when set; otherwise detected on each rank as
+``DETECTED_BUDGET_SHARE`` of what it could still allocate after the model and optimizer were
+built (``utils.device.available_memory_bytes``: free device memory on CUDA, this rank's share
+of the host's available memory on CPU). Ranks may detect different budgets; the controller's
+gather takes each stage's smallest, so the decision is still the same everywhere.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from colossalai.utils import get_current_device
 
 from colossal_hetero.config.schema import HeteroConfig
 from colossal_hetero.pipeline.controller import AdaKController
 from colossal_hetero.pipeline.schedule import KFKBSchedule
 from colossal_hetero.pipeline.tuner import stage_of_rank
 from colossal_hetero.pipeline.validate import budget_bytes, check_budget
+from colossal_hetero.utils.device import available_memory_bytes
+
+DETECTED_BUDGET_SHARE = 0.5
+"""Share of the detected free memory ada_kfkb may fill with in-flight activations (the rest is
+headroom for gradients, optimizer temporaries and the allocator)."""
+WINDOW = 4
+"""Retuning steps the plugin's controller sums its prediction over (``AdaKController.window``)."""
+MIN_GAIN = 0.03
+"""Predicted gains below this tie (the smaller k wins): measured compute jitters by a few %."""
 
 
 class RecordWriter(Protocol):
@@ -81,11 +98,21 @@ def install_schedule(engine: Any, config: HeteroConfig, rank: int) -> AdaKSeamCo
     world = dist.get_world_size()
     layout = stage_of_rank(parallel.pp, parallel.tp, world // (parallel.pp * parallel.tp))
     budget = budget_bytes(config)
+    if budget is None:
+        budget = detected_budget_bytes()
     controller = AdaKController(
         schedule,
         layout,
-        # No limit: the largest finite float, since the gathered rows must be finite.
-        sys.float_info.max if budget is None else budget,
+        # Nothing detected: the largest finite float, since the gathered rows must be finite.
+        budget or sys.float_info.max,
         period=parallel.pp_retune_every,
+        min_gain=MIN_GAIN,
+        window=WINDOW,
     )
     return AdaKSeamController(controller, config)
+
+
+def detected_budget_bytes() -> float:
+    """``DETECTED_BUDGET_SHARE`` of the bytes this rank could still allocate (0: unknown)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    return DETECTED_BUDGET_SHARE * available_memory_bytes(get_current_device(), local)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import astuple, dataclass, fields
+from dataclasses import astuple, dataclass, fields, replace
 
 from colossal_hetero.pipeline.order import check_pipeline_args, expected_peak_in_flight
 from colossal_hetero.pipeline.simulator import Trace, simulate
@@ -175,3 +175,37 @@ def agree_profile(
         memory_budget_bytes=per_stage(4, smallest=True),
         latency_s=per_stage(5)[:-1],
     )
+
+
+def choose_k_over_window(
+    profiles: Sequence[PipelineProfile],
+    num_microbatches: int,
+    min_gain: float = 1e-9,
+    candidates: Sequence[int] | None = None,
+) -> KDecision:
+    """The ``k`` with the least predicted total time over recent steps' ``profiles``. Pure.
+
+    A shared link changes from step to step (a tenant comes and goes), and a decision lands one
+    step after the step it was measured on; the ``k`` that is fastest summed over the last few
+    steps stays good through such flips, where the last step's best one lags each of them. Each
+    candidate must fit every stage's budget under the largest activations of the window (the
+    budget of its last profile). The smallest ``k`` predicted within ``min_gain`` (relative) of
+    the best wins, as in :func:`choose_k`. ``step_s_by_k`` in the result holds each
+    candidate's summed time over the window; one profile is exactly :func:`choose_k`.
+    """
+    if not profiles:
+        raise ValueError("profiles: need at least one step's profile")
+    last = profiles[-1]
+    largest = tuple(max(p.activation_bytes[s] for p in profiles) for s in range(last.num_stages))
+    budget = last.memory_budget_bytes
+    total: dict[int, float] = {}
+    for profile in profiles:
+        # One memory profile for every step: each step has the same feasible candidates.
+        same = replace(profile, activation_bytes=largest, memory_budget_bytes=budget)
+        for k, seconds in choose_k(same, num_microbatches, candidates).step_s_by_k.items():
+            total[k] = total.get(k, 0.0) + seconds
+    best = min(total.values())
+    k = min(c for c, t in total.items() if t <= best * (1 + min_gain))
+    p = last.num_stages
+    peaks = tuple(expected_peak_in_flight(p, s, num_microbatches, k) * largest[s] for s in range(p))
+    return KDecision(k, total[k], total, peaks)

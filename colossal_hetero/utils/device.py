@@ -52,6 +52,23 @@ def max_memory_allocated(device: torch.device) -> int:
     return 0
 
 
+def available_memory_bytes(device: torch.device, local_world_size: int = 1) -> int:
+    """Bytes this rank could still allocate on ``device``: the GPU's free memory on CUDA; on
+    CPU the host's ``MemAvailable`` (``/proc/meminfo``) split evenly among the
+    ``local_world_size`` ranks sharing the host (0 where the kernel does not say)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 // max(1, local_world_size)
+    except OSError:
+        pass
+    return 0
+
+
 SUPPORTED_DEVICE_TYPES = ("cuda", "cpu")
 """Device types the plugin runs on (what Booster's ``supported_devices`` reports)."""
 

@@ -1,0 +1,74 @@
+"""The Ada tuner's window choice (``choose_k_over_window``) against a brute-force sum of
+simulated step times, and the detected memory budget."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from colossal_hetero.pipeline.order import expected_peak_in_flight
+from colossal_hetero.pipeline.simulator import Trace, simulate
+from colossal_hetero.pipeline.tuner import PipelineProfile, choose_k, choose_k_over_window
+from colossal_hetero.utils.device import available_memory_bytes
+
+
+def _profile(p: int, link: float, act: float = 1.0, budget: float = 1e9) -> PipelineProfile:
+    return PipelineProfile((1.0,) * p, (2.0,) * p, (link,) * (p - 1), (act,) * p, (budget,) * p)
+
+
+def _brute(profiles: list[PipelineProfile], m: int, ks: list[int]) -> dict[int, float]:
+    """Summed simulated step times of every k, straight from the simulator."""
+    return {
+        k: sum(
+            simulate(
+                pr.forward_s, pr.backward_s, [Trace.constant(c) for c in pr.transfer_s], m, k
+            ).step_time
+            for pr in profiles
+        )
+        for k in ks
+    }
+
+
+def test_one_profile_is_choose_k():
+    rng = random.Random(3)
+    for _ in range(20):
+        prof = _profile(rng.randint(2, 4), rng.uniform(0.0, 4.0))
+        assert choose_k_over_window([prof], 8) == choose_k(prof, 8)
+
+
+def test_window_sums_the_steps_and_rides_out_flips():
+    # A link that flips between free and preempted (3 forward-times a message) each step.
+    p, m = 4, 8
+    free, busy = _profile(p, 0.0), _profile(p, 3.0)
+    window = [free, busy, free, busy]
+    decision = choose_k_over_window(window, m)
+    want = _brute(window, m, list(range(1, m + 1)))
+    assert decision.step_s_by_k == pytest.approx(want, rel=1e-12)
+    assert decision.k == min(k for k, t in want.items() if t <= min(want.values()) * (1 + 1e-9))
+    # The last step alone was free: it would pick 1F1B, which loses the preempted steps.
+    assert choose_k(free, m).k == 1 and decision.k > 1
+    assert want[decision.k] < want[1]
+
+
+def test_window_respects_the_largest_activations():
+    # The last step measured smaller activations; the window's largest still bounds k.
+    p, m = 2, 8
+    big = _profile(p, 3.0, act=2.0, budget=8.0)  # stage 0 holds min(2k, 8) micro-batches
+    small = _profile(p, 3.0, act=1.0, budget=8.0)
+    decision = choose_k_over_window([big, small], m)
+    assert max(decision.step_s_by_k) == 2  # 2 * min(2k, 8) <= 8 only for k <= 2
+    for s in range(p):
+        assert expected_peak_in_flight(p, s, m, decision.k) * 2.0 <= 8.0
+        assert decision.peak_memory_bytes[s] <= 8.0
+    with pytest.raises(ValueError, match="profiles"):
+        choose_k_over_window([], m)
+
+
+def test_available_memory_is_positive_and_split_among_local_ranks():
+    whole = available_memory_bytes(torch.device("cpu"))
+    quarter = available_memory_bytes(torch.device("cpu"), local_world_size=4)
+    assert whole > 0
+    # MemAvailable moves between the two reads; a quarter of it within 10% of the whole.
+    assert 0.9 * whole / 4 <= quarter <= 1.1 * whole / 4
