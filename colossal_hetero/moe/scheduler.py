@@ -70,7 +70,8 @@ class Event:
 
 
 def _stamp(event: Event) -> None:
-    event.t_done = time.perf_counter()
+    if event.t_done is None:  # the callback may run after a wait() already observed it
+        event.t_done = time.perf_counter()
 
 
 @dataclass(slots=True)
@@ -102,6 +103,7 @@ class ChunkedGradReducer:
             raise ValueError("ChunkedGradReducer: group is required (None means the world group)")
         if max_inflight is not None and max_inflight < 1:
             raise ValueError(f"moe.max_inflight must be >= 1 or None, got {max_inflight}")
+        self._chunk_bytes = chunk_bytes  # kept for rebind
         # Distinct trainable parameters, in the given order (a repeat would hook twice).
         self._params = list({id(p): p for p in params if p.requires_grad}.values())
         self.chunks = plan_chunks(
@@ -346,3 +348,25 @@ class ChunkedGradReducer:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+
+    def rebind(self, params: Sequence[nn.Parameter]) -> None:
+        """Reduce ``params`` from the next backward on, with the same group and settings
+        (expert re-placement, moe/replace.py). Between steps only: nothing in flight. Chunks
+        are re-planned from the new shapes, so every rank of the group must rebind to
+        parameters of the same shapes in the same order (replicas hold the same experts)."""
+        if self._inflight or self.touched:
+            raise RuntimeError("ChunkedGradReducer.rebind: between steps only (after the flush)")
+        self.remove()
+        self._params = list({id(p): p for p in params if p.requires_grad}.values())
+        self.chunks = plan_chunks(
+            [p.numel() for p in self._params], [p.dtype for p in self._params], self._chunk_bytes
+        )
+        self._index = {id(p): i for i, p in enumerate(self._params)}
+        self._chunks_of = [[] for _ in self._params]
+        for chunk in self.chunks:
+            for param in chunk.params:
+                self._chunks_of[param].append(chunk.index)
+        self._reset()
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self._params)
+        ]

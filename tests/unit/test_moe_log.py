@@ -3,7 +3,7 @@ the timeline PNG. Hand-built logs, hand-counted answers."""
 
 from __future__ import annotations
 
-from colossal_hetero.bench.moe import _a2a_medians, summarise
+from colossal_hetero.bench.moe import a2a_split, summarise
 from colossal_hetero.moe.comm import chunks_inside
 from colossal_hetero.moe.timeline import plot_timelines
 
@@ -28,10 +28,13 @@ def test_chunks_inside_counts_launches_strictly_inside() -> None:
     assert chunks_inside([r for r in LOG if r[2] != 0 or r[0] != "chunk"], "a2a") == 0
 
 
-def test_a2a_split_at_the_first_chunk() -> None:
-    forward, backward = _a2a_medians(LOG)
+def test_a2a_split_halves_and_overlap() -> None:
+    spans = [(0.2, 0.4), (0.6, 0.9), (2.1, 2.6), (2.7, 3.1)]  # forward two, backward two
+    forward, backward, overlapped = a2a_split(spans, [(1.5, 2.0), (2.5, 3.5)])
     assert abs(forward - 0.25) < 1e-12  # median of 0.2 and 0.3
     assert abs(backward - 0.45) < 1e-12  # median of 0.5 and 0.4
+    assert overlapped == 0.5  # the chunk (2.5, 3.5) overlaps both backward spans
+    assert a2a_split([], []) == (0.0, 0.0, 0.0)
 
 
 def test_summary_keys_and_nulls() -> None:
@@ -45,6 +48,11 @@ def test_summary_keys_and_nulls() -> None:
         "ours_on.a2a_alone": 0.2,
         "ours_off.a2a_under": 0.6,
         "ours_off.a2a_alone": 0.2,
+        "ours_hold.a2a_under": 0.3,
+        "ours_hold.a2a_alone": 0.2,
+        "ours_off.a2a_overlapped": 0.5,
+        "ours_hold.a2a_overlapped": 0.25,
+        "ours_on.a2a_overlapped": 0.0,
     }
     result = {
         "rounds": {
@@ -55,6 +63,7 @@ def test_summary_keys_and_nulls() -> None:
                     "ours_on_vs_stock": 1.2,
                     "ours_off_vs_stock": 1.1,
                     "on_vs_off": 1.05,
+                    "on_vs_hold": 1.02,
                 }.items()
             },
         },
@@ -64,6 +73,8 @@ def test_summary_keys_and_nulls() -> None:
     assert summary["stock_comm_fraction"] == 0.5
     assert abs(summary["a2a_under_allreduce_over_alone"] - 1.1) < 1e-12
     assert abs(summary["a2a_under_allreduce_over_alone_priority_off"] - 3.0) < 1e-12
+    assert abs(summary["a2a_under_allreduce_over_alone_hold"] - 1.5) < 1e-12
+    assert summary["a2a_with_chunks_on_wire"]["ours_off"] == 0.5 and summary["fit_vs_hold"] == 1.02
     assert summary["all_on_vs_colossalai_moe"] == 1.2 and summary["network_mode"] == "shaped"
     assert summary["all_on_vs_deepspeed_moe"] is None and summary["all_on_vs_deepspeed_moe_reason"]
 
