@@ -165,8 +165,9 @@ def cost_2d(dims: LayerDims, shares: Shares2D, i: int = 0, j: int = 0) -> LayerC
             _linear_comm(comm, m, in_sizes, n)
     params = _weight_params(widths, ffn, i, j, hj, fj)
     if q > 1:
-        for _ in range(2):  # 2 LayerNorm2D: mean and variance, all-reduced forward and back
-            comm.add("all_reduce", "row", m, times=4)
+        for _ in range(2):  # 2 LayerNorm2D: mean and variance forward, both sums backward
+            comm.add("all_reduce", "row", m, times=2)
+            comm.add("all_reduce", "row", 2 * m)
             comm.add("all_reduce", "col", hj, times=2)  # gain and shift gradients
     score = shares.head_counts[j] * dims.seq * dims.seq * shares.batch_sizes[i]
     act = activation_bytes(dims, tokens=m, hidden=hj, score=score)

@@ -5,8 +5,9 @@ rank) and keeps only this rank's blocks: ``wte`` becomes an Embedding2D, ``wpe``
 table [P, h_j] replicated down mesh column j, every LayerNorm a LayerNorm2D, ``c_attn`` /
 ``c_proj`` / ``c_fc`` Linear2D (Conv1D weights are [in, out] already; ``c_attn`` has the three
 fused parts [Q | K | V]); the HF attention module runs unchanged on its a_j local heads
-(``split_size`` and ``num_heads`` set to the column's), and the tied LM head is an LMHead2D
-with the vocab-parallel cross-entropy.
+(``split_size`` and ``num_heads`` set to the column's), ``gelu_new`` becomes the one-kernel
+tanh GELU (same formula, keeps only its input: ``lean_activation``), and the tied LM head is
+an LMHead2D with the vocab-parallel cross-entropy.
 
 ``forward(input_ids [B, S], labels [B, S])`` takes the full batch (replicated over the mesh)
 and returns the mean next-token loss over the global batch, the same on every rank (labels are
@@ -106,6 +107,20 @@ def _shard_block(block: Any, mesh: Mesh2D, shares: GPT2Shares, widths: Sequence[
     attn.num_heads = shares.head_counts[mesh.j]
     block.mlp.c_fc = _linear(mesh, block.mlp.c_fc, widths, shares.ffn_sizes)
     block.mlp.c_proj = _linear(mesh, block.mlp.c_proj, shares.ffn_sizes, widths)
+    block.mlp.act = lean_activation(block.mlp.act)
+
+
+def lean_activation(act: nn.Module) -> nn.Module:
+    """The same activation, keeping only its input for the backward.
+
+    GPT-2's ``gelu_new`` is the tanh GELU written as Python ops (``NewGELUActivation``),
+    whose graph keeps four tensors of the MLP width (x^3, the tanh argument and output, a
+    product); ``nn.GELU(approximate="tanh")`` computes the same formula in one kernel and keeps
+    x only. Other activations are returned as they are.
+    """
+    if type(act).__name__ == "NewGELUActivation":
+        return nn.GELU(approximate="tanh")
+    return act
 
 
 class GPT2LM2D(nn.Module):

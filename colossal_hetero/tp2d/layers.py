@@ -12,7 +12,8 @@ vocabulary with ``vocab_sizes`` v_0..v_{q-1}.
 
 Communication: the linear is summa_ab (q broadcasts on each of the row and column groups;
 backward 2 more kernels). Norms all-reduce per-token statistics over the row group (2 in the
-forward, 2 in the backward for LayerNorm; 1 + 1 for RMSNorm). A column-replicated vector has
+forward, 1 of two sums in the backward for LayerNorm; 1 + 1 for RMSNorm) and keep only the
+normalised input and rstd for the backward. A column-replicated vector has
 no forward communication; its gradient is all-reduced over the column group in the backward
 (the q batch shares' contributions), so it stays identical down the column under any
 optimizer. The embedding reduce-scatters its partial lookups along the batch over the column
@@ -147,28 +148,63 @@ class _Norm2D(nn.Module):
         if self.bias is not None and bias is not None:
             self.bias.copy_(dense_vector_block(bias, self.hidden_sizes, self.mesh.j))
 
-    def _row_mean(self, x: torch.Tensor) -> torch.Tensor:
-        """Mean over the full hidden dim of x [..., h_j]: all-reduce over the row group."""
-        total = comm2d.sum_over(x.sum(-1, keepdim=True), self.mesh, "row")
-        return total / sum(self.hidden_sizes)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        centre = self.bias is not None
+        normed = _Normalize.apply(x, self.mesh, sum(self.hidden_sizes), self.eps, centre)
+        y = normed * column_shared(self.weight, self.mesh)
+        return y + column_shared(self.bias, self.mesh) if self.bias is not None else y
+
+
+def _row_sum(x: torch.Tensor, mesh: Mesh2D) -> torch.Tensor:
+    """Sum over the last dim of x [..., h_j] and over the row group: [..., 1] (no autograd)."""
+    total = x.sum(-1, keepdim=True)
+    if mesh.q > 1:
+        dist.all_reduce(total, group=mesh.row_group)
+    return total
+
+
+class _Normalize(torch.autograd.Function):
+    """x [..., h_j] -> x_hat = (x - mean) * rstd (``centre``) or x * rstd, statistics over the
+    full hidden dim ``width`` (row group). Saves x_hat and rstd only, as a fused LayerNorm
+    kernel does; the backward recomputes the rest: dx = rstd (g - mean(g) - x_hat mean(g
+    x_hat)) (without the mean(g) term when not centred), one row all-reduce of both sums."""
+
+    @staticmethod
+    def forward(ctx: Any, x, mesh, width, eps, centre):  # type: ignore[override]
+        if centre:
+            x = x - _row_sum(x, mesh) / width
+        rstd = torch.rsqrt(_row_sum(x * x, mesh) / width + eps)
+        normed = x * rstd
+        ctx.save_for_backward(normed, rstd)
+        ctx.mesh, ctx.width, ctx.centre = mesh, width, centre
+        return normed
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
+        normed, rstd = ctx.saved_tensors
+        sums = [(grad * normed).sum(-1, keepdim=True)]
+        if ctx.centre:
+            sums.append(grad.sum(-1, keepdim=True))
+        stats = torch.cat(sums, -1)
+        if ctx.mesh.q > 1:
+            dist.all_reduce(stats, group=ctx.mesh.row_group)
+        stats = stats / ctx.width
+        dx = grad - normed * stats[..., :1]
+        if ctx.centre:
+            dx = dx - stats[..., 1:]
+        return dx * rstd, None, None, None, None
 
 
 class LayerNorm2D(_Norm2D):
     """LayerNorm over a hidden dim split by mesh columns: x [b_i, *, h_j] -> same shape.
 
     Two-pass statistics (mean, then the centred second moment), each one all-reduce of
-    [b_i, *, 1] over the row group, as is the gradient of each in the backward.
+    [b_i, *, 1] over the row group; the backward one all-reduce of [b_i, *, 2]. Keeps the
+    normalised input and the per-token rstd for the backward (as a fused kernel does).
     """
 
     def __init__(self, mesh: Mesh2D, hidden_sizes: Sequence[int], *, eps: float = 1e-5, **kw: Any):
         super().__init__(mesh, hidden_sizes, eps=eps, shift=True, **kw)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        centred = x - self._row_mean(x)
-        variance = self._row_mean(centred * centred)
-        y = centred * torch.rsqrt(variance + self.eps) * column_shared(self.weight, self.mesh)
-        assert self.bias is not None
-        return y + column_shared(self.bias, self.mesh)
 
 
 class RMSNorm2D(_Norm2D):
@@ -176,10 +212,6 @@ class RMSNorm2D(_Norm2D):
 
     def __init__(self, mesh: Mesh2D, hidden_sizes: Sequence[int], *, eps: float = 1e-6, **kw: Any):
         super().__init__(mesh, hidden_sizes, eps=eps, shift=False, **kw)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scale = torch.rsqrt(self._row_mean(x * x) + self.eps)
-        return x * scale * column_shared(self.weight, self.mesh)
 
 
 class Embedding2D(nn.Module):

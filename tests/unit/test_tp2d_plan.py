@@ -125,10 +125,13 @@ def test_gpt2_activation_bytes_hand_counted():
     assert gpt2_activation_bytes("1d", **kw) == 84480 + 256 + 24320 + 270 + 384
     # 1D + SP: whole 2 T h = 4096; split (8 T h + 5 T f + a s T) / 4 = 14848; statistics 32.
     assert gpt2_activation_bytes("1d-sp", **kw) == 4 * (4096 + 14848 + 32) + 256 + 24320 + 654
-    # 2D, rank (0, 0): T_i = 16, h_j = 32, f_j = 128, a_j = 2: 10 T_i h_j + 5 T_i f_j +
-    # a_j s T_i + 2 T_i = 5120 + 10240 + 512 + 32 = 15904 floats; final: 3 T_i h_j + T_i +
-    # 15 x 128 + 15 = 3487 floats, + 15 int64 + 15 bools; indices: 48 int64 + 32 floats.
-    two_d = 4 * 15904 + 256 + 4 * 3487 + 15 * 9 + 48 * 8 + 32 * 4
+    # 1D with a one-kernel GELU: the MLP keeps 2 T f / 4 = 4096 floats instead of 10240.
+    lean = gpt2_activation_bytes("1d", lean_gelu=True, **kw)
+    assert lean == 84480 - 4 * (10240 - 4096) + 256 + 24320 + 270 + 384
+    # 2D, rank (0, 0): T_i = 16, h_j = 32, f_j = 128, a_j = 2: 8 T_i h_j + 2 T_i f_j +
+    # a_j s T_i + 2 T_i = 4096 + 4096 + 512 + 32 = 8736 floats; final: 2 T_i h_j + T_i +
+    # 15 x 128 + 15 = 2975 floats, + 15 int64 + 15 bools; indices: 48 int64 + 32 floats.
+    two_d = 4 * 8736 + 256 + 4 * 2975 + 15 * 9 + 48 * 8 + 32 * 4
     assert gpt2_activation_bytes("2d", **kw) == two_d
     with pytest.raises(ValueError, match="tp_mode"):
         gpt2_activation_bytes("3d", **kw)  # type: ignore[arg-type]
@@ -194,3 +197,44 @@ def test_auto_resolves_from_a_run_config():
     assert (
         resolved_tp_mode(replace(config, parallel=replace(parallel, tp=4, tp_mode="2d")), 4) == "2d"
     )
+
+
+def test_tp2d_plan_places_every_tp_group_alike_for_the_slowest_replica():
+    """plan.tp2d for tp 4 x dp 2: the k-th ranks of both TP groups (a data-parallel group)
+    get one position; the speeds planned for are the slower of each pair; the block sizes
+    are those of plan_resizable_2d for those speeds."""
+    from colossal_hetero.planner.tp2d_plan import plan_tp2d
+
+    speeds = [1.0, 1.0, 1.0, 1.0, 1.0, 0.5, 1.0, 1.0]  # rank 5: index 1 of the second group
+    groups = [(4, 5, 6, 7), (0, 1, 2, 3)]
+    plan = plan_tp2d(speeds, groups, 12, 12, 3072, 256)
+    assert plan.speeds == (1.0, 0.5, 1.0, 1.0)
+    direct = plan_resizable_2d(list(plan.speeds), 12, 12, 3072, 256)
+    assert plan.batch_sizes == direct.batch_sizes and plan.head_counts == direct.head_counts
+    assert plan.predicted_speedup == pytest.approx(1.5)
+    placement = plan.placement_of(groups)
+    assert sorted(placement) == list(range(8))
+    for k in range(4):
+        assert placement[k] == placement[4 + k] == plan.index_positions[k]
+    # Every block, the slow index's included, within the optimum 48 (hand count above).
+    for k, (i, j) in enumerate(plan.index_positions):
+        assert plan.batch_sizes[i] * plan.head_counts[j] / plan.speeds[k] <= 48.0
+    assert len(set(plan.index_positions)) == 4
+    assert plan.tp2d is plan
+    assert plan.to_dict()["index_positions"][1] == list(plan.index_positions[1])
+
+
+def test_tp2d_plan_without_a_batch_keeps_rows_even_and_refuses_bad_groups():
+    from colossal_hetero.planner.tp2d_plan import plan_tp2d
+
+    plan = plan_tp2d([1.0, 1.0, 1.0, 0.5], [(0, 1, 2, 3)], None, 12, 3072, 256)
+    assert plan.batch_sizes == ()
+    # Even rows (1, 1 per unit batch): the best columns put the slow device in the narrow
+    # one, 8 / 4 heads, as with the batch known.
+    assert sorted(plan.head_counts) == [4, 8]
+    with pytest.raises(ValueError, match="parallel.tp: 2D tensor parallelism needs a square"):
+        plan_tp2d([1.0, 1.0, 0.5], [(0, 1, 2)], 6, 12, 3072, 256)
+    with pytest.raises(ValueError, match="cluster.devices: 2 devices listed"):
+        plan_tp2d([1.0, 0.5], [(0, 1, 2, 3)], 6, 12, 3072, 256)
+    with pytest.raises(ValueError, match="parallel.tp: the 2D plan is for TP groups of 4"):
+        plan.placement_of([(0, 1)])
