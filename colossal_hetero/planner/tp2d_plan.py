@@ -142,12 +142,15 @@ def plan_resizable_2d(
     vocab: int,
     *,
     max_evaluations: int = 300_000,
+    even_rows: bool = False,
 ) -> Resizable2D:
     """The placement and block sizes minimising the slowest block (see the module docstring).
 
     ``speeds``: one per device of the TP group (q * q of them, > 0). Exact when the search fits
     ``max_evaluations`` (placement classes x batch splits); else local search (``exact`` False).
-    ValueError, naming the field, when the group is not a square or a speed is not positive.
+    ``even_rows``: keep the batch split even (only placement and column widths are planned),
+    for a batch size not known when planning. ValueError, naming the field, when the group is
+    not a square or a speed is not positive.
     """
     n = len(speeds)
     q = math.isqrt(n)
@@ -157,7 +160,7 @@ def plan_resizable_2d(
         raise ValueError(f"cluster.devices: speeds must be > 0, got {list(speeds)}")
     if batch < 1 or heads < 1:
         raise ValueError(f"2D plan needs batch >= 1 and heads >= 1, got {batch}, {heads}")
-    batches = _compositions(batch, q)
+    batches = [_even(batch, q)] if even_rows else _compositions(batch, q)
     classes = math.factorial(n) // (math.factorial(q) ** 2)
     exact = classes * len(batches) <= max_evaluations
     if exact:
@@ -199,3 +202,108 @@ def _local_search(speeds: Sequence[float], q: int, batches: list[tuple[int, ...]
             if score[0] < best[0] - 1e-12:
                 positions, best, improved = trial, score, True
     return best, positions
+
+
+@dataclass(frozen=True)
+class Tp2dPlan:
+    """``plan.tp2d`` as the planner writes it and the plugin applies it (every TP group alike).
+
+    ``batch_sizes``: samples per mesh row of one data-parallel batch (empty: split evenly at
+    run time); ``head_counts`` / ``ffn_sizes`` / ``vocab_sizes``: per mesh column.
+    ``index_positions[k]``: the mesh position (i, j) of the k-th rank of every TP group (its
+    ranks in ascending order, the order Colossal-AI's process-group mesh gives them), so that a
+    data-parallel group (the k-th ranks of all TP groups) holds blocks of one shape.
+    ``speeds[k]``: the slowest k-th device over the data-parallel replicas, what was planned for.
+    """
+
+    batch_sizes: tuple[int, ...]
+    head_counts: tuple[int, ...]
+    ffn_sizes: tuple[int, ...]
+    vocab_sizes: tuple[int, ...]
+    index_positions: tuple[tuple[int, int], ...]
+    speeds: tuple[float, ...]
+    predicted_speedup: float
+    exact: bool
+
+    @property
+    def tp2d(self) -> Tp2dPlan:
+        """Itself: a Tp2dPlan can be passed wherever a plan carrying ``tp2d`` is taken."""
+        return self
+
+    def placement_of(self, tp_rank_lists: Sequence[Sequence[int]]) -> dict[int, tuple[int, int]]:
+        """Global rank -> mesh position for every TP group (each a list of global ranks)."""
+        out: dict[int, tuple[int, int]] = {}
+        for ranks in tp_rank_lists:
+            ordered = sorted(int(r) for r in ranks)
+            if len(ordered) != len(self.index_positions):
+                raise ValueError(
+                    f"parallel.tp: the 2D plan is for TP groups of {len(self.index_positions)} "
+                    f"ranks, got {ordered}"
+                )
+            out.update(zip(ordered, self.index_positions, strict=True))
+        return out
+
+    def to_dict(self) -> dict[str, object]:
+        """A JSON/YAML-ready record (lists, not tuples)."""
+        return {
+            "batch_sizes": list(self.batch_sizes),
+            "head_counts": list(self.head_counts),
+            "ffn_sizes": list(self.ffn_sizes),
+            "vocab_sizes": list(self.vocab_sizes),
+            "index_positions": [list(p) for p in self.index_positions],
+            "speeds": list(self.speeds),
+            "predicted_speedup": self.predicted_speedup,
+            "exact": self.exact,
+        }
+
+    def summary(self) -> str:
+        """One line for the console."""
+        rows = list(self.batch_sizes) if self.batch_sizes else "even"
+        return (
+            f"resizable 2D: TP ranks at mesh positions {[list(p) for p in self.index_positions]}"
+            f" (by rank in the TP group), batch {rows} per row, heads {list(self.head_counts)} / "
+            f"MLP {list(self.ffn_sizes)} / vocab {list(self.vocab_sizes)} per column; "
+            f"{self.predicted_speedup:.2f}x even 2D predicted (compute)"
+        )
+
+
+def plan_tp2d(
+    speeds_by_rank: Sequence[float],
+    tp_rank_lists: Sequence[Sequence[int]],
+    batch: int | None,
+    heads: int,
+    ffn: int,
+    vocab: int,
+) -> Tp2dPlan:
+    """The 2D plan for a world whose rank r has speed ``speeds_by_rank[r]``.
+
+    Every TP group gets the same block sizes and the same positions by rank order (data
+    parallelism needs equal shapes down each data-parallel group), planned for the slowest
+    device at each TP index over the replicas. ``batch``: samples per data-parallel batch, or
+    None when unknown (rows stay even, ``batch_sizes`` empty). ValueError naming the field on a
+    non-square group or a rank without a speed.
+    """
+    lists = [sorted(int(r) for r in ranks) for ranks in tp_rank_lists]
+    if not lists:
+        raise ValueError("parallel.tp: no TP groups to plan")
+    missing = [r for ranks in lists for r in ranks if r >= len(speeds_by_rank)]
+    if missing:
+        raise ValueError(
+            f"cluster.devices: {len(speeds_by_rank)} devices listed, none for ranks {missing}"
+        )
+    size = len(lists[0])
+    speeds = tuple(min(speeds_by_rank[ranks[k]] for ranks in lists) for k in range(size))
+    planned = plan_resizable_2d(
+        speeds, batch or math.isqrt(size), heads, ffn, vocab, even_rows=batch is None
+    )
+    q = planned.q
+    return Tp2dPlan(
+        batch_sizes=planned.batch_sizes if batch is not None else (),
+        head_counts=planned.head_counts,
+        ffn_sizes=planned.ffn_sizes,
+        vocab_sizes=planned.vocab_sizes,
+        index_positions=tuple(divmod(planned.positions.index(k), q) for k in range(size)),
+        speeds=speeds,
+        predicted_speedup=planned.predicted_speedup,
+        exact=planned.exact,
+    )

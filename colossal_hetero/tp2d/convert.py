@@ -7,7 +7,9 @@ and converts the model in place.
 
 Block sizes come from the plan when it carries them (``plan.tp2d``: a mapping or object with
 any of ``batch_sizes`` (samples per mesh row), ``head_counts``, ``ffn_sizes`` and
-``vocab_sizes`` (per mesh column) and ``placement`` ({global rank: (i, j)})); otherwise even.
+``vocab_sizes`` (per mesh column) and ``placement`` ({global rank: (i, j)}) or
+``placement_of`` (the planner's ``Tp2dPlan``: positions by rank order in every TP group));
+otherwise even.
 """
 
 from __future__ import annotations
@@ -123,6 +125,8 @@ def convert_to_2d(model: nn.Module, tp_group: Any, plan: Any = None) -> nn.Modul
     q = mesh_side(dist.get_world_size(tp_group))
     shares = check_model_2d(model.config, q, plan)
     placement = _given(plan)("placement")
+    if placement is None:  # a planner-written Tp2dPlan places by rank order in every group
+        placement = getattr(getattr(plan, "tp2d", None), "placement_of", None)
     mesh = Mesh2D.from_tp_group(tp_group, placement)
     kinds = {"gpt2": GPT2LMHeadModel2D, "llama": LlamaForCausalLM2D}
     return kinds.get(model.config.model_type, ViTForImageClassification2D)(model, mesh, shares)

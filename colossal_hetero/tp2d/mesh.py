@@ -14,7 +14,7 @@ global rank (``global_rank(i, j)``), never by group-local rank.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -87,23 +87,43 @@ class Mesh2D:
 
     @classmethod
     def from_tp_group(
-        cls, tp_group: ProcessGroup, placement: Mapping[int, tuple[int, int]] | None = None
+        cls,
+        tp_group: ProcessGroup,
+        placement: Mapping[int, tuple[int, int]] | PlacementOf | None = None,
     ) -> Mesh2D:
         """The mesh of ``tp_group``, learning every other TP group by one world all-gather.
 
-        Collective over the world (all_gather_object, then ``build``). Every rank must call it
-        with its own TP group, the groups partitioning the world's ranks.
+        Collective over the world (``tp_rank_lists``, then ``build``). Every rank must call it
+        with its own TP group, the groups partitioning the world's ranks. ``placement``: a
+        mapping as ``build`` takes it, or a function of every TP group's rank list returning
+        one (e.g. ``Tp2dPlan.placement_of``: the same positions by rank order in every group).
         """
-        mine = tuple(dist.get_process_group_ranks(tp_group))
-        mesh_side(len(mine))  # the same size on every rank: fail before the collective
-        everyone: list[tuple[int, ...] | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        lists: list[tuple[int, ...]] = []
-        for ranks in everyone:
-            assert ranks is not None
-            if ranks not in lists:
-                lists.append(ranks)
+        lists = tp_rank_lists(tp_group)
+        if callable(placement):
+            placement = placement(lists)
         return cls.build(lists, placement)
+
+
+PlacementOf = Callable[[list[tuple[int, ...]]], Mapping[int, tuple[int, int]]]
+"""Global rank -> mesh position, from every TP group's rank list (see ``from_tp_group``)."""
+
+
+def tp_rank_lists(tp_group: ProcessGroup) -> list[tuple[int, ...]]:
+    """Every TP group of the world (each its global ranks), the same list on every rank.
+
+    Collective over the world (one all_gather_object). ValueError, before the collective, when
+    the group is not a square (every rank's group has the same size).
+    """
+    mine = tuple(dist.get_process_group_ranks(tp_group))
+    mesh_side(len(mine))
+    everyone: list[tuple[int, ...] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    lists: list[tuple[int, ...]] = []
+    for ranks in everyone:
+        assert ranks is not None
+        if ranks not in lists:
+            lists.append(ranks)
+    return lists
 
 
 def _layout(ranks: Sequence[int], placement: Mapping[int, tuple[int, int]] | None) -> MeshLayout:
