@@ -171,3 +171,16 @@ def test_stretch_sleeps_in_proportion_and_keeps_gradients():
     slept.clear()
     run()
     assert slept == []
+
+
+def test_best_static_k_only_among_those_within_the_budget():
+    spec = {"shares": [1.0] * 4 + [1.0, 0.1, 0.1, 1.0] + [1.0] * 4}
+    result = _result(2.0, 1.0, 0.5, ada_peak=1.0)  # k2 twice as fast as ada...
+    for phase in result["phases"].values():
+        phase["series"]["k2.mem0"] = [2.0**21] * 4  # ...but over ada's 1 MiB budget
+    figures = layout_figures(spec, result)
+    assert figures["ada_vs_best_static_k_a"]["best"] == "k1"
+    assert figures["ada_vs_best_static_k_a"]["value"] == pytest.approx(2.0)
+    assert figures["ada_vs_best_static_k_a_any_memory"]["best"] == "k2"
+    assert figures["ada_vs_best_static_k_a_any_memory"]["value"] == pytest.approx(0.5)
+    assert summarise("shaped", {"x": figures})["ada_vs_best_static_k"] == pytest.approx(2.0)
