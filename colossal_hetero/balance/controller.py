@@ -398,9 +398,11 @@ class BalanceController:
 
     def _move(self, step: int, decision: ReplanDecision, agreed: Agreed) -> None:
         start = time.perf_counter()
-        # Times under in-layer ops do not follow the widths: no estimate from such a move.
+        # Under in-layer ops a rank's scaling work is its GEMM units (what it drops or migrates
+        # off, what it takes on as a helper): those, as shares, are what its times followed.
         old = shares_of(self.actuator.widths(), self.tp_size)
-        self._moved = (old, agreed.times) if self.plan.empty else None
+        scaling = plan_units(self.plan, old, 0.0)
+        self._moved = (tuple(u / self.tp_size for u in scaling), agreed.times)
         if self.actuator.ops is not None:
             self.actuator.ops.clear()  # the ops' columns belong to the old widths
         self.actuator.resize(decision.widths)

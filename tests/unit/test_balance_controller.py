@@ -274,3 +274,14 @@ def test_semi_stops_bridging_after_ops_measured_a_loss(monkeypatch):
     controller = _controller(fine, "semi", monkeypatch, move_cost_s=1e6)
     _drive(controller, fine, 30)
     assert controller.bridge_off is None and not fine.ops.plan.empty
+
+
+def test_semi_refines_the_fixed_fraction_from_a_move_made_under_its_ops(monkeypatch):
+    """SEMI's re-plan happens with its in-layer ops attached: the times before the move
+    followed the ops' GEMM units, and the estimate from them is exact (configured 0, true
+    0.2: half-way after the one move)."""
+    cluster = _Cluster()
+    controller = _controller(cluster, "semi", monkeypatch, fixed_fraction=0.0)
+    _drive(controller, cluster, 20)
+    assert cluster.moves == [SKEW] and cluster.ops.clears == 1
+    assert controller.fixed_fraction == pytest.approx(0.1)
