@@ -12,10 +12,11 @@ measured step time.
 ``isend``s issued), a receiver when it posted each message's receive and when the message
 arrived. The receiver knows the arrival only when it was blocked in ``wait()`` (the data was not
 there yet: it returned on arrival); an arrival it did not wait for is recorded as ``-1``. A
-message can move only once it is sent and its receive is posted (a receive is posted after the
-previous message was taken, so this also queues it behind that one), so one blocked receive
-gives one sample of the link time: ``arrived_j - max(sent_j, posted_j)``. The direction's link
-time is the median sample (robust to the odd wait that blocked for other reasons), 0 when no
+message can move only once it is sent, its receive is posted and the message before it on the
+link has landed, so one blocked receive gives one sample of the link time:
+``arrived_j - max(sent_j, posted_j, arrived_{j-1})`` (the last term only when message
+``j - 1``'s receive blocked too, else its arrival is unknown). The direction's link time is
+the median sample (robust to the odd wait that blocked for other reasons), 0 when no
 receive blocked (then the transfers were hidden: the link did not hold anyone up). A boundary's
 time is the larger of its two directions (the simulator runs both on one trace). The times of
 all ranks must be on one clock: ``time.time()``, which ranks on one host share exactly and
@@ -122,11 +123,13 @@ def direction_seconds(
     """Link seconds of one boundary direction from its sender's and receiver's timestamps (see
     the module doc): median over the blocked receives of ``arrived_j - max(sent_j, posted_j)``,
     0 when none blocked."""
-    samples = [
-        max(0.0, arrival - max(sent[j], posted[j]))
-        for j, arrival in enumerate(arrived)
-        if arrival != NOT_BLOCKED and j < len(sent) and j < len(posted)
-    ]
+    samples = []
+    for j, arrival in enumerate(arrived):
+        if arrival != NOT_BLOCKED and j < len(sent) and j < len(posted):
+            # FIFO on one link: message j also waits for message j - 1 to land (known only
+            # when its receive blocked; receives posted far ahead make that wait the rule).
+            before = arrived[j - 1] if j > 0 else NOT_BLOCKED
+            samples.append(max(0.0, arrival - max(sent[j], posted[j], before)))
     return statistics.median(samples) if samples else 0.0
 
 
