@@ -23,8 +23,15 @@ def check_moe_layout(parallel: ParallelConfig, moe: MoeConfig, world_size: int) 
     """
     ep = parallel.ep
     if ep == 1:
-        if moe.placement:
-            raise ConfigError("moe.placement: needs expert parallelism (parallel.ep > 1)")
+        if moe.placement or moe.replace_every or moe.packing:
+            field = (
+                "placement"
+                if moe.placement
+                else "replace_every"
+                if moe.replace_every
+                else "packing"
+            )
+            raise ConfigError(f"moe.{field}: needs expert parallelism (parallel.ep > 1)")
         return
     if parallel.tp > 1 or parallel.pp > 1:
         raise ConfigError(
@@ -42,6 +49,14 @@ def check_moe_layout(parallel: ParallelConfig, moe: MoeConfig, world_size: int) 
         raise ConfigError(
             "parallel.max_norm: gradient clipping with parallel.ep > 1 needs zero_stage 1 "
             "(Colossal-AI's MoE optimizer) so far"
+        )
+    if moe.replace_every and (parallel.zero_stage or parallel.precision != "fp32"):
+        # ZeRO and mixed precision keep master copies and flat buffers moe/replace.py does not
+        # move: a re-placement would train the moved experts from stale masters.
+        raise ConfigError(
+            f"moe.replace_every: re-placement moves fp32 weights and optimizer state, so it "
+            f"needs parallel.zero_stage 0 and precision fp32, got zero_stage="
+            f"{parallel.zero_stage} precision={parallel.precision}"
         )
     if moe.placement and len(moe.placement) != ep:
         raise ConfigError(

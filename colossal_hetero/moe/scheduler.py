@@ -70,8 +70,7 @@ class Event:
 
 
 def _stamp(event: Event) -> None:
-    if event.t_done is None:  # the callback may run after a wait() already observed it
-        event.t_done = time.perf_counter()
+    event.t_done = time.perf_counter()
 
 
 @dataclass(slots=True)

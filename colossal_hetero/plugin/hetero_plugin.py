@@ -44,6 +44,7 @@ from colossal_hetero.emulation import CollectiveInterceptor, build_interceptor
 from colossal_hetero.emulation.ddp import route_ddp_through_interceptor
 from colossal_hetero.metrics.decisions import DecisionWriter
 from colossal_hetero.moe.engine import build_moe_engine
+from colossal_hetero.moe.replace import build_replacer
 from colossal_hetero.moe.wiring import MoeStepLog, install_reducers, moe_policy
 from colossal_hetero.pipeline.seam_adapter import install_schedule
 from colossal_hetero.pipeline.validate import check_stage_split
@@ -147,6 +148,7 @@ class HeteroParallelPlugin(PipelinePluginBase):
         self.stage_plan: Any = None  # planned pipeline stages (StagePlan), set at configure
         self.moe_reducers: dict[str, Any] = {}  # parallel.ep > 1 without ZeRO, at configure
         self.moe_log: Any = None  # parallel.ep > 1: the a2a/chunk event log (MoeStepLog)
+        self.moe_replacer: Any = None  # moe.replace_every > 0: speed-aware re-placement
         self._run_dir = None if metrics_dir is None else Path(metrics_dir)
         if metrics_dir is not None and step_metrics:
             self.seam.add(StepMetrics(self.seam, metrics_dir, self.rank))
@@ -261,6 +263,12 @@ class HeteroParallelPlugin(PipelinePluginBase):
                 )
             log = MoeStepLog(moe.comm, moe.placement, self._run_dir, self.rank)
             self.moe_log = self.seam.add(log)
+            if self.config.moe.replace_every:  # after the log: a step's record, then the move
+                model_, optim_ = boosted[0], boosted[1]
+                replacer = build_replacer(
+                    self.config, model_, optim_, self.moe_reducers, self._run_dir, self.rank
+                )
+                self.moe_replacer = self.seam.add(replacer)
         if self.config.balancer.mode != "none":  # after the metrics writer: it logs first
             balancer = build_balancer(self, boosted[0], boosted[1], self._run_dir)
             self.balancer = self.seam.add(balancer)
