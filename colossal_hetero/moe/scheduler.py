@@ -70,7 +70,8 @@ class Event:
 
 
 def _stamp(event: Event) -> None:
-    event.t_done = time.perf_counter()
+    if event.t_done is None:  # the callback may run after a wait() already observed it
+        event.t_done = time.perf_counter()
 
 
 @dataclass(slots=True)
