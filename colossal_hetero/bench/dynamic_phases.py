@@ -98,8 +98,10 @@ def middle_half(total_steps: int, *, rank: int, factor: float, world: int = 4) -
     return phases
 
 
-def slowdown_specs(phases: Sequence[Phase]) -> list[dict[str, Any]]:
-    """``emulation.compute`` entries (``SlowdownSpec`` fields) reproducing ``phases``.
+def slowdown_specs(phases: Sequence[Phase], base: float = 1.0) -> list[dict[str, Any]]:
+    """``emulation.compute`` entries (``SlowdownSpec`` fields) reproducing ``phases``, every
+    factor times ``base`` (every rank's device ``base`` times slower than a core; 1: the
+    phases' factors as they are, 1x ranks unslowed).
 
     Consecutive phases that keep a rank's factor merge into one spec; the first phase starts
     at step 0 (warm-up runs at its speeds) and the last spec of a rank runs to the end.
@@ -110,7 +112,7 @@ def slowdown_specs(phases: Sequence[Phase]) -> list[dict[str, Any]]:
         runs: list[list[Any]] = []  # [factor, start, end]
         for index, phase in enumerate(phases):
             start = 0 if index == 0 else phase.start
-            factor = phase.factors[rank]
+            factor = phase.factors[rank] * base
             if runs and runs[-1][0] == factor:
                 runs[-1][2] = phase.end
             else:

@@ -48,7 +48,6 @@ BALANCER_KNOBS: dict[str, Any] = {
     "stable_steps": 2,
     "horizon_steps": 100,
     "move_cost_s": 0.2,
-    "accuracy_weight": 1.0,
 }
 """The benchmark's balancer settings (``fixed_fraction`` is the calibration's first guess,
 refined by the controller from each move): an agreement every step over the median of the
@@ -56,10 +55,13 @@ last 3 (a change shows in 2 steps, a re-plan follows 2 steps later, inside a 10-
 and thresholds wide enough for a loaded 2-core host, where 4 ranks share 2 cores with other
 jobs and a rank's compute time jitters by tens of percent; the median and the hysteresis
 (flag above 1.3x, release below 1.1x, move only when the speeds left the plan's by 25%)
-keep that jitter from moving the widths. ``accuracy_weight`` 1: semi prices dropping a
-fraction of the work as high as the time it saves, so it never bridges with ZERO-resizing on
-text (at 0.5 a --quick run under load lost 15% validation loss to it, against the issue's
-1%) and bridges with migration or re-plans."""
+keep that jitter from moving the widths."""
+
+TEXT_KNOBS: dict[str, Any] = {**BALANCER_KNOBS, "accuracy_weight": 1.0}
+"""The throughput run's: ``accuracy_weight`` 1 prices dropping a fraction of the work as high
+as the time it saves, so semi never bridges with ZERO-resizing on text (at 0.5 a --quick
+run under load lost 15% validation loss to it, against the issue's 1%); it bridges with
+migration or re-plans. (The digits run keeps ``BALANCER_KNOBS``.)"""
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,7 @@ class ThroughputCase:
     batch_size: int = 8
     seq_len: int = 64
     eval_batches: int = 2
-    knobs: dict[str, Any] = field(default_factory=lambda: dict(BALANCER_KNOBS))
+    knobs: dict[str, Any] = field(default_factory=lambda: dict(TEXT_KNOBS))
 
     @property
     def steps(self) -> int:
@@ -86,9 +88,26 @@ class ThroughputCase:
         return len(self.phases[0].factors)
 
 
-def emulation_of(phases: tuple[Phase, ...]) -> EmulationConfig:
-    """The schedule's compute slowdowns as an emulation config."""
-    return EmulationConfig(compute=[SlowdownSpec(**spec) for spec in slowdown_specs(phases)])
+DEVICE_BASE = 2.5
+"""Every rank emulates a device this many times slower than a core, its compute stretched to
+``base x factor x`` its CPU work (the interceptor's ``dedicated`` stretch): 4 ranks share 2
+cores, so a rank's wall time per unit of work is about 2x its CPU work and moves with what
+the others do. With ``added`` stretch a slowed rank's sleep hands its core to the others
+(the 2x rank of phase 1 cost stock TP 4% instead of its compute's worth); a base above the
+contention gives each rank a device of its own that no neighbour speeds up."""
+
+
+def emulation_of(phases: tuple[Phase, ...], base: float = 1.0) -> EmulationConfig:
+    """The schedule's compute slowdowns as an emulation config, on devices ``base`` times
+    slower than a core (1: the factors alone)."""
+    specs = slowdown_specs(phases, base)
+    return EmulationConfig(compute=[SlowdownSpec(**spec) for spec in specs])
+
+
+def unperturbed_of(phases: tuple[Phase, ...], base: float) -> EmulationConfig:
+    """Every rank at the device base alone (no straggler), the same length of run."""
+    even = tuple(Phase(p.name, p.start, p.end, (1.0,) * len(p.factors)) for p in phases)
+    return emulation_of(even, base)
 
 
 def balancer_config(mode: str, knobs: dict[str, Any], fixed_fraction: float) -> BalancerConfig:
@@ -128,7 +147,7 @@ def throughput_rank(
 
     kind = device_kind(device)
     plan = PlanConfig(mode="auto", reference_tflops=tflops, layer_overhead_us=overhead * 1e6)
-    emulation = emulation_of(case.phases)
+    emulation = emulation_of(case.phases, DEVICE_BASE)
 
     def hetero(mode: str, speeds: tuple[float, ...]) -> HeteroConfig:
         devices = [DeviceSpec(speed=s, bandwidth_gbps=gbps) for s in speeds]
@@ -153,8 +172,9 @@ def throughput_rank(
         seq_len=case.seq_len,
         train_batch=lambda step: data.train_batch(step, case.batch_size, 0),
         val_batches=data.val_batches(case.batch_size, case.eval_batches),
+        stretch="dedicated",
     )
-    stock = {"unperturbed": EmulationConfig(), "stock": emulation}
+    stock = {"unperturbed": unperturbed_of(case.phases, DEVICE_BASE), "stock": emulation}
     calibrated_s = time.perf_counter() - started
     result = run_variants(world, stock, configs, device, oracle="oracle")
     result["seconds"]["calibrate"] = calibrated_s

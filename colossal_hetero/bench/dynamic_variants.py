@@ -14,7 +14,7 @@ import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,9 @@ class World:
     """Also evaluate every this many steps (0: only at the end of each phase)."""
     lr: float = 1e-3
     """AdamW learning rate of every variant (the runner's default is 1e-3)."""
+    stretch: Literal["added", "dedicated"] = "added"
+    """How every variant's interceptor lengthens a slowed rank's compute (``added`` or
+    ``dedicated``, see ``CollectiveInterceptor``)."""
 
     @property
     def steps(self) -> int:
@@ -182,10 +185,12 @@ def _build(
     runners: dict[str, Any] = {}
     plugins: dict[str, Any] = {}
     for name, emulation in stock.items():
+        timer = build_interceptor(emulation, rank, size, device)
+        timer.stretch = world.stretch
         runners[name] = TrainingRunner(
             world.model,
             HybridParallelPlugin(**engine_kwargs(plain, device)),
-            build_interceptor(emulation, rank, size, device),
+            timer,
             emulated=emulation.enabled,
             **shape,
         )
@@ -193,6 +198,7 @@ def _build(
         plugins[name] = HeteroParallelPlugin(
             config, workload=(world.batch_size, world.seq_len), policy=_even_policy(world, config)
         )
+        plugins[name].timer.stretch = world.stretch
         runners[name] = TrainingRunner(world.model, plugins[name], **shape)
     return runners, plugins
 

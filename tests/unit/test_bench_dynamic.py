@@ -43,6 +43,26 @@ def test_three_phases_schedule_and_emulation_agree_at_every_step() -> None:
             assert schedule.factor_at(step) == want, (rank, step)
 
 
+def test_on_a_device_base_every_rank_is_slowed_base_times_its_factor() -> None:
+    """The throughput run's emulation: every rank at base x factor at every step (1x ranks
+    at the base), and the unperturbed variant at the base alone."""
+    from colossal_hetero.bench.dynamic_run import emulation_of, unperturbed_of
+
+    phases = tuple(three_phases(5, warmup=2))
+    slowed, plain = emulation_of(phases, 2.5), unperturbed_of(phases, 2.5)
+    for rank in range(4):
+        schedule = SlowdownSchedule.from_config(slowed, rank)
+        even = SlowdownSchedule.from_config(plain, rank)
+        for step in range(20):
+            phase = next((p for p in phases if p.start <= step < p.end), None)
+            want = (phase or (phases[0] if step < 2 else phases[-1])).factors[rank]
+            assert schedule.factor_at(step) == 2.5 * want, (rank, step)
+            assert even.factor_at(step) == 2.5
+    assert emulation_of(phases) == EmulationConfig(
+        compute=[SlowdownSpec(**s) for s in slowdown_specs(phases)]
+    )
+
+
 def test_middle_half_and_bad_sizes() -> None:
     phases = middle_half(160, rank=2, factor=8.0)
     assert [(p.start, p.end) for p in phases] == [(0, 40), (40, 120), (120, 160)]
