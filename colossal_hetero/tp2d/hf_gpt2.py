@@ -21,7 +21,12 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
 
-from colossal_hetero.tp2d.gpt2 import GPT2Shares, PositionEmbedding2D, check_gpt2
+from colossal_hetero.tp2d.gpt2 import (
+    GPT2Shares,
+    PositionEmbedding2D,
+    check_gpt2,
+    lean_activation,
+)
 from colossal_hetero.tp2d.layers import (
     Embedding2D,
     LayerNorm2D,
@@ -82,6 +87,7 @@ def _convert_block(block: Any, mesh: Mesh2D, shares: GPT2Shares, widths: tuple) 
     attn.num_heads = shares.head_counts[mesh.j]
     block.mlp.c_fc = _linear(mesh, block.mlp.c_fc, widths, ffn)
     block.mlp.c_proj = _linear(mesh, block.mlp.c_proj, ffn, widths)
+    block.mlp.act = lean_activation(block.mlp.act)  # same GELU, keeps only its input
 
 
 class GPT2LMHeadModel2D(nn.Module):
