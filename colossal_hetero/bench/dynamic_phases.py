@@ -393,6 +393,7 @@ def summarise_case(
         "delays": delays,
         "action_delays": actions,
         "op_bytes": {name: variants[name]["op_bytes"] for name in names},
+        "agreement_cost": {m: agreement_cost(variants[m]) for m in modes if m in BALANCED_MODES},
         "widths": {name: variants[name]["widths"] for name in names},
         "oracle_widths": result.get("oracle_widths"),
     }
@@ -405,6 +406,15 @@ def compute_fraction(
     step time: how much of a step the balancers can act on (the rest is collectives)."""
     pairs = zip(series[f"{reference}.compute"], series[f"{reference}.step"], strict=True)
     return statistics.median(c / s for c, s in pairs if s > 0)
+
+
+def agreement_cost(variant: Mapping[str, Any]) -> float | None:
+    """The balancer's median agreement seconds over the variant's median step seconds (the
+    detector's overhead at one agreement per step; None where none was recorded)."""
+    seconds = variant.get("agree_s") or []
+    if not seconds:
+        return None
+    return statistics.median(seconds) / statistics.median(max(r[0::4]) for r in variant["rows"])
 
 
 def _delays_of(

@@ -135,6 +135,7 @@ def throughput_rank(
     """
     from colossal_hetero.bench.profile import agree, calibrate_model, measure_allreduce_gbps
     from colossal_hetero.plugin import prepare_device
+    from colossal_hetero.utils.device import device_kind
 
     prepare_device(device)
     started = time.perf_counter()
@@ -143,8 +144,6 @@ def throughput_rank(
     overhead = agree(overhead, device, "min")
     gbps = agree(measure_allreduce_gbps(device), device, "min")
     fraction = _fixed_fraction(case, tflops * 1e12, overhead)
-    from colossal_hetero.utils.device import device_kind
-
     kind = device_kind(device)
     plan = PlanConfig(mode="auto", reference_tflops=tflops, layer_overhead_us=overhead * 1e6)
     emulation = emulation_of(case.phases, DEVICE_BASE)

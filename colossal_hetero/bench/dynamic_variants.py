@@ -64,7 +64,8 @@ def run_variants(
     bytes sent per step summed over ranks (the interceptor's count of every collective and
     point-to-point call); ``evals``: ``[step, loss, accuracy]`` at each phase end;
     ``records``: the balancer's decision records (agreed, so rank 0's stand for all);
-    ``op_bytes``: what in-layer ops' own counters (``bytes_sent``) hold at the end.
+    ``op_bytes``: what in-layer ops' own counters (``bytes_sent``) hold at the end;
+    ``agree_s``: the seconds of each balancer agreement on rank 0 (empty without one).
     """
     started = time.perf_counter()
     runners, plugins = _build(world, stock, hetero, device)
@@ -87,6 +88,7 @@ def run_variants(
                 "records": _records(plugins.get(name)),
                 "widths": _widths(plugins.get(name)),
                 "op_bytes": _sum_over_ranks([_op_bytes(runner.model)], device)[0],
+                "agree_s": _agree_seconds(plugins.get(name)),
             }
             for name, runner in runners.items()
         }
@@ -291,6 +293,12 @@ def _records(plugin: Any) -> list[dict[str, Any]]:
     controller = getattr(plugin, "balancer", None) if plugin is not None else None
     log = getattr(controller, "log", None)
     return list(getattr(log, "records", []))
+
+
+def _agree_seconds(plugin: Any) -> list[float]:
+    """This rank's seconds in each of its balancer's agreements (its all_gather)."""
+    controller = getattr(plugin, "balancer", None) if plugin is not None else None
+    return list(getattr(controller, "agree_s", []))
 
 
 def _widths(plugin: Any) -> dict[str, list[int]] | None:
