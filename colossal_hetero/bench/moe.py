@@ -1,17 +1,19 @@
 """``colossal-hetero bench moe``: a small Mixtral, EP=2 x DP=2 on 4 CPU ranks, on shaped links.
 
-First version (issue 11): the stock ``MoeHybridParallelPlugin`` (ZeRO-1, its only EP x DP
-layout) against ours (``HeteroParallelPlugin`` with ``parallel.ep``) with the chunked reducer's
-priority off (plain bucketed overlap) and on, all three in bf16 (the stock plugin's ZeRO
-refuses fp32), built in one world from the same initial weights, trained on the same batches,
+The stock ``MoeHybridParallelPlugin`` (ZeRO-1, its only EP x DP layout) against ours
+(``HeteroParallelPlugin`` with ``parallel.ep``) in four settings of the chunked reducer
+(``VARIANTS``): priority off with no in-flight limit (plain bucketed overlap, DDP-like), priority
+on holding chunks from dispatch to combine, priority on fitting chunks into the gaps between
+a2a's, and that with a2a/expert pipelining ("all on"). All in bf16 (the stock plugin's ZeRO
+refuses fp32), built in one world from the same initial weights, trained on the same batches
 and measured in interleaved rounds (``bench.rounds``), one training step per variant per round.
 
-Per step and variant: the slowest rank's step time; the time inside collectives (each call
-timed around a synchronous collective; our reducer's async chunks are not counted, they
-overlap); for ours, from the step's event log, the median duration of the forward a2a calls
-(no gradient traffic in flight: "alone") and of the backward ones (chunks may be in flight:
-"under all-reduce"); the mean training loss. Variants not built yet (DeepSeek-MoE, pipelining,
-packing, placement) appear in the summary as null with the reason.
+Per step and variant: the slowest rank's step time; the time inside synchronous collectives
+(our reducer's async chunks are not counted, they overlap); for ours, the a2a transfer times
+(:func:`_a2a_medians`: from the last rank's arrival to the end) of the forward ("alone": no
+gradient exists yet) and of the backward (gradient chunks are reduced around them), and the
+share of a2a calls with a chunk of any rank on the wire; the mean training loss. Variants of
+other modules (DeepSpeed-MoE, packing, placement) appear in the summary as null with the reason.
 """
 
 from __future__ import annotations
@@ -41,13 +43,15 @@ HF = {
     "router_aux_loss_coef": 0.02,
 }
 SEQ, PER_RANK, EP = 64, 4, 2
-RATE_MBIT = 800.0
+RATE_MBIT = 1200.0
 CHUNK_KIB, MAX_INFLIGHT = 128, 2
 UNLIMITED = 1024  # priority off: every ready chunk goes at once (plain bucketed overlap, DDP-like)
-VARIANTS = {  # name: (priority, fit_gaps, max_inflight)
-    "ours_off": (False, False, UNLIMITED),
-    "ours_hold": (True, False, MAX_INFLIGHT),
-    "ours_on": (True, True, MAX_INFLIGHT),
+PIPELINE = 2  # token ranges of the a2a/expert pipelining in the all-on variant
+VARIANTS = {  # name: (priority, fit_gaps, max_inflight, pipeline_chunks)
+    "ours_off": (False, False, UNLIMITED, 1),
+    "ours_hold": (True, False, MAX_INFLIGHT, 1),
+    "ours_on": (True, True, MAX_INFLIGHT, 1),
+    "ours_all": (True, True, MAX_INFLIGHT, PIPELINE),
 }
 _TIMED = ("all_reduce", "all_to_all_single", "reduce_scatter_tensor", "all_gather_into_tensor")
 _NOT_BUILT = {
@@ -103,7 +107,9 @@ def _build_stock(device: torch.device) -> tuple[Any, Any, Any]:
     return booster, model, optimizer
 
 
-def _build_ours(priority: bool, fit: bool, max_inflight: int) -> tuple[Any, Any, Any, Any]:
+def _build_ours(
+    priority: bool, fit: bool, max_inflight: int, pipeline: int
+) -> tuple[Any, Any, Any, Any]:
     from colossalai.booster import Booster
 
     from colossal_hetero.config.moe import MoeConfig
@@ -114,7 +120,11 @@ def _build_ours(priority: bool, fit: bool, max_inflight: int) -> tuple[Any, Any,
     config = HeteroConfig(
         parallel=ParallelConfig(ep=EP, precision="bf16"),
         moe=MoeConfig(
-            chunk_kib=CHUNK_KIB, max_inflight=max_inflight, priority=priority, fit_gaps=fit
+            chunk_kib=CHUNK_KIB,
+            max_inflight=max_inflight,
+            priority=priority,
+            fit_gaps=fit,
+            pipeline_chunks=pipeline,
         ),
     )
     plugin = HeteroParallelPlugin(config)
@@ -218,6 +228,8 @@ def moe_worker(rank: int, world_size: int, device: torch.device, *, quick: bool)
             **{name: ours_variant(name) for name in VARIANTS},
         },
         {
+            "ours_all_vs_stock": lambda v: v["stock.step"] / v["ours_all.step"],
+            "all_vs_on": lambda v: v["ours_on.step"] / v["ours_all.step"],
             "ours_on_vs_stock": lambda v: v["stock.step"] / v["ours_on.step"],
             "ours_off_vs_stock": lambda v: v["stock.step"] / v["ours_off.step"],
             "ours_hold_vs_stock": lambda v: v["stock.step"] / v["ours_hold.step"],
@@ -309,7 +321,9 @@ def summarise(result: dict, network_mode: str) -> dict[str, Any]:
         "network_mode": network_mode,
         "precision": "bf16",
         "stock_comm_fraction": med("stock.comm") / med("stock.step"),
-        "all_on_vs_colossalai_moe": float(figures["ours_on_vs_stock"]["value"]),
+        "all_on_vs_colossalai_moe": float(figures["ours_all_vs_stock"]["value"]),
+        "priority_on_vs_colossalai_moe": float(figures["ours_on_vs_stock"]["value"]),
+        "pipelining_on_vs_off": float(figures["all_vs_on"]["value"]),
         "priority_off_vs_colossalai_moe": float(figures["ours_off_vs_stock"]["value"]),
         "priority_on_vs_off": float(figures["on_vs_off"]["value"]),
         "fit_vs_hold": float(figures["on_vs_hold"]["value"]),
@@ -318,12 +332,10 @@ def summarise(result: dict, network_mode: str) -> dict[str, Any]:
         / med("ours_off.a2a_alone"),
         "a2a_under_allreduce_over_alone_hold": med("ours_hold.a2a_under")
         / med("ours_hold.a2a_alone"),
-        "a2a_with_chunks_on_wire": {
-            name: med(f"{name}.a2a_overlapped") for name in ("ours_off", "ours_hold", "ours_on")
-        },
+        "a2a_with_chunks_on_wire": {name: med(f"{name}.a2a_overlapped") for name in VARIANTS},
         "max_loss_diff_vs_stock": result["max_loss_diff_vs_stock"],
-        "all_on_means": "priority on with gap fitting (pipelining, packing and placement are "
-        "not in this run)",
+        "all_on_means": f"priority on with gap fitting and a2a/expert pipelining over "
+        f"{PIPELINE} token ranges (packing and placement are not in this run)",
     }
     for key, reason in _NOT_BUILT.items():
         summary[key] = None
@@ -367,6 +379,7 @@ def run_moe_benchmark(*, quick: bool, json_path: str = "", network: str = "shape
             "ours_off": "priority off (plain bucketed overlap)",
             "ours_hold": "priority on, chunks held from dispatch to combine",
             "ours_on": "priority on, chunks fitted into the gaps between a2a's",
+            "ours_all": f"all on: fitted chunks and a2a/expert pipelining ({PIPELINE} ranges)",
         }
         png = Path(json_path).with_suffix(".timeline.png")
         plot_timelines({titles[k]: v for k, v in logs.items()}, png)

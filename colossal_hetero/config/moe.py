@@ -28,6 +28,11 @@ class MoeConfig:
     this fraction of its time moving bytes, from an alpha-beta profile measured at boost time
     on the gradient groups (agreed over the world), at most chunk_kib."""
 
+    pipeline_chunks: int = 1
+    """a2a/expert pipelining: each MoE block's dispatch and combine all-to-alls are cut into
+    this many token ranges, one range's experts computed while the next range is on the wire
+    (forward and backward). 1: off. Not combined with packing."""
+
     fit_gaps: bool = True
     """With priority: a gradient chunk may go between two all-to-alls (also inside the expert
     compute) only if its predicted all-reduce ends before the next all-to-all's expected start,
@@ -65,6 +70,16 @@ class MoeConfig:
     def __post_init__(self) -> None:
         _require(self.chunk_kib >= 1, "chunk_kib", f"must be >= 1, got {self.chunk_kib}")
         _require(self.max_inflight >= 1, "max_inflight", f"must be >= 1, got {self.max_inflight}")
+        _require(
+            self.pipeline_chunks >= 1,
+            "pipeline_chunks",
+            f"must be >= 1, got {self.pipeline_chunks}",
+        )
+        _require(
+            self.pipeline_chunks == 1 or not self.packing,
+            "pipeline_chunks",
+            "pipelining is not combined with moe.packing: set one of them",
+        )
         _require(
             0 <= self.chunk_efficiency < 1,
             "chunk_efficiency",

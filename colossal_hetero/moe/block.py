@@ -33,6 +33,7 @@ from torch.distributed import ProcessGroup
 
 from colossal_hetero.moe.comm import MoeComm, Span
 from colossal_hetero.moe.packed import packed_exchange
+from colossal_hetero.moe.pipelined import pipelined_exchange
 from colossal_hetero.moe.placement import Placement
 
 
@@ -93,6 +94,7 @@ class HeteroEPMixtralSparseMoeBlock(EPMixtralSparseMoeBlock):
     held: tuple[int, ...]
     backward_spans: list[Span]
     packing: bool = False  # moe.packing: one row per (token, rank), combined there (packed.py)
+    pipeline_chunks: int = 1  # moe.pipeline_chunks: a2a/expert pipelining (pipelined.py)
 
     @staticmethod
     def from_native_module(  # type: ignore[override]
@@ -175,7 +177,10 @@ class HeteroEPMixtralSparseMoeBlock(EPMixtralSparseMoeBlock):
                 a2a, dispatch, combine = _all_to_all, _Dispatch.apply, _Combine.apply
                 out = packed_exchange(self, x, selected, weights, a2a, dispatch, combine)
             else:
-                combined = self._exchange(x, selected)
+                if self.pipeline_chunks > 1:
+                    combined = pipelined_exchange(self, x, selected, self.pipeline_chunks)
+                else:
+                    combined = self._exchange(x, selected)
                 out = (combined.view(-1, self.top_k, hidden) * weights.unsqueeze(-1)).sum(dim=1)
         finally:
             self.comm.close_span(span)

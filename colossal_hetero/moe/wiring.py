@@ -83,6 +83,8 @@ def install_reducers(
     booster's, on the instance) flushes them first."""
     moe = config.moe
     blocks = [m for m in model.modules() if isinstance(m, HeteroEPMixtralSparseMoeBlock)]
+    for block in blocks:  # read by each block's forward
+        block.pipeline_chunks = moe.pipeline_chunks
     expert_ids = {id(p) for block in blocks for p in block.expert_parameters()}
     params = [p for p in model.parameters() if p.requires_grad]
     dense_params = [p for p in params if id(p) not in expert_ids]

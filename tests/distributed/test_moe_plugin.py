@@ -78,7 +78,9 @@ def _gates(model):  # type: ignore[no-untyped-def]
     return [layer.block_sparse_moe.gate for layer in model.model.layers]
 
 
-def _check(rank: int, world_size: int, device: torch.device, placement: list | None = None) -> None:
+def _check(  # type: ignore[no-untyped-def]
+    rank: int, world_size: int, device: torch.device, placement: list | None = None, pipeline=1
+) -> None:
     from colossalai.booster import Booster
 
     from colossal_hetero.config.moe import MoeConfig
@@ -87,7 +89,9 @@ def _check(rank: int, world_size: int, device: torch.device, placement: list | N
     from colossal_hetero.plugin import HeteroParallelPlugin
 
     # fit_gaps off: the strict span gate is checked here; the windows in test_moe_scheduler.
-    moe = MoeConfig(chunk_kib=1, placement=placement or [], fit_gaps=False)
+    moe = MoeConfig(
+        chunk_kib=1, placement=placement or [], fit_gaps=False, pipeline_chunks=pipeline
+    )
     config = HeteroConfig(parallel=ParallelConfig(ep=2), moe=moe)
     held = (placement or [[0, 1], [2, 3]])[rank % 2]
     plugin = HeteroParallelPlugin(config)
@@ -124,6 +128,8 @@ def _check(rank: int, world_size: int, device: torch.device, placement: list | N
                 if p.grad is not None:
                     p.add_(p.grad, alpha=-LR)
         log = plugin.moe_log.last
+        if pipeline > 1:  # per layer: counts, n dispatches, n combines; 2n in backward
+            assert sum(1 for k, *_ in log if k == "a2a") == LAYERS * (1 + 4 * pipeline), case
         _check_log(log, case, priority, max_inflight=config.moe.max_inflight)
         _check_gate_mattered(log, case, priority)
         if case == "zero" and min(held) > 1:  # no token reaches this rank's experts: their
@@ -211,6 +217,13 @@ def _check_sequences(plugin, log, rank: int, world_size: int, case: str) -> None
 def test_mixtral_ep2_matches_single_process() -> None:
     """EP=2 on 2 ranks (the expert groups are single ranks): the default suite's spawn."""
     run_distributed(_check, 2, force_cpu=True)
+
+
+@pytest.mark.timeout(300)
+def test_mixtral_ep2_pipelined_matches_single_process() -> None:
+    """EP=2 on 2 ranks with a2a/expert pipelining over 3 token ranges (moe.pipeline_chunks):
+    the same checks, every a2a of every range gated and issued by both ranks."""
+    run_distributed(_check, 2, force_cpu=True, pipeline=3)
 
 
 @pytest.mark.slow

@@ -53,6 +53,7 @@ def test_summary_keys_and_nulls() -> None:
         "ours_off.a2a_overlapped": 0.5,
         "ours_hold.a2a_overlapped": 0.25,
         "ours_on.a2a_overlapped": 0.0,
+        "ours_all.a2a_overlapped": 0.0,
     }
     result = {
         "rounds": {
@@ -61,6 +62,8 @@ def test_summary_keys_and_nulls() -> None:
                 k: interval(v)
                 for k, v in {
                     "ours_on_vs_stock": 1.2,
+                    "ours_all_vs_stock": 1.3,
+                    "all_vs_on": 1.08,
                     "ours_off_vs_stock": 1.1,
                     "on_vs_off": 1.05,
                     "on_vs_hold": 1.02,
@@ -75,7 +78,9 @@ def test_summary_keys_and_nulls() -> None:
     assert abs(summary["a2a_under_allreduce_over_alone_priority_off"] - 3.0) < 1e-12
     assert abs(summary["a2a_under_allreduce_over_alone_hold"] - 1.5) < 1e-12
     assert summary["a2a_with_chunks_on_wire"]["ours_off"] == 0.5 and summary["fit_vs_hold"] == 1.02
-    assert summary["all_on_vs_colossalai_moe"] == 1.2 and summary["network_mode"] == "shaped"
+    assert summary["priority_on_vs_colossalai_moe"] == 1.2
+    assert summary["pipelining_on_vs_off"] == 1.08
+    assert summary["all_on_vs_colossalai_moe"] == 1.3 and summary["network_mode"] == "shaped"
     assert summary["all_on_vs_deepspeed_moe"] is None and summary["all_on_vs_deepspeed_moe_reason"]
 
 
