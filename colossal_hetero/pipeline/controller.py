@@ -61,6 +61,8 @@ class AdaKController:
         if window < 1:
             raise ValueError(f"window: retune over >= 1 steps, got {window}")
         self._profiles: deque[PipelineProfile] = deque(maxlen=window)
+        self._cache: dict[tuple[PipelineProfile, int], float] = {}
+        """Simulated step time per (window profile, k): each profile is simulated once."""
         self.schedule, self.stage_of_rank, self.period = schedule, stage_of_rank, period
         self.memory_budget_bytes = memory_budget_bytes
         self.latency_s, self.group, self.min_gain = latency_s, group, min_gain
@@ -89,7 +91,9 @@ class AdaKController:
         num_stages = self.schedule.stage_manager.num_stages
         profile = agreed_profile([r.tolist() for r in rows], self.stage_of_rank, num_stages, m)
         self._profiles.append(profile)  # identical on every rank: so is the window
-        decision = choose_k_over_window(list(self._profiles), m, min_gain=self.min_gain)
+        window = list(self._profiles)
+        decision = choose_k_over_window(window, m, min_gain=self.min_gain, cache=self._cache)
+        self._cache = {key: t for key, t in self._cache.items() if key[0] in window}
         previous = self.schedule.k
         self.schedule.set_k(decision.k)
         before = decision.step_s_by_k.get(previous)  # None: the old k no longer fits memory

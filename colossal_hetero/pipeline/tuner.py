@@ -182,6 +182,7 @@ def choose_k_over_window(
     num_microbatches: int,
     min_gain: float = 1e-9,
     candidates: Sequence[int] | None = None,
+    cache: dict[tuple[PipelineProfile, int], float] | None = None,
 ) -> KDecision:
     """The ``k`` with the least predicted total time over recent steps' ``profiles``. Pure.
 
@@ -192,20 +193,43 @@ def choose_k_over_window(
     budget of its last profile). The smallest ``k`` predicted within ``min_gain`` (relative) of
     the best wins, as in :func:`choose_k`. ``step_s_by_k`` in the result holds each
     candidate's summed time over the window; one profile is exactly :func:`choose_k`.
+
+    ``cache`` (the caller's, optional) keeps each ``(profile, k)``'s simulated step time, so a
+    retuning step simulates only its new profile: a window's older steps were simulated before.
     """
     if not profiles:
         raise ValueError("profiles: need at least one step's profile")
     last = profiles[-1]
     largest = tuple(max(p.activation_bytes[s] for p in profiles) for s in range(last.num_stages))
     budget = last.memory_budget_bytes
-    total: dict[int, float] = {}
+    # One memory profile for every step: each step has the same feasible candidates.
+    memory = replace(last, activation_bytes=largest, memory_budget_bytes=budget)
+    _check_profile(memory)
+    m = num_microbatches
+    ks = sorted(set(range(1, m + 1) if candidates is None else candidates))
+    for k in ks:
+        check_pipeline_args(last.num_stages, m, k)
+    fitting = [k for k in ks if fits_memory(memory, m, k)]
+    if not fitting:
+        choose_k(memory, m, ks)  # raises the budget's ValueError
+    cache = {} if cache is None else cache
+    total = dict.fromkeys(fitting, 0.0)
     for profile in profiles:
-        # One memory profile for every step: each step has the same feasible candidates.
-        same = replace(profile, activation_bytes=largest, memory_budget_bytes=budget)
-        for k, seconds in choose_k(same, num_microbatches, candidates).step_s_by_k.items():
-            total[k] = total.get(k, 0.0) + seconds
+        for k in fitting:
+            if (profile, k) not in cache:
+                cache[(profile, k)] = _step_time(profile, m, k)
+            total[k] += cache[(profile, k)]
     best = min(total.values())
     k = min(c for c, t in total.items() if t <= best * (1 + min_gain))
     p = last.num_stages
     peaks = tuple(expected_peak_in_flight(p, s, num_microbatches, k) * largest[s] for s in range(p))
     return KDecision(k, total[k], total, peaks)
+
+
+def _step_time(profile: PipelineProfile, num_microbatches: int, k: int) -> float:
+    """The simulated step time of ``profile`` under ``k`` (memory not checked)."""
+    traces = [Trace.constant(c) for c in profile.transfer_s]
+    latency = profile.latency_s or None
+    return simulate(
+        profile.forward_s, profile.backward_s, traces, num_microbatches, k, latency_s=latency
+    ).step_time

@@ -84,3 +84,15 @@ def test_link_time_of_receives_posted_ahead_excludes_queueing():
     assert direction_seconds([0.0, 0.1, 0.2], [0.0] * 3, [NOT_BLOCKED, 1.1, 2.1]) == (
         pytest.approx(1.0)
     )
+
+
+def test_cache_gives_the_same_decision_and_simulates_each_profile_once():
+    p, m = 3, 6
+    window = [_profile(p, c) for c in (0.0, 2.0, 0.5)]
+    cache: dict = {}
+    first = choose_k_over_window(window[:2], m, cache=cache)
+    assert first == choose_k_over_window(window[:2], m)
+    assert len(cache) == 2 * m  # each profile once per candidate
+    cache[(window[0], 1)] = 1e9  # a cached value is used, not recomputed
+    again = choose_k_over_window(window, m, cache=cache)
+    assert len(cache) == 3 * m and again.step_s_by_k[1] > 1e9
