@@ -44,7 +44,8 @@ HF = {
 }
 SEQ, PER_RANK, EP = 64, 4, 2
 RATE_MBIT = 1200.0
-CHUNK_KIB, MAX_INFLIGHT = 128, 2
+CHUNK_KIB, MAX_INFLIGHT = 512, 2
+CHUNK_EFFICIENCY = 0.5  # chunk size from the measured alpha-beta profile, at most CHUNK_KIB
 UNLIMITED = 1024  # priority off: every ready chunk goes at once (plain bucketed overlap, DDP-like)
 PIPELINE = 2  # token ranges of the a2a/expert pipelining in the all-on variant
 VARIANTS = {  # name: (priority, fit_gaps, max_inflight, pipeline_chunks)
@@ -121,6 +122,7 @@ def _build_ours(
         parallel=ParallelConfig(ep=EP, precision="bf16"),
         moe=MoeConfig(
             chunk_kib=CHUNK_KIB,
+            chunk_efficiency=CHUNK_EFFICIENCY,
             max_inflight=max_inflight,
             priority=priority,
             fit_gaps=fit,
@@ -247,6 +249,20 @@ def moe_worker(rank: int, world_size: int, device: torch.device, *, quick: bool)
         "rounds": result.to_dict(),
         "max_loss_diff_vs_stock": loss_diff,
         "timelines": timelines,
+        "chunking": _chunking(ours["ours_on"][3]),
+    }
+
+
+def _chunking(plugin: Any) -> dict[str, Any]:
+    """Per gradient group: the profiled alpha (s) and beta (bytes/s) and the chunks' sizes."""
+    return {
+        name: {
+            "alpha_s": reducer.profile[0] if reducer.profile else None,
+            "beta_bytes_per_s": reducer.profile[1] if reducer.profile else None,
+            "chunks": len(reducer.chunks),
+            "max_chunk_bytes": max(c.numel * c.dtype.itemsize for c in reducer.chunks),
+        }
+        for name, reducer in plugin.moe_reducers.items()
     }
 
 
@@ -367,6 +383,7 @@ def run_moe_benchmark(*, quick: bool, json_path: str = "", network: str = "shape
         "link_rate_mbit": RATE_MBIT if network == "shaped" else None,
         "wall_s": time.perf_counter() - started,
         "summary": summary,
+        "chunking": results[0]["chunking"],
         "rounds": results[0]["rounds"],
     }
     print(json.dumps(summary, indent=1))

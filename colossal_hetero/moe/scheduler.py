@@ -199,6 +199,11 @@ class ChunkedGradReducer:
             raise ValueError("ChunkedGradReducer.set_profile: need alpha >= 0 and beta > 0")
         self._profile = (alpha_s, beta_bytes_per_s)
 
+    @property
+    def profile(self) -> tuple[float, float] | None:
+        """(alpha seconds, beta bytes/s) given to :meth:`set_profile`; None before."""
+        return self._profile
+
     def predict(self, chunk: Chunk) -> float | None:
         """Predicted seconds of ``chunk``'s all-reduce: the profile times the median ratio of
         observed to profiled time of the last lone chunks (at least 1); None without a profile."""
