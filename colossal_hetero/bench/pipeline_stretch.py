@@ -1,50 +1,83 @@
-"""Half-speed stage for ``bench pipeline`` scenario (c): stretch each block's own compute.
+"""Slow devices for ``bench pipeline`` scenario (c): stretch each block's own compute.
 
 The collective interceptor stretches a rank's compute at its next collective, and it does not
 see ``KFKBSchedule``'s ``isend``/``irecv``: under it, a stage would be slowed where Colossal-AI's
 1F1B talks (``send``/``recv``) and not where kFkB does, which would favour one schedule. This
-stretch is the same for every variant: around each transformer block that runs on a slowed
-rank, it measures the wall time of the block's forward and of its backward and sleeps
-``(factor - 1)`` times that, right after; the sleep burns no CPU. Wall time, not the thread's
-CPU time: on a shared, oversubscribed machine a block's compute takes several times its CPU
-time in wall time (the rank waits for a core), and that wall time is what the neighbouring
-stages wait for; stretching only the CPU time would make "half speed" a far smaller slowdown
-than it says.
+stretch is the same for every variant: around each transformer block that runs on a rank, it
+times the block's forward and its backward and sleeps right after each; the sleep burns no CPU.
+
+Two modes (``Stretch(mode=)``):
+
+- ``added``: sleep ``(factor - 1)`` times the block's wall time. On a shared, oversubscribed
+  machine that sleep hands the rank's core to its neighbours, which then run faster: 4 ranks
+  on 2 cores are CPU-bound, and a slow stage that sleeps speeds up every other stage, so a
+  split that moves blocks off it gains far less than the slowdown says.
+- ``dedicated``: the block's pass lasts ``base * factor`` times the thread's CPU time of it,
+  sleeping what its (contended) wall time left: a device of its own, ``base`` times slower
+  than a core, that no neighbour speeds up or slows down while the contention stays below
+  ``base`` (as the interceptor's ``stretch="dedicated"``). Every rank of the scenario runs
+  on such devices, the slowed stage's with ``factor`` 2.
 
 Backward is bracketed by two identity autograd functions: one on the block's output (its
-backward runs first, and starts the clock) and one on the block's input (its backward runs
+backward runs first, and starts the clocks) and one on the block's input (its backward runs
 once the block's backward is done, and sleeps). On CPU autograd runs backward on the calling
-thread, one block after another, so the two marks bracket exactly that block's backward.
+thread, one block after another, so the two marks bracket exactly that block's backward and
+the thread's CPU time is that backward's work.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
+DEVICE_BASE = 2.5
+"""``dedicated`` mode: every emulated device this many times slower than a core (4 ranks on 2
+cores make a block's wall time about twice its CPU time; the base absorbs that)."""
+
 
 class Stretch:
-    """Shared switch and clock of one rank's stretched blocks; ``enabled`` toggles all of them."""
+    """Shared switch and clocks of one rank's stretched blocks; ``enabled`` toggles all of them."""
 
-    def __init__(self, factor: float, sleep: Callable[[float], None] = time.sleep) -> None:
-        """``sleep`` is a seam for tests; every stretch is one call of it."""
-        if factor < 1.0:
-            raise ValueError(f"factor: a stretch slows down, need >= 1, got {factor}")
-        self.factor, self._sleep = factor, sleep
+    def __init__(
+        self,
+        factor: float,
+        sleep: Callable[[float], None] = time.sleep,
+        *,
+        mode: Literal["added", "dedicated"] = "added",
+        base: float = DEVICE_BASE,
+        cpu_clock: Callable[[], float] = time.thread_time,
+    ) -> None:
+        """``sleep`` and ``cpu_clock`` are seams for tests; every stretch is one call of
+        ``sleep``. ``base`` applies to ``dedicated`` mode only."""
+        if factor < 1.0 or base < 1.0:
+            raise ValueError(f"factor, base: a stretch slows down, need >= 1, got {factor}, {base}")
+        self.factor, self.mode, self.base = factor, mode, base
+        self._sleep, self._cpu = sleep, cpu_clock
         self.enabled = False
         self.slept_s = 0.0
         """Seconds slept so far (the emulated extra compute)."""
-        self.backward_t0 = 0.0
-        """Clock time when the running block's backward started."""
+        self.backward_t0 = (0.0, 0.0)
+        """Wall and CPU clocks when the running block's backward started."""
         self._handles: list[Any] = []
 
-    def sleep_for(self, seconds: float) -> None:
-        if self.enabled and seconds > 0.0:
-            extra = (self.factor - 1.0) * seconds
+    def clocks(self) -> tuple[float, float]:
+        """(wall, thread CPU) now: what ``stretch_from`` measures a pass from."""
+        return time.perf_counter(), self._cpu()
+
+    def stretch_from(self, start: tuple[float, float]) -> None:
+        """Sleep to make the pass begun at ``start`` (``clocks()``) as slow as the mode says."""
+        if not self.enabled:
+            return
+        wall = time.perf_counter() - start[0]
+        if self.mode == "dedicated":
+            extra = self.base * self.factor * (self._cpu() - start[1]) - wall
+        else:
+            extra = (self.factor - 1.0) * wall
+        if extra > 0.0:
             self.slept_s += extra
             self._sleep(extra)
 
@@ -60,7 +93,7 @@ class Stretch:
         self._handles.clear()
 
     def _before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        module._stretch_t0 = time.perf_counter()  # type: ignore[assignment]
+        module._stretch_t0 = self.clocks()  # type: ignore[assignment]
         if not self.enabled or not args or not torch.is_tensor(args[0]):
             return None
         hidden = args[0]
@@ -69,7 +102,7 @@ class Stretch:
         return (hidden, *args[1:]), kwargs
 
     def _after(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        self.sleep_for(time.perf_counter() - module._stretch_t0)  # type: ignore[operator]
+        self.stretch_from(module._stretch_t0)  # type: ignore[arg-type]
         if not self.enabled or not isinstance(output, tuple) or not torch.is_tensor(output[0]):
             return None
         if not output[0].requires_grad:
@@ -90,7 +123,7 @@ class _Mark(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         stretch: Stretch = ctx.stretch
         if ctx.closes:
-            stretch.sleep_for(time.perf_counter() - stretch.backward_t0)
+            stretch.stretch_from(stretch.backward_t0)
         else:
-            stretch.backward_t0 = time.perf_counter()
+            stretch.backward_t0 = stretch.clocks()
         return grad, None, None

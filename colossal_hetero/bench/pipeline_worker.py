@@ -278,11 +278,13 @@ def run_pipeline_worker(
     phases = Phases(spec, rank)
     equal = _build_set(spec, "equal", device, {})
     slow = _build_set(spec, "slow", device, {"stock": equal["stock"]})
-    stretch = Stretch(spec["slow_factor"])
-    if phases.layout[rank] == spec["slow_stage"]:
-        for runner in slow.values():
-            stretch.attach(runner.blocks)
-            runner.stretch = stretch
+    # Phase (c) runs every rank on an emulated device of its own (``dedicated``: no neighbour's
+    # sleep speeds it up), the slowed stage's at half speed (bench/pipeline_stretch.py).
+    slowed = phases.layout[rank] == spec["slow_stage"]
+    stretch = Stretch(spec["slow_factor"] if slowed else 1.0, mode="dedicated")
+    for runner in slow.values():
+        stretch.attach(runner.blocks)
+        runner.stretch = stretch
     setup_s = time.perf_counter() - started
     out: dict[str, Any] = {"setup_s": setup_s, "phases": {}}
     for name, runners in (("a", equal), ("b", equal), ("c", slow)):

@@ -184,3 +184,37 @@ def test_best_static_k_only_among_those_within_the_budget():
     assert figures["ada_vs_best_static_k_a_any_memory"]["best"] == "k2"
     assert figures["ada_vs_best_static_k_a_any_memory"]["value"] == pytest.approx(0.5)
     assert summarise("shaped", {"x": figures})["ada_vs_best_static_k"] == pytest.approx(2.0)
+
+
+def test_dedicated_stretch_lasts_base_times_factor_times_cpu_work():
+    """``dedicated``: a block's pass lasts base x factor x its thread CPU time, sleeping only
+    what its wall time left (no sleep once contention alone made it that slow)."""
+    import time
+
+    import torch
+
+    from colossal_hetero.bench.pipeline_stretch import Stretch
+
+    cpu = [0.0]
+    slept: list[float] = []
+    stretch = Stretch(2.0, slept.append, mode="dedicated", base=2.5, cpu_clock=lambda: cpu[0])
+    stretch.enabled = True
+    start = stretch.clocks()
+    cpu[0] += 0.5  # the pass did 0.5 s of CPU work; its wall time is a few microseconds
+    stretch.stretch_from(start)
+    assert len(slept) == 1 and 2.5 - 1e-3 < slept[0] <= 2.5  # 2.5 * 2 * 0.5 minus the wall
+    wall_start = (time.perf_counter() - 10.0, cpu[0])  # 10 s of wall for the next 0.5 s of CPU
+    cpu[0] += 0.5
+    stretch.stretch_from(wall_start)
+    assert len(slept) == 1  # contention already made it slower than the device: no sleep
+    with pytest.raises(ValueError, match="factor, base"):
+        Stretch(2.0, mode="dedicated", base=0.5)
+    # Through a block: both passes stretched, gradients untouched.
+    block = torch.nn.Linear(8, 8)
+    stretch.attach([block])
+    x = torch.randn(4, 8, requires_grad=True)
+    out = block(x)
+    out = out[0] if isinstance(out, tuple) else out
+    out.sum().backward()
+    stretch.detach()
+    assert x.grad is not None
