@@ -40,14 +40,15 @@ def _time_all_reduce(group: ProcessGroup, nbytes: int, repeats: int) -> float:
 def fit_alpha_beta(sizes: Sequence[int], times: Sequence[float]) -> tuple[float, float]:
     """(alpha seconds, beta bytes/s) of the line through two (size, time) points (pure).
 
-    Timing noise can make the larger message no slower: then beta is the large message's
-    mean rate and alpha 0 (a line through the origin), never a negative or infinite value.
+    Timing noise can make the larger message no slower: then alpha is the small message's
+    time (latency-bound) and beta the large message's mean rate, never a negative or infinite
+    value.
     """
     (s1, s2), (t1, t2) = sizes, times
     if s2 <= s1:
         raise ValueError("fit_alpha_beta: need two increasing sizes")
     if t2 <= t1 or t1 <= 0:
-        return 0.0, s2 / max(t2, 1e-9)
+        return max(t1, 0.0), s2 / max(t2, 1e-9)
     beta = (s2 - s1) / (t2 - t1)
     return max(0.0, t1 - s1 / beta), beta
 

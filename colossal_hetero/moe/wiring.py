@@ -48,6 +48,10 @@ class MoeSetup:
     placement: Placement
 
 
+MIN_CHUNK_BYTES = 16384
+"""Floor of a profiled chunk size (a noisy profile can put alpha near 0)."""
+
+
 def moe_policy(config: HeteroConfig, model: nn.Module, world_size: int) -> MoeSetup:
     """Check the model against ``parallel.ep`` and ``moe`` (ConfigError, on every rank, before
     any collective) and build the policy that installs our expert-parallel blocks."""
@@ -106,7 +110,7 @@ def install_reducers(
     ):
         size = moe.chunk_bytes
         if moe.chunk_efficiency > 0:
-            size = min(size, chunk_bytes_for(*profile, moe.chunk_efficiency))
+            size = min(size, max(MIN_CHUNK_BYTES, chunk_bytes_for(*profile, moe.chunk_efficiency)))
         reducers[name] = ChunkedGradReducer(group_params, group, chunk_bytes=size, **common)
         reducers[name].set_profile(*profile)
     comm.attach(reducers)

@@ -32,6 +32,6 @@ def test_gap_model_takes_the_shortest_recent_gap_and_inf_after_the_last_call() -
 def test_alpha_beta_fit_by_hand_and_noise_safe() -> None:
     alpha, beta = fit_alpha_beta((1000, 101000), (0.002, 0.003))  # 100000 B per ms
     assert beta == pytest.approx(1e8) and alpha == pytest.approx(0.00199)
-    assert fit_alpha_beta((1000, 101000), (0.004, 0.003)) == (0.0, pytest.approx(101000 / 0.003))
+    assert fit_alpha_beta((1000, 101000), (0.004, 0.003)) == (0.004, pytest.approx(101000 / 0.003))
     with pytest.raises(ValueError, match="increasing"):
         fit_alpha_beta((10, 10), (1.0, 2.0))
