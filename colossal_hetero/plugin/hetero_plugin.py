@@ -54,6 +54,7 @@ from colossal_hetero.plugin.grad_sync import exclude_sfb_from_ddp, install_plann
 from colossal_hetero.plugin.launch import prepare_device
 from colossal_hetero.plugin.planning import (
     announce,
+    plan_2d_at_configure,
     plan_at_configure,
     plan_stages_at_configure,
     plan_that_runs,
@@ -129,6 +130,7 @@ class HeteroParallelPlugin(PipelinePluginBase):
         prepare_device(self.device)
         count_customized_shards_in_grad_norm()  # clipping norm of TP shards (all devices)
         self.plan, self.workload, self._policy = plan, workload, policy
+        self.plan_2d: Any = None  # tp_mode 2d on unequal devices: the planner's Tp2dPlan
         # Installed before the engine makes its process groups: a conflicting emulation of
         # another plugin in this process is refused first.
         self.timer: CollectiveInterceptor = build_interceptor(
@@ -234,7 +236,18 @@ class HeteroParallelPlugin(PipelinePluginBase):
             )
         resizes = self.plan is not None or needs_resizable(self.config)  # balancer may resize
         if two_d:  # the Optimus/SUMMA mesh (tp2d/) replaces 1D sharding; collective
-            model = convert_to_2d(model, self.engine.tp_group, self.plan)
+            if self.plan is None:  # block sizes and positions for unequal devices, or None
+                self.plan_2d = plan_2d_at_configure(
+                    self.config,
+                    model,
+                    self.engine.tp_group,
+                    self.world_size,
+                    self.workload,
+                    dataloader,
+                    self.rank,
+                    self._run_dir,
+                )
+            model = convert_to_2d(model, self.engine.tp_group, self.plan or self.plan_2d)
             self.engine.custom_policy = Converted2DPolicy()
         elif self._policy is None and resizes and self.tp_size > 1:
             widths = self.plan.widths if self.plan is not None else {}  # {}: even

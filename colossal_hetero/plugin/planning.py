@@ -151,3 +151,47 @@ def announce(plan: Plan | None, note: str, rank: int, run_dir: Path | None = Non
         if run_dir is not None:
             run_dir.mkdir(parents=True, exist_ok=True)
             dump_plan(plan, run_dir / "plan.yaml")
+
+
+def plan_2d_at_configure(
+    config: HeteroConfig,
+    model: Any,
+    tp_group: Any,
+    world_size: int,
+    workload: tuple[int, int] | None,
+    dataloader: Any,
+    rank: int,
+    run_dir: Path | None = None,
+) -> Any:
+    """The planner's ``Tp2dPlan`` for a ``tp_mode: 2d`` run on unequal devices, or None.
+
+    None (even blocks) unless ``plan.mode`` is auto, the listed devices differ and the model is
+    GPT-2. The batch per data-parallel group comes from ``workload`` or ``dataloader``
+    (``workload_of``); unknown, the rows stay even. Collective over the world (one
+    all_gather_object learns every TP group; the plan is then the same pure computation on
+    every rank). Rank 0 prints the plan and writes ``run_dir/plan_2d.json``.
+    """
+    from colossal_hetero.planner.resolve import is_heterogeneous
+    from colossal_hetero.planner.tp2d_plan import plan_tp2d
+    from colossal_hetero.tp2d.mesh import tp_rank_lists
+
+    hf: Any = getattr(model, "config", None)
+    if config.plan.mode != "auto" or not is_heterogeneous(config.cluster):
+        return None
+    if getattr(hf, "model_type", None) != "gpt2":
+        return None
+    lists = tp_rank_lists(tp_group)
+    dp = world_size // config.parallel.tp
+    if workload is None and dataloader is not None:
+        workload = workload_of(dataloader, dp)
+    batch = workload[0] // dp if workload is not None else None
+    speeds = config.cluster.speeds(world_size)
+    plan = plan_tp2d(speeds, lists, batch, hf.n_head, hf.n_inner or 4 * hf.n_embd, hf.vocab_size)
+    if rank == 0:
+        print(f"colossal-hetero: {plan.summary()}")
+        if run_dir is not None:
+            import json
+
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "plan_2d.json").write_text(json.dumps(plan.to_dict(), indent=1) + "\n")
+    return plan
