@@ -39,7 +39,7 @@ from colossal_hetero.config.schema import (
 )
 
 BALANCER_KNOBS: dict[str, Any] = {
-    "every": 1,
+    "every": 2,
     "window": 3,
     "smoothing": 0.9,
     "threshold": 0.3,
@@ -50,8 +50,9 @@ BALANCER_KNOBS: dict[str, Any] = {
     "move_cost_s": 0.2,
 }
 """The benchmark's balancer settings (``fixed_fraction`` is the calibration's first guess,
-refined by the controller from each move): an agreement every step over the median of the
-last 3 (a change shows in 2 steps, a re-plan follows 2 steps later, inside a 10-step phase),
+refined by the controller from each move): an agreement every 2 steps over the median of
+the last 3 (a change shows within 2 steps, a re-plan 2 steps later, inside a 10-step phase;
+one gather per step would re-plan no sooner, as stability is counted in steps),
 and thresholds wide enough for a loaded 2-core host, where 4 ranks share 2 cores with other
 jobs and a rank's compute time jitters by tens of percent; the median and the hysteresis
 (flag above 1.3x, release below 1.1x, move only when the speeds left the plan's by 25%)
@@ -172,6 +173,7 @@ def throughput_rank(
         train_batch=lambda step: data.train_batch(step, case.batch_size, 0),
         val_batches=data.val_batches(case.batch_size, case.eval_batches),
         stretch="dedicated",
+        cluster=emulation,
     )
     stock = {"unperturbed": unperturbed_of(case.phases, DEVICE_BASE), "stock": emulation}
     calibrated_s = time.perf_counter() - started

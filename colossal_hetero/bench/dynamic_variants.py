@@ -39,9 +39,16 @@ class World:
     """Also evaluate every this many steps (0: only at the end of each phase)."""
     lr: float = 1e-3
     """AdamW learning rate of every variant (the runner's default is 1e-3)."""
+    lr_at: Callable[[int], float] | None = None
+    """Step -> learning rate of that step for every variant (a schedule); None: ``lr``."""
     stretch: Literal["added", "dedicated"] = "added"
     """How every variant's interceptor lengthens a slowed rank's compute (``added`` or
     ``dedicated``, see ``CollectiveInterceptor``)."""
+    cluster: EmulationConfig | None = None
+    """The emulated cluster every slowed variant rehearses, where stock variants slow ranks
+    by schedules of their own on it (the unperturbed one: the devices without the straggler
+    events). Their interceptors carry it as their ``emulation``, the whole-world config the
+    router compares, so that they may share the process. None: each its own."""
 
     @property
     def steps(self) -> int:
@@ -149,6 +156,9 @@ class _Stepper:
         runner, world = self.runners[name], self.world
         if name == self.oracle:
             _oracle_move(index, world.phases, self.oracle_widths, self.plugins[name], runner)
+        if world.lr_at is not None:
+            for group in runner.optimizer.param_groups:
+                group["lr"] = world.lr_at(index)
         runner.step(index, record=True, batch=world.train_batch(index))
         timing = runner.seam.last_timing
         self.sent[name].append(float(sum(timing.bytes_by_kind.values())) if timing else 0.0)
@@ -189,6 +199,8 @@ def _build(
     for name, emulation in stock.items():
         timer = build_interceptor(emulation, rank, size, device)
         timer.stretch = world.stretch
+        if world.cluster is not None and emulation.enabled:
+            timer.emulation = world.cluster
         runners[name] = TrainingRunner(
             world.model,
             HybridParallelPlugin(**engine_kwargs(plain, device)),
