@@ -109,7 +109,7 @@ def _build_stock(device: torch.device) -> tuple[Any, Any, Any]:
 
 
 def _build_ours(
-    priority: bool, fit: bool, max_inflight: int, pipeline: int
+    chunk_kib: int, priority: bool, fit: bool, max_inflight: int, pipeline: int
 ) -> tuple[Any, Any, Any, Any]:
     from colossalai.booster import Booster
 
@@ -121,8 +121,7 @@ def _build_ours(
     config = HeteroConfig(
         parallel=ParallelConfig(ep=EP, precision="bf16"),
         moe=MoeConfig(
-            chunk_kib=CHUNK_KIB,
-            chunk_efficiency=CHUNK_EFFICIENCY,
+            chunk_kib=chunk_kib,
             max_inflight=max_inflight,
             priority=priority,
             fit_gaps=fit,
@@ -191,7 +190,8 @@ def moe_worker(rank: int, world_size: int, device: torch.device, *, quick: bool)
     quiet_third_party_warnings()
     torch.set_num_threads(1)
     # Ours first: our plugin installs the CPU fixes Colossal-AI needs (compat/) for both.
-    ours = {name: _build_ours(*setting) for name, setting in VARIANTS.items()}
+    chunk_kib, profiles = _profiled_chunk_kib()
+    ours = {name: _build_ours(chunk_kib, *setting) for name, setting in VARIANTS.items()}
     logs: dict[str, list[tuple[float, list]]] = {name: [] for name in ours}
     stock = _build_stock(device)
     batches = _Batches(rank, world_size)
@@ -249,8 +249,28 @@ def moe_worker(rank: int, world_size: int, device: torch.device, *, quick: bool)
         "rounds": result.to_dict(),
         "max_loss_diff_vs_stock": loss_diff,
         "timelines": timelines,
-        "chunking": _chunking(ours["ours_on"][3]),
+        "chunking": {
+            "chunk_kib": chunk_kib,
+            "profile_alpha_beta": {"dense": profiles[0], "expert": profiles[1]},
+            "ours_on": _chunking(ours["ours_on"][3]),
+        },
     }
+
+
+def _profiled_chunk_kib() -> tuple[int, list[tuple[float, float]]]:
+    """One chunk size for every variant (so their chunks are the same), from the alpha-beta
+    profile of the world group and an expert group (moe/profile.py, agreed over the world):
+    ``chunk_bytes_for(alpha, beta, CHUNK_EFFICIENCY)`` of the world group, 16 KiB to
+    ``CHUNK_KIB``. Collective."""
+    from colossal_hetero.moe.chunks import chunk_bytes_for
+    from colossal_hetero.moe.profile import profile_groups
+    from colossal_hetero.moe.wiring import MIN_CHUNK_BYTES, gradient_groups
+
+    dense, expert = gradient_groups(dist.get_world_size(), EP)
+    profiles = profile_groups([dense, expert])
+    size = chunk_bytes_for(*profiles[0], CHUNK_EFFICIENCY)
+    kib = max(MIN_CHUNK_BYTES, min(CHUNK_KIB * 1024, size)) // 1024
+    return kib, profiles
 
 
 def _chunking(plugin: Any) -> dict[str, Any]:
