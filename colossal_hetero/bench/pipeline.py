@@ -47,6 +47,11 @@ from colossal_hetero.planner.stages import split_layers, stage_speeds
 WORLD = 4
 RATE_GBPS = 0.02
 """Stage links: 20 Mbit/s, so one micro-batch's activation takes a few ms, as its compute."""
+MIXED_RATE_GBPS = 0.01
+"""PP=2 x TP=2's stage links: 10 Mbit/s. Its micro-batch (2 samples, 32 KiB of hidden states)
+computes about 3x longer than PP=4's (tensor-parallel all-reduces on CPU), and at 20 Mbit/s the
+preempted link then cost 1F1B only ~20% (idle machine, session 4) while kFkB hid all of it: no
+schedule could gain 1.3x there. At 10 Mbit/s a free transfer still hides behind a backward."""
 FAST_GBPS = 1.0
 """TP pairs inside a stage."""
 SHAPED_TIMEOUT_S = 900.0
@@ -142,11 +147,11 @@ def build_specs(quick: bool, network_mode: str) -> list[BenchSpec]:
     phases = phase_plan(quick)
     shares = job_shares(phases)
     layouts = [
-        ("pp4", 4, 1, 16, 2, 1),
-        ("pp2xtp2", 2, 2, 8, 2, 0),
+        ("pp4", 4, 1, 16, 2, 1, RATE_GBPS),
+        ("pp2xtp2", 2, 2, 8, 2, 0, MIXED_RATE_GBPS),
     ]
     specs = []
-    for name, pp, tp, m, target, slow_stage in layouts:
+    for name, pp, tp, m, target, slow_stage, rate in layouts:
         spec = BenchSpec(
             name=name,
             pp=pp,
@@ -156,6 +161,7 @@ def build_specs(quick: bool, network_mode: str) -> list[BenchSpec]:
             slow_stage=slow_stage,
             quick=quick,
             budget_microbatches=0.75 * m,
+            rate_gbps=rate,
             network_mode=network_mode,
             phases=phases,
             shares=shares,
@@ -213,6 +219,10 @@ def layout_figures(spec: dict[str, Any], result: dict[str, Any]) -> dict[str, An
         "planned_vs_even_split_slow_stage": _interval(
             _ratios(c["stock.step"], c["planned_1f1b.step"])
         ),
+        # What preemption costs 1F1B (median step, preempted rounds over phase a): a schedule
+        # that hides every transfer gains about this much, and no more, over 1F1B in (b).
+        "stock_preemption_cost": statistics.median(pick(b["stock.step"], hit))
+        / statistics.median(a["stock.step"]),
     }
     ada = result["ada"]
     budgets = {p: ada["slow" if p == "c" else "equal"]["budget_mib"] * 2**20 for p in "abc"}
