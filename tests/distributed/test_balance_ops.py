@@ -180,7 +180,7 @@ def _check_resize(kind, conv, num_parts, rank, group, device):
     width = _straggler_width(kind)
     scores = torch.rand(width, generator=torch.Generator().manual_seed(5))
     # O-A1 with fraction 1.0: the op is the stock layer, bitwise
-    attach_resize(layer, STRAGGLER, select_kept(scores, 1.0))
+    attach_resize(layer, STRAGGLER, select_kept(scores, 1.0), impute="zero")
     got, _ = _run(kind, dense, layer, rank, num_parts=num_parts)
     got_stock, _ = _run(kind, dense, stock, rank, num_parts=num_parts)
     for key in got:
@@ -189,7 +189,7 @@ def _check_resize(kind, conv, num_parts, rank, group, device):
     kept = select_kept(scores, 0.5)
     dropped = complement(kept, width)
     assert kept.numel() == width - width // 2 and dropped.numel() == width // 2
-    attach_resize(layer, STRAGGLER, kept)
+    attach_resize(layer, STRAGGLER, kept, impute="zero")
     got, exp = _run(
         kind, _zeroed(dense, kind, wdim, dropped, num_parts), layer, rank, num_parts=num_parts
     )
@@ -242,7 +242,7 @@ def _check_freeze(rank, group, device):
         _step("col", dense, layer, rank, sgd, freeze=freeze)  # step 1: every column computed
         w1 = layer.weight.detach().clone()
         buf1 = sgd.state[layer.weight]["momentum_buffer"].clone()
-        attach_resize(layer, STRAGGLER, kept)
+        attach_resize(layer, STRAGGLER, kept, impute="zero")
         _step("col", dense, layer, rank, sgd, freeze=freeze)  # step 2: resized
         w2, buf2 = layer.weight.detach(), sgd.state[layer.weight]["momentum_buffer"]
         if rank != STRAGGLER:
@@ -265,7 +265,7 @@ def _check_freeze(rank, group, device):
     for freeze in (True, False):
         dense, layer, _ = _build("col", group, device, conv=False)
         adamw = torch.optim.AdamW(layer.parameters(), lr=lr, weight_decay=wd)
-        attach_resize(layer, STRAGGLER, kept)
+        attach_resize(layer, STRAGGLER, kept, impute="zero")
         w0 = layer.weight.detach().clone()
         _step("col", dense, layer, rank, adamw, freeze=freeze)
         if rank != STRAGGLER:
@@ -292,7 +292,7 @@ def _check_bf16(rank, group, device):
     with torch.no_grad():  # the reference sees the same (bf16-rounded) weights
         dense.weight.copy_(dense.weight.bfloat16().double())
         dense.bias.copy_(dense.bias.bfloat16().double())
-    attach_resize(layer, STRAGGLER, kept)
+    attach_resize(layer, STRAGGLER, kept, impute="zero")
     ref = _zeroed(dense, "col", wdim, dropped)
     got, exp = _run("col", ref, layer, rank, dtype=torch.bfloat16)
     assert all(v.dtype == torch.bfloat16 for v in got.values())

@@ -232,3 +232,51 @@ def test_frozen_columns_sgd_and_adamw():  # O-A5 on a plain parameter
         for value in optimizer.state[fresh].values():
             if value.shape == fresh.shape:
                 assert not value[2].any()
+
+
+def test_mean_imputed_linear_against_autograd_reference():
+    """Mean imputation: y = x_P W_P^T + mean_t(x_D) W_D^T + b, with exactly the gradients
+    autograd gives that formula written out (float64); fp32 and bf16 against float64 within
+    a bound derived from the sums; and its forward error below zero imputation's when the
+    dropped features have a nonzero mean (as after LayerNorm or GELU)."""
+    from colossal_hetero.balance.ops import complement, mean_imputed_linear, resized_linear
+    from tests.tolerances import chain_atol
+
+    gen = torch.Generator().manual_seed(11)
+    shift = torch.randn(9, generator=gen, dtype=torch.float64)  # per-feature means
+    x0 = torch.randn(3, 4, 9, generator=gen, dtype=torch.float64) + 2 * shift
+    w0 = torch.randn(6, 9, generator=gen, dtype=torch.float64)
+    b0 = torch.randn(6, generator=gen, dtype=torch.float64)
+    dy = torch.randn(3, 4, 6, generator=gen, dtype=torch.float64)
+    kept = torch.tensor([0, 2, 3, 7])
+    dropped = complement(kept, 9)
+
+    def grads(fn, dtype):
+        x, w, b = (t.detach().to(dtype).requires_grad_() for t in (x0, w0, b0))
+        y = fn(x, w, b)
+        (y * dy.to(dtype)).sum().backward()
+        return [t.double() for t in (y.detach(), x.grad, w.grad, b.grad)]
+
+    def reference(x, w, b):
+        mean = x[..., dropped].reshape(-1, dropped.numel()).mean(0)
+        imputed = x.clone()
+        imputed[..., dropped] = mean.expand(3, 4, -1)  # the same mean at every token
+        return torch.nn.functional.linear(imputed, w, b)
+
+    ref = grads(reference, torch.float64)
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        got = grads(lambda x, w, b: mean_imputed_linear(x, w, b, kept, dropped), dtype)
+        for name, g, r in zip(("y", "dx", "dw", "db"), got, ref, strict=True):
+            # y, dx, dw, db: a sum of <= 12 products (tokens or features), the mean another
+            # 12-term sum, inputs rounded once to dtype: 3 chained reductions of 12 terms
+            scale = float(r.abs().max()) + float(x0.abs().max() * w0.abs().max() * 12)
+            atol = chain_atol(3, 12, dtype, scale)
+            torch.testing.assert_close(g, r, rtol=0.0, atol=atol, msg=f"{dtype} {name}")
+    # every token gets the same imputed input gradient on the dropped columns
+    dx = ref[1][..., dropped]
+    assert torch.allclose(dx, dx[:1, :1].expand_as(dx), rtol=0, atol=1e-12)
+    # the forward error against the full product: smaller than zero imputation's
+    full = torch.nn.functional.linear(x0, w0, b0)
+    err_mean = (full - mean_imputed_linear(x0, w0, b0, kept, dropped)).norm()
+    err_zero = (full - resized_linear(x0, w0, b0, kept)).norm()
+    assert err_mean < 0.5 * err_zero, (err_mean, err_zero)

@@ -3,7 +3,8 @@
 - ``selection`` (pure): the kept fraction from a measured slowdown, the migrated fraction,
   priority scores and their stale-score update, the kept/migrated/dropped split;
 - ``resize``: ZERO-resizing (a straggler computes a kept subset of the reduction dimension,
-  gradients imputed) and freezing the dropped columns in the optimizer;
+  the dropped inputs imputed by their token mean, or their gradients by a constant) and
+  freezing the dropped columns in the optimizer;
 - ``migrate``: lossless lightweight migration of a straggler's lowest-priority columns to
   helper ranks, column- and row-parallel, with a byte counter.
 
@@ -16,11 +17,13 @@ several migrating stragglers with the same helpers.
 from colossal_hetero.balance.ops.migrate import Migration, attach_migration
 from colossal_hetero.balance.ops.multi import MultiMigration
 from colossal_hetero.balance.ops.resize import (
+    IMPUTE_MODES,
     ZeroResize,
     attach_resize,
     complement,
     freeze_targets,
     frozen_columns,
+    mean_imputed_linear,
     reduction_dim,
     reduction_width,
     resized_linear,
@@ -39,6 +42,7 @@ from colossal_hetero.balance.ops.selection import (
 )
 
 __all__ = [
+    "IMPUTE_MODES",
     "Migration",
     "MigrationSplit",
     "MultiMigration",
@@ -52,6 +56,7 @@ __all__ = [
     "frozen_columns",
     "kept_count",
     "kept_fraction",
+    "mean_imputed_linear",
     "migrated_fraction",
     "priority_order",
     "reduction_dim",
