@@ -44,6 +44,7 @@ def test_summary_keys_and_nulls() -> None:
     medians = {
         "stock.step": 2.0,
         "stock.comm": 1.0,
+        "stock.transfer": 0.8,
         "ours_on.a2a_under": 0.22,
         "ours_on.a2a_alone": 0.2,
         "ours_off.a2a_under": 0.6,
@@ -73,7 +74,8 @@ def test_summary_keys_and_nulls() -> None:
         "max_loss_diff_vs_stock": 0.004,
     }
     summary = summarise(result, "shaped")
-    assert summary["stock_comm_fraction"] == 0.5
+    assert summary["stock_comm_fraction"] == 0.4
+    assert summary["stock_comm_fraction_with_waits"] == 0.5
     assert abs(summary["a2a_under_allreduce_over_alone"] - 1.1) < 1e-12
     assert abs(summary["a2a_under_allreduce_over_alone_priority_off"] - 3.0) < 1e-12
     assert abs(summary["a2a_under_allreduce_over_alone_hold"] - 1.5) < 1e-12
