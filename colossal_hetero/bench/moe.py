@@ -340,8 +340,9 @@ def _transfer_time(calls: list[Any]) -> float | None:
     if int(count[0]) != -int(count[1]):
         return None
     starts = torch.tensor([c[0] for c in calls], dtype=torch.float64)
-    everyone = starts.new_empty((dist.get_world_size(), len(calls)))
-    dist.all_gather_into_tensor(everyone, starts)
+    flat = starts.new_empty(dist.get_world_size() * len(calls))  # gloo: a flat output
+    dist.all_gather_into_tensor(flat, starts)
+    everyone = flat.view(dist.get_world_size(), len(calls))
     total = 0.0
     for i, (_, end, ranks) in enumerate(calls):
         total += max(0.0, end - float(everyone[list(ranks), i].max()))
