@@ -19,6 +19,7 @@ other modules (DeepSpeed-MoE, packing, placement) appear in the summary as null 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -28,6 +29,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from colossal_hetero.bench.moe_deepspeed import baseline_round_entries
+from colossal_hetero.bench.moe_hetero import run_hetero_case
 
 HF = {
     "vocab_size": 256,
@@ -200,6 +204,10 @@ def moe_worker(rank: int, world_size: int, device: torch.device, *, quick: bool)
     stock = _build_stock(device)
     batches = _Batches(rank, world_size)
     batch, step, agreed = batches.get, _train_step, _agreed
+    # H6's baseline (bench/moe_deepspeed.py): DeepSpeed-MoE, when the optional extra is here.
+    ds_variants, ds_figures, ds_info = baseline_round_entries(
+        _model, EP, "bf16", PER_RANK, batch, agreed, all_on="ours_all"
+    )
 
     def stock_variant(index: int, *, warmup: bool) -> dict[str, float]:
         report_bench_step(rank, index)
@@ -234,6 +242,7 @@ def moe_worker(rank: int, world_size: int, device: torch.device, *, quick: bool)
         {
             "stock": stock_variant,
             **{name: ours_variant(name) for name in VARIANTS},
+            **ds_variants,
         },
         {
             "ours_all_vs_stock": lambda v: v["stock.step"] / v["ours_all.step"],
@@ -243,6 +252,7 @@ def moe_worker(rank: int, world_size: int, device: torch.device, *, quick: bool)
             "ours_hold_vs_stock": lambda v: v["stock.step"] / v["ours_hold.step"],
             "on_vs_off": lambda v: v["ours_off.step"] / v["ours_on.step"],
             "on_vs_hold": lambda v: v["ours_hold.step"] / v["ours_on.step"],
+            **ds_figures,
         },
         policy,
         decide=rank0_decides(device),
@@ -251,8 +261,10 @@ def moe_worker(rank: int, world_size: int, device: torch.device, *, quick: bool)
     loss_diff = _loss_check(stock, ours, batch, len(batches.drawn))
     for _, _, _, plugin in ours.values():
         plugin.close()
+    ds_info.pop("engine", None)
     return {
         "rounds": result.to_dict(),
+        "deepspeed": ds_info,
         "max_loss_diff_vs_stock": loss_diff,
         "timelines": timelines,
         "chunking": {
@@ -412,6 +424,11 @@ def summarise(result: dict, network_mode: str) -> dict[str, Any]:
     for key, reason in _NOT_BUILT.items():
         summary[key] = None
         summary[f"{key}_reason"] = reason
+    if "all_on_vs_deepspeed" in figures:  # H6's baseline ran (bench/moe_deepspeed.py)
+        summary["all_on_vs_deepspeed_moe"] = float(figures["all_on_vs_deepspeed"]["value"])
+        summary.pop("all_on_vs_deepspeed_moe_reason")
+    elif "reason" in result.get("deepspeed", {}):
+        summary["all_on_vs_deepspeed_moe_reason"] = result["deepspeed"]["reason"]
     return summary
 
 
@@ -420,7 +437,7 @@ def run_moe_benchmark(*, quick: bool, json_path: str = "", network: str = "shape
     from colossal_hetero.bench.shaped_spawn import run_bench_ranks
     from colossal_hetero.config.schema import NetworkEmulationConfig
 
-    started = time.perf_counter()
+    started, load_before = time.perf_counter(), os.getloadavg()
     links = NetworkEmulationConfig(mode="shaped", bandwidth_gbps=RATE_MBIT / 1000)
     results = run_bench_ranks(
         moe_worker, 4, network=links if network == "shaped" else None, quick=quick
@@ -428,6 +445,9 @@ def run_moe_benchmark(*, quick: bool, json_path: str = "", network: str = "shape
     if json_path:  # the raw per-rank results first: a failing summary keeps the run
         Path(json_path).with_suffix(".raw.json").write_text(json.dumps(results[0]))
     summary = summarise(results[0], network)
+    hetero = run_hetero_case(quick=quick)  # H6's heterogeneous case (bench/moe_hetero.py)
+    summary["speed_aware_vs_even_placement"] = hetero["speed_aware_vs_even_placement"]
+    summary.pop("speed_aware_vs_even_placement_reason", None)
     report = {
         "benchmark": "moe",
         "quick": quick,
@@ -438,9 +458,12 @@ def run_moe_benchmark(*, quick: bool, json_path: str = "", network: str = "shape
         "per_rank_batch": PER_RANK,
         "link_rate_mbit": RATE_MBIT if network == "shaped" else None,
         "wall_s": time.perf_counter() - started,
+        "host_load_average": {"before": load_before, "after": os.getloadavg()},
         "summary": summary,
         "chunking": results[0]["chunking"],
         "rounds": results[0]["rounds"],
+        "deepspeed": results[0]["deepspeed"],
+        "heterogeneous": hetero,
     }
     print(json.dumps(summary, indent=1))
     if json_path:
