@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 from colossal_hetero.planner.tp2d_cost import LayerDims, Shares2D, cost_1d, cost_2d
 from colossal_hetero.planner.tp2d_memory import gpt2_activation_bytes
-from colossal_hetero.planner.tp2d_plan import Resizable2D, plan_resizable_2d
+from colossal_hetero.planner.tp2d_plan import Tp2dPlan, plan_tp2d
 
 
 @dataclass(frozen=True)
@@ -47,9 +47,9 @@ class ModeChoice:
     mode: str
     reason: str
     estimates: dict[str, ModeEstimate]
-    resizable: Resizable2D | None = None
-    """The planner's placement and block sizes for the first TP group's device speeds, when
-    they differ (``tp2d_plan.plan_resizable_2d``)."""
+    resizable: Tp2dPlan | None = None
+    """``plan.tp2d`` as the plugin applies it under ``tp_mode: 2d`` (``tp2d_plan.plan_tp2d``
+    over every TP group), when the devices differ."""
 
 
 def estimate_modes(
@@ -144,15 +144,8 @@ def format_choice(choice: ModeChoice, configured: str) -> str:
             f"{e.memory_bytes / mib:>6.0f} MiB {e.comm_bytes / mib:>6.1f} MiB {e.calls:>6} "
             f"{e.comm_seconds * 1e3:>7.2f} ms  {'yes' if e.fits else 'no'}"
         )
-    plan = choice.resizable
-    if plan is not None:
-        lines.append(
-            f"resizable 2D for the first TP group's speeds: devices {list(plan.positions)} "
-            f"row-major on the mesh, batch {list(plan.batch_sizes)} per row, heads "
-            f"{list(plan.head_counts)} / MLP {list(plan.ffn_sizes)} / vocab "
-            f"{list(plan.vocab_sizes)} per column: {plan.predicted_speedup:.2f}x even 2D "
-            f"(compute, predicted)"
-        )
+    if choice.resizable is not None:
+        lines.append(choice.resizable.summary())
     if configured == "auto":
         lines.append(f"tp_mode auto: {choice.mode} ({choice.reason})")
     else:
@@ -195,9 +188,12 @@ def choose_for_config(config: object, world_size: int) -> ModeChoice:
         memory_bytes=memory_gib * 2**30,
     )
     choice = choose_tp_mode(estimates, tp)
-    speeds = [d.speed for d in devices[:tp]]
-    if len(speeds) == tp and len(set(speeds)) > 1 and "2d" in estimates:
-        resized = plan_resizable_2d(speeds, dims.batch, dims.heads, dims.ffn, hf.vocab_size)
+    speeds = [d.speed for d in devices]
+    if len(speeds) == world_size and len(set(speeds)) > 1 and "2d" in estimates:
+        # Colossal-AI's process-group mesh with pp 1: TP groups are consecutive ranks.
+        groups = [range(g * tp, (g + 1) * tp) for g in range(world_size // tp)]
+        batch = data.global_batch_size // dp  # what the plugin plans for (one DP batch)
+        resized = plan_tp2d(speeds, groups, batch, dims.heads, dims.ffn, hf.vocab_size)
         choice = replace(choice, resizable=resized)
     return choice
 

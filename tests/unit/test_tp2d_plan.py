@@ -238,3 +238,28 @@ def test_tp2d_plan_without_a_batch_keeps_rows_even_and_refuses_bad_groups():
         plan_tp2d([1.0, 0.5], [(0, 1, 2, 3)], 6, 12, 3072, 256)
     with pytest.raises(ValueError, match="parallel.tp: the 2D plan is for TP groups of 4"):
         plan.placement_of([(0, 1)])
+
+
+def test_plan_command_shows_the_plan_the_plugin_applies():
+    """``colossal-hetero plan``'s 2D line is plan_tp2d over every TP group (consecutive ranks,
+    Colossal-AI's mesh with pp 1) at one data-parallel batch: tp 4 x dp 2, 8 devices."""
+    from dataclasses import replace
+
+    from colossal_hetero.config import load_config
+    from colossal_hetero.config.schema import DeviceSpec
+    from colossal_hetero.models import build_hf_config
+    from colossal_hetero.planner.tp2d_choice import choose_for_config, format_choice
+    from colossal_hetero.planner.tp2d_plan import plan_tp2d
+
+    config = load_config("configs/gpt2_tp2d_hetero.yaml")
+    speeds = [1.0, 1.0, 1.0, 0.5, 1.0, 1.0, 0.5, 1.0]
+    devices = [DeviceSpec(speed=s) for s in speeds]
+    config = replace(config, cluster=replace(config.cluster, devices=devices))
+    choice = choose_for_config(config, 8)
+    hf = build_hf_config(config.model)
+    batch = config.data.global_batch_size // 2
+    groups = [range(4), range(4, 8)]
+    expected = plan_tp2d(speeds, groups, batch, hf.n_head, 4 * hf.n_embd, hf.vocab_size)
+    assert choice.resizable == expected
+    assert expected.speeds == (1.0, 1.0, 0.5, 0.5)  # the slower of each data-parallel pair
+    assert expected.summary() in format_choice(choice, "2d")
