@@ -43,6 +43,11 @@ class AdaKController:
         period: retune after steps ``period - 1, 2 * period - 1, ...`` (0-based step numbers).
         min_gain: candidates predicted within this fraction of the fastest tie, and the smallest
             of them wins: measured compute jitters, and a k chosen on noise would flap.
+        window: how many retuning steps' profiles the choice sums over
+            (:func:`~colossal_hetero.pipeline.tuner.choose_k_over_window`): a k good over the
+            last few steps rides out a link that flips between steps; 1 uses the last step.
+        sticky: on a tie keep the running ``k`` rather than the smallest (``current_k`` of
+            ``choose_k_over_window``): transfers a grouped ``k`` hides measure as free.
     """
 
     def __init__(
@@ -55,6 +60,7 @@ class AdaKController:
         group: dist.ProcessGroup | None = None,
         min_gain: float = 0.01,
         window: int = 1,
+        sticky: bool = False,
     ) -> None:
         if period < 1:
             raise ValueError(f"period: retune every >= 1 steps, got {period}")
@@ -66,6 +72,7 @@ class AdaKController:
         self.schedule, self.stage_of_rank, self.period = schedule, stage_of_rank, period
         self.memory_budget_bytes = memory_budget_bytes
         self.latency_s, self.group, self.min_gain = latency_s, group, min_gain
+        self.sticky = sticky
 
     def local_row(self, num_microbatches: int) -> list[float]:
         """This rank's row: its last step's record, then its budget and outgoing latency."""
@@ -92,7 +99,10 @@ class AdaKController:
         profile = agreed_profile([r.tolist() for r in rows], self.stage_of_rank, num_stages, m)
         self._profiles.append(profile)  # identical on every rank: so is the window
         window = list(self._profiles)
-        decision = choose_k_over_window(window, m, min_gain=self.min_gain, cache=self._cache)
+        current = self.schedule.k if self.sticky else None
+        decision = choose_k_over_window(
+            window, m, min_gain=self.min_gain, cache=self._cache, current_k=current
+        )
         self._cache = {key: t for key, t in self._cache.items() if key[0] in window}
         previous = self.schedule.k
         self.schedule.set_k(decision.k)

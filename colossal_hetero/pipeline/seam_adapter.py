@@ -108,6 +108,7 @@ def install_schedule(engine: Any, config: HeteroConfig, rank: int) -> AdaKSeamCo
         period=parallel.pp_retune_every,
         min_gain=MIN_GAIN,
         window=WINDOW,
+        sticky=True,
     )
     return AdaKSeamController(controller, config)
 

@@ -183,6 +183,7 @@ def choose_k_over_window(
     min_gain: float = 1e-9,
     candidates: Sequence[int] | None = None,
     cache: dict[tuple[PipelineProfile, int], float] | None = None,
+    current_k: int | None = None,
 ) -> KDecision:
     """The ``k`` with the least predicted total time over recent steps' ``profiles``. Pure.
 
@@ -193,6 +194,10 @@ def choose_k_over_window(
     budget of its last profile). The smallest ``k`` predicted within ``min_gain`` (relative) of
     the best wins, as in :func:`choose_k`. ``step_s_by_k`` in the result holds each
     candidate's summed time over the window; one profile is exactly :func:`choose_k`.
+
+    ``current_k`` (optional) wins the tie instead, while it fits: a ``k`` that hides every
+    transfer measures free links (no receive waits), on which every ``k`` ties; falling back to
+    the smallest would expose the link again, and the next step would raise ``k`` again.
 
     ``cache`` (the caller's, optional) keeps each ``(profile, k)``'s simulated step time, so a
     retuning step simulates only its new profile: a window's older steps were simulated before.
@@ -220,7 +225,8 @@ def choose_k_over_window(
                 cache[(profile, k)] = _step_time(profile, m, k)
             total[k] += cache[(profile, k)]
     best = min(total.values())
-    k = min(c for c, t in total.items() if t <= best * (1 + min_gain))
+    tied = [c for c, t in total.items() if t <= best * (1 + min_gain)]
+    k = current_k if current_k in tied else min(tied)
     p = last.num_stages
     peaks = tuple(expected_peak_in_flight(p, s, num_microbatches, k) * largest[s] for s in range(p))
     return KDecision(k, total[k], total, peaks)

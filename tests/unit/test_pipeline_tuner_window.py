@@ -96,3 +96,17 @@ def test_cache_gives_the_same_decision_and_simulates_each_profile_once():
     cache[(window[0], 1)] = 1e9  # a cached value is used, not recomputed
     again = choose_k_over_window(window, m, cache=cache)
     assert len(cache) == 3 * m and again.step_s_by_k[1] > 1e9
+
+
+def test_running_k_wins_a_tie_but_not_a_loss():
+    # Free links (a grouped k hides every transfer: nothing waited) tie every k on equal stages.
+    p, m = 4, 8
+    free = _profile(p, 0.0)
+    assert choose_k_over_window([free], m).k == 1
+    assert choose_k_over_window([free], m, current_k=2).k == 2
+    # A running k that is measurably slower, or no longer fits the budget, gives way.
+    busy = _profile(p, 3.0)
+    worst = max(choose_k_over_window([busy], m).step_s_by_k.items(), key=lambda kv: kv[1])[0]
+    assert choose_k_over_window([busy], m, min_gain=0.03, current_k=worst).k != worst
+    tight = _profile(p, 0.0, act=1.0, budget=4.0)  # stage 0 holds min(4k, 8): only k = 1 fits
+    assert choose_k_over_window([tight], m, current_k=2).k == 1
