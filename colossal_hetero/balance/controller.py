@@ -266,7 +266,9 @@ class BalanceController:
         times = tuple(unit * s * b for s, b in zip(view.slowdown, base, strict=True))
         semi = decide(self._semi_inputs(view.agreed, view.widths, times), self._semi_settings())
         extra: dict[str, Any] = {"semi": asdict(semi)}
-        if semi.action == "replan":
+        # Without a bridge (bridge_off) a re-plan that pays is the only action left.
+        bridgeless = self.bridge_off is not None and semi.replan_value > 0
+        if semi.action == "replan" or bridgeless:
             decision, gain, act = self._replan_outcome(step, view, times)
             if act is not None:
                 return {**decision, **extra, "executed": "replan"}, gain, act
@@ -378,10 +380,8 @@ class BalanceController:
             planned = self.actuator.plan(speeds)
         except ValueError as error:  # infeasible at these speeds: keep running as is
             return ReplanDecision("none", widths, 0.0, f"planner: {error}")
-        finally:
-            self._move_s += time.perf_counter() - start
-        self.planned_for = speeds
-        return decide_replan(
+        planning_s = time.perf_counter() - start
+        decision = decide_replan(
             times,
             widths,
             planned,
@@ -389,6 +389,13 @@ class BalanceController:
             move_cost_s=self.move_cost_s,
             fixed_fraction=self.fixed_fraction,
         )
+        # The planner keeping these widths, or a move made: the widths now stand for these
+        # speeds. A move that did not pay yet is considered again at the next agreement.
+        if decision.action == "resize" or decision.widths == planned:
+            self.planned_for = speeds
+        if decision.action == "resize":  # a move's cost is the planner's time and the resize
+            self._move_s += planning_s
+        return decision
 
     def _restart_window(self) -> None:
         """Forget the recent steps (they ran another layout) and skip the next (warm-up)."""

@@ -276,6 +276,26 @@ def test_semi_stops_bridging_after_ops_measured_a_loss(monkeypatch):
     assert controller.bridge_off is None and not fine.ops.plan.empty
 
 
+def test_semi_without_a_bridge_re_plans_when_the_move_pays(monkeypatch):
+    """The bridge measured a loss; semi's model still prefers in-layer ops (move cost
+    1.5 s: a re-plan is worth 0.9 s over the horizon, the ops 1.15 s), but with no bridge left,
+    the re-plan, which pays, is what runs."""
+    cluster = _CostlyOps()
+    controller = _controller(cluster, "semi", monkeypatch, move_cost_s=1e6)
+    controller.move_cost_s = 1e6
+    _drive(controller, cluster, 12)
+    assert controller.bridge_off is not None and cluster.moves == []
+    controller.move_cost_s = 1.5  # pays over the horizon, less than the ops are predicted to
+    for step in range(12, 30):
+        t0, t1 = cluster.times(step)
+        controller.history["0"].append(t0)  # type: ignore[attr-defined]
+        controller.history["1"].append(t1)  # type: ignore[attr-defined]
+        controller.on_step_end(step, _timing(step, t0))
+    assert cluster.moves == [SKEW]
+    moved = [r for r in controller.log.records if r["decision"].get("executed") == "replan"]
+    assert len(moved) == 1 and moved[0]["decision"]["semi"]["action"] == "in_layer"
+
+
 def test_semi_refines_the_fixed_fraction_from_a_move_made_under_its_ops(monkeypatch):
     """SEMI's re-plan happens with its in-layer ops attached: the times before the move
     followed the ops' GEMM units, and the estimate from them is exact (configured 0, true
