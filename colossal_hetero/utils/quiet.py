@@ -40,6 +40,9 @@ _LOG_RECORDS = (
         "transformers.modeling_utils",
         "`loss_type=None` was set in the config but it is unrecognised",
     ),
+    # With the optional deepspeed extra installed, importing transformers' models imports
+    # DeepSpeed, whose accelerator probe reports a CPU-only host (a fact, not a problem).
+    ("DeepSpeed", "Setting accelerator to CPU"),
 )
 _NO_PIPELINE_RECORDS = (
     (
