@@ -43,7 +43,7 @@ HF = {
 }
 SPEEDS = [1.0, 1.0, 0.5, 0.5]
 HOT_BIAS = [0.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.5, 0.5]  # added to the router logits
-SEQ, PER_RANK, EP, REPLACE_EVERY = 64, 4, 4, 2
+SEQ, PER_RANK, EP, REPLACE_EVERY = 64, 8, 4, 4
 
 
 def _build(replace_every: int) -> tuple[Any, Any, Any, Any]:
@@ -121,7 +121,9 @@ def hetero_worker(rank: int, world_size: int, device: torch.device, *, quick: bo
 
         return run
 
-    policy = RoundsPolicy(warmup=3, min_rounds=8 if quick else 12, budget_s=45 if quick else 240)
+    policy = RoundsPolicy(
+        warmup=REPLACE_EVERY + 1, min_rounds=8 if quick else 12, budget_s=45 if quick else 240
+    )
     result = run_rounds(
         {name: variant(name) for name in runs},
         {"speed_aware_vs_even": lambda v: v["even.step"] / v["speed_aware.step"]},
@@ -171,6 +173,9 @@ def run_hetero_case(*, quick: bool) -> dict[str, Any]:
         "speed_aware_step_s": medians["speed_aware.step"]["value"],
         "first_move": first,
         "decisions": len(result["decisions"]),
+        "decisions_that_moved": sum(
+            any(x["moved"] for x in r["layers"]) for r in result["decisions"]
+        ),
         "held_loss": result["losses"],
         "wall_s": time.perf_counter() - started,
         "rounds": result["rounds"],

@@ -14,7 +14,7 @@ from typing import Any
 
 from colossal_hetero.moe.placement import Placement, place_experts
 
-MIN_GAIN = 0.05
+MIN_GAIN = 0.10
 
 
 def ep_speeds(speeds: Sequence[float], ep: int) -> list[float]:
