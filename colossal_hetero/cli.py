@@ -95,11 +95,20 @@ def _plan(args: argparse.Namespace) -> int:
     if config.plan.mode == "file":
         raise ConfigError("plan.mode: is file; `plan` makes a plan, set mode auto or even")
     if config.parallel.pp > 1:  # pipeline stages: the plugin plans them the same at configure
-        from colossal_hetero.planner.resolve import stage_plan_run
+        from colossal_hetero.planner.resolve import (
+            stage_plan_run,
+            stage_widths_run,
+            wants_stage_widths,
+        )
         from colossal_hetero.planner.stage_plan import format_stage_plan
 
-        print(format_stage_plan(stage_plan_run(config, world_size)))
-        print("tensor-parallel widths and batch shares stay even under pipeline parallelism")
+        stages = stage_plan_run(config, world_size)
+        print(format_stage_plan(stages))
+        if wants_stage_widths(config.plugin_config()):  # each stage's TP group plans its own
+            plans = stage_widths_run(config, world_size, list(stages.layers_per_stage))
+            for stage, stage_plan in enumerate(plans):
+                print(f"  stage {stage} TP widths    {stage_plan.widths}")
+        print("batch shares stay even under pipeline parallelism")
         return 0
     # Plan even for identical devices: the table still shows the predicted times.
     auto = dataclasses.replace(config, plan=dataclasses.replace(config.plan, mode="auto"))

@@ -65,9 +65,10 @@ def unplanned_notice(config: HeteroConfig) -> str | None:
             if config.parallel.num_layers_per_stage
             else "pipeline stages are planned"
         )
+        widths = "planned per stage" if wants_stage_widths(config) else "even"
         return (
             f"plan.mode auto with parallel.pp = {config.parallel.pp}: {stages}; "
-            "tensor-parallel widths and batch shares stay even"
+            f"tensor-parallel widths {widths}, batch shares even"
         )
     return None
 
@@ -123,6 +124,60 @@ def stage_plan_for(config: HeteroConfig, spec: ModelSpec, world_size: int) -> St
         raise ConfigError(f"plan: infeasible pipeline stages: {error}") from None
 
 
+def wants_stage_widths(config: HeteroConfig) -> bool:
+    """Whether each pipeline stage plans uneven tensor-parallel widths of its own (pp > 1,
+    tp > 1, 1D tensor parallelism, ``plan.mode: auto``, unequal devices, no experts)."""
+    parallel = config.parallel
+    auto = config.plan.mode == "auto" and is_heterogeneous(config.cluster)
+    one_d = parallel.tp_mode == "1d" and parallel.ep == 1
+    return auto and one_d and parallel.pp > 1 and parallel.tp > 1
+
+
+def stage_widths_for(
+    config: HeteroConfig, spec: ModelSpec, world_size: int, layers_per_stage: list[int]
+) -> list[Plan]:
+    """Per pipeline stage, the tensor-parallel plan of its layers on its devices
+    (``planner.stage_widths``; ``plan`` settings as for the tensor-parallel planner).
+
+    Raises:
+        ConfigError: a stage's devices cannot hold its layers.
+    """
+    from colossal_hetero.planner.spec import ClusterSpec
+    from colossal_hetero.planner.stage_widths import plan_stage_widths
+
+    parallel, settings = config.parallel, config.plan
+    cluster = ClusterSpec.from_config(config.cluster, world_size, **_device_model(settings))
+    try:
+        return plan_stage_widths(
+            spec,
+            cluster,
+            parallel.pp,
+            parallel.tp,
+            layers_per_stage,
+            alignment=settings.alignment,
+            max_iters=settings.max_iters,
+            space=_executed_space(config),
+        )
+    except ValueError as error:
+        raise ConfigError(f"plan: infeasible tensor-parallel widths in a stage: {error}") from None
+
+
+def stage_widths_for_model(
+    config: HeteroConfig,
+    model: Any,
+    world_size: int,
+    workload: tuple[int, int] | None,
+    layers_per_stage: list[int],
+) -> list[Plan]:
+    """:func:`stage_widths_for` a transformers ``model`` (the plugin's path; ``workload`` as in
+    :func:`plan_for_model`)."""
+    dp = world_size // (config.parallel.tp * config.parallel.pp)
+    hf_config = getattr(model, "config", None)
+    batch_size, seq_len = workload or (8 * dp, getattr(hf_config, "max_position_embeddings", 512))
+    spec = _model_spec(config.plan, model, batch_size, seq_len, _dtype_bytes(config))
+    return stage_widths_for(config, spec, world_size, layers_per_stage)
+
+
 def stage_plan_for_model(
     config: HeteroConfig, model: Any, world_size: int, workload: tuple[int, int] | None
 ) -> StagePlan:
@@ -142,6 +197,15 @@ def stage_plan_run(run: RunConfig, world_size: int) -> StagePlan:
 
     config = run.plugin_config()
     return stage_plan_for(config, _run_model_spec(run, _dtype_bytes(config)), world_size)
+
+
+def stage_widths_run(run: RunConfig, world_size: int, layers_per_stage: list[int]) -> list[Plan]:
+    """:func:`stage_widths_for` the run's configured model, batch and sequence length."""
+    from colossal_hetero.planner.loop import _run_model_spec
+
+    config = run.plugin_config()
+    spec = _run_model_spec(run, _dtype_bytes(config))
+    return stage_widths_for(config, spec, world_size, layers_per_stage)
 
 
 def resolve_plan(run: RunConfig, world_size: int) -> Plan | None:

@@ -56,7 +56,7 @@ from colossal_hetero.plugin.planning import (
     announce,
     plan_2d_at_configure,
     plan_at_configure,
-    plan_stages_at_configure,
+    plan_pipeline_at_configure,
     plan_that_runs,
 )
 from colossal_hetero.plugin.resizing import resize_boosted
@@ -148,6 +148,7 @@ class HeteroParallelPlugin(PipelinePluginBase):
         self.seam = StepSeam(self.timer)
         self.balancer: Any = None  # the balance controller, wired at configure (balancer.mode)
         self.stage_plan: Any = None  # planned pipeline stages (StagePlan), set at configure
+        self.stage_widths: dict[str, tuple[int, ...]] = {}  # this stage's planned TP widths
         self.moe_reducers: dict[str, Any] = {}  # parallel.ep > 1 without ZeRO, at configure
         self.moe_log: Any = None  # parallel.ep > 1: the a2a/chunk event log (MoeStepLog)
         self.moe_replacer: Any = None  # moe.replace_every > 0: speed-aware re-placement
@@ -218,23 +219,15 @@ class HeteroParallelPlugin(PipelinePluginBase):
         """Shard ``model`` and wrap ``optimizer`` for the layout (see HybridParallelPlugin)."""
         keep_gpt2_causal(model)
         check_stage_split(self.config.parallel, model.config.num_hidden_layers)  # no collective
-        # pp > 1 on unequal devices: layers per stage follow the stages' speed and memory
-        self.stage_plan = plan_stages_at_configure(  # and the planned m and k (config 0)
-            self.config,
-            model,
-            self.world_size,
-            self.workload,
-            self.stage_manager,
-            self.rank,
-            scheduler=getattr(self.engine, "scheduler", None),
-            dataloader=dataloader,
-        )
+        # pp > 1: layers per stage on unequal devices, micro-batches and k when the config says
+        # 0, each stage's TP widths on unequal devices (no collective: every rank plans alike)
+        self.stage_plan, self.stage_widths = plan_pipeline_at_configure(self, model, dataloader)
         two_d = self.config.parallel.tp_mode == "2d"
         if self.plan is None and not two_d:  # measures the devices unless reference_tflops
             self.plan = plan_at_configure(
                 self.config, model, self.world_size, self.device, self.workload, dataloader
             )
-        resizes = self.plan is not None or needs_resizable(self.config)  # balancer may resize
+        resizes = self.plan is not None or bool(self.stage_widths) or needs_resizable(self.config)
         if two_d:  # the Optimus/SUMMA mesh (tp2d/) replaces 1D sharding; collective
             if self.plan is None:  # block sizes and positions for unequal devices, or None
                 self.plan_2d = plan_2d_at_configure(
@@ -250,7 +243,7 @@ class HeteroParallelPlugin(PipelinePluginBase):
             model = convert_to_2d(model, self.engine.tp_group, self.plan or self.plan_2d)
             self.engine.custom_policy = Converted2DPolicy()
         elif self._policy is None and resizes and self.tp_size > 1:
-            widths = self.plan.widths if self.plan is not None else {}  # {}: even
+            widths = self.plan.widths if self.plan is not None else self.stage_widths  # {}: even
             self.engine.custom_policy = resizable_policy(model, widths)
         moe = None  # expert parallelism: checked here, on every rank, before any collective
         if self.config.parallel.ep > 1 and self._policy is None:

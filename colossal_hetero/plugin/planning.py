@@ -19,11 +19,13 @@ from colossal_hetero.planner.resolve import (
     needs_calibration,
     plan_for_model,
     stage_plan_for_model,
+    stage_widths_for_model,
     wants_plan,
     wants_planned_schedule,
     wants_stage_plan,
+    wants_stage_widths,
 )
-from colossal_hetero.planner.stage_plan import StagePlan, format_stage_plan
+from colossal_hetero.planner.stage_plan import StagePlan, even_split, format_stage_plan
 from colossal_hetero.utils.probe import probe_world
 
 
@@ -93,6 +95,54 @@ def plan_stages_at_configure(
     if rank == 0:
         print(format_stage_plan(plan))
     return plan
+
+
+def stage_widths_at_configure(
+    config: HeteroConfig,
+    model: Any,
+    world_size: int,
+    workload: tuple[int, int] | None,
+    stage_manager: Any,
+    dataloader: Any = None,
+) -> dict[str, tuple[int, ...]]:
+    """This rank's pipeline stage's planned tensor-parallel widths (``planner.stage_widths``:
+    each stage plans its own layers on its own TP devices), or ``{}`` (even widths) unless
+    ``wants_stage_widths``. Uses the stage split already on ``stage_manager`` (planned or
+    configured; else Colossal-AI's even one). Pure planning, no collective: call on every rank,
+    after ``plan_stages_at_configure`` and before the engine shards the model."""
+    if not wants_stage_widths(config):
+        return {}
+    parallel = config.parallel
+    dp = world_size // (parallel.tp * parallel.pp)
+    if workload is None and dataloader is not None:
+        workload = workload_of(dataloader, dp)
+    split = list(getattr(stage_manager, "num_layers_per_stage", None) or [])
+    split = split or even_split(model.config.num_hidden_layers, parallel.pp)
+    plans = stage_widths_for_model(config, model, world_size, workload, split)
+    return dict(plans[stage_manager.stage].widths)
+
+
+def plan_pipeline_at_configure(
+    plugin: Any, model: Any, dataloader: Any = None
+) -> tuple[StagePlan | None, dict[str, tuple[int, ...]]]:
+    """``plan_stages_at_configure`` then ``stage_widths_at_configure`` for a
+    ``HeteroParallelPlugin``'s config, layout and schedule: (stage plan or None, this stage's
+    TP widths or ``{}``)."""
+    engine = plugin.engine
+    stage_plan = plan_stages_at_configure(
+        plugin.config,
+        model,
+        plugin.world_size,
+        plugin.workload,
+        plugin.stage_manager,
+        plugin.rank,
+        scheduler=getattr(engine, "scheduler", None),
+        dataloader=dataloader,
+    )
+    widths = stage_widths_at_configure(
+        plugin.config, model, plugin.world_size, plugin.workload, plugin.stage_manager, dataloader
+    )
+    return stage_plan, widths
 
 
 def workload_of(dataloader: Any, dp_size: int) -> tuple[int, int] | None:
