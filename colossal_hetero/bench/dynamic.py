@@ -25,9 +25,13 @@ from typing import Any
 
 import torch
 
-from colossal_hetero.bench.dynamic_digits import DigitsCase, digits_rank, vit_model
-from colossal_hetero.bench.dynamic_phases import (
+from colossal_hetero.bench.dynamic_digits import (
+    DigitsCase,
     accuracy_report,
+    digits_case,
+    digits_rank,
+)
+from colossal_hetero.bench.dynamic_phases import (
     summarise,
     summarise_case,
     three_phases,
@@ -117,7 +121,7 @@ def cases(quick: bool, modes: tuple[str, ...]) -> tuple[list[ThroughputCase], Di
         ThroughputCase(name, build(width, 8, seq, layers), phases, kept, warmup=warmup, seq_len=seq)
         for name, build, kept in (("gpt2", _gpt2, modes), ("llama", _llama, llama_modes))
     ]
-    digits = DigitsCase(model=vit_model(), steps=300 if quick else 500, modes=modes)
+    digits = digits_case(quick, modes)
     return throughput, digits
 
 

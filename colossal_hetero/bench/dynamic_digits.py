@@ -6,15 +6,23 @@ One world trains, interleaved step by step on the same batches from the same wei
 - ``unperturbed``: ``HeteroParallelPlugin``, even TP, no emulation, no balancer;
 - one variant per available balancer mode, under the slowdown.
 
-Each is evaluated on the held-out digits (the data's validation split, never trained on)
-every ``eval_every`` steps and at the end; the report compares the final accuracies.
+Trained to convergence: AdamW with a linear warm-up and a cosine decay to 0 at the last step
+(``DigitsCase.lr_at``), so that the last quarter (rank 2 back at 1x) settles every variant
+into a minimum rather than leaving it wherever a high learning rate last threw it. Each
+variant is evaluated on the held-out digits (the data's validation split, never trained on)
+every ``eval_every`` steps and at the end. The world is run once per seed (initial weights
+and data order); the report averages each mode's paired drop against ``unperturbed`` over
+the seeds and gives the spread (``accuracy_report``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import statistics
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +38,13 @@ from colossal_hetero.config.schema import (
     ParallelConfig,
 )
 
+DIGITS_KNOBS: dict[str, Any] = {**BALANCER_KNOBS, "threshold": 1.0, "release": 0.5}
+"""The throughput run's balancer settings, except that a rank is flagged at 2x and released
+below 1.5x: the accuracy run injects one 8x straggler and measures what balancing it costs.
+On this small ViT a ZERO-resized rank's index copies cost more than the GEMM work they save
+(an earlier idle run's records: a resized rank measured 1.6-2.1x the others with no slowdown
+injected), so at the throughput run's 1.3x a noise flag kept itself flagged until a probe."""
+
 VAL_FRACTION = 0.2
 """Held-out share of the 1797 digits (360 images) the accuracy is measured on."""
 EVAL_BATCH = 36
@@ -38,25 +53,60 @@ EVAL_BATCH = 36
 
 @dataclass(frozen=True)
 class DigitsCase:
-    """The accuracy run's sizes."""
+    """The accuracy run's sizes and its training recipe."""
 
     model: ModelConfig
     steps: int
     modes: tuple[str, ...]
-    batch_size: int = 64
+    batch_size: int = 256
     eval_every: int = 25
-    lr: float = 3e-3
-    """AdamW learning rate (the digits example config's)."""
+    lr: float = 2e-3
+    """AdamW peak learning rate (after the warm-up)."""
+    warmup_fraction: float = 0.1
+    """Share of the steps over which the learning rate rises linearly to ``lr``."""
+    seeds: tuple[int, ...] = (0,)
+    """One run of the world per seed: the model's ``init_seed`` and the data order's seed."""
+    variants: tuple[tuple[str, str, tuple[tuple[str, Any], ...]], ...] = ()
+    """Extra variants ``(name, mode, knob overrides)``, run when ``mode`` is in ``modes``
+    (e.g. resize with ``freeze_dropped`` off)."""
     slow_rank: int = 2
     factor: float = 8.0
     world: int = 4
-    knobs: dict[str, Any] = field(default_factory=lambda: dict(BALANCER_KNOBS))
+    knobs: dict[str, Any] = field(default_factory=lambda: dict(DIGITS_KNOBS))
 
     @property
     def phases(self) -> tuple[Phase, ...]:
         return tuple(
             middle_half(self.steps, rank=self.slow_rank, factor=self.factor, world=self.world)
         )
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of ``step`` (0-based): ``lr * (step + 1) / W`` for the first ``W``
+        steps, then ``lr * (1 + cos(pi * (step - W) / (steps - W))) / 2``, which reaches 0 at
+        ``step = steps`` (the last step, ``steps - 1``, is within a rounding of it)."""
+        warm = max(1, math.ceil(self.warmup_fraction * self.steps))
+        if step < warm:
+            return self.lr * (step + 1) / warm
+        return self.lr * 0.5 * (1.0 + math.cos(math.pi * (step - warm) / (self.steps - warm)))
+
+
+QUICK_MODES = ("resize", "semi")
+"""The modes ``--quick`` runs on digits: the two the summary's accuracy keys name (migrate and
+replan are lossless; the throughput run checks them against an unperturbed run's losses)."""
+
+
+def digits_case(quick: bool, modes: tuple[str, ...]) -> DigitsCase:
+    """The accuracy run of ``bench dynamic``: ``--quick`` one seed of 140 steps (25 epochs of
+    the 1437 training images at batch 256) and only ``QUICK_MODES``; the full run three seeds
+    of 320 steps, every mode, and resize with the dropped columns not frozen as an extra
+    variant."""
+    if quick:
+        kept = tuple(m for m in modes if m in QUICK_MODES)
+        return DigitsCase(model=vit_model(), steps=140, modes=kept, seeds=(0,))
+    unfrozen = ("resize_unfrozen", "resize", (("freeze_dropped", False),))
+    return DigitsCase(
+        model=vit_model(), steps=320, modes=modes, seeds=(0, 1, 2), variants=(unfrozen,)
+    )
 
 
 def vit_model(hidden: int = 64, heads: int = 8, layers: int = 2) -> ModelConfig:
@@ -80,44 +130,110 @@ def vit_model(hidden: int = 64, heads: int = 8, layers: int = 2) -> ModelConfig:
 def digits_rank(
     rank: int, world_size: int, device: torch.device, case: DigitsCase
 ) -> dict[str, Any]:
-    """Spawned on every rank: train every variant interleaved; see ``run_variants``."""
+    """Spawned on every rank: per seed, train every variant interleaved (``run_variants``).
+
+    Returns ``{"runs": [one run_variants result per seed], "seeds", "fixed_fraction",
+    "val_images"}``, the same on every rank.
+    """
     from colossal_hetero.bench.dynamic_run import fixed_fraction_of
     from colossal_hetero.bench.profile import agree
     from colossal_hetero.data.digits import DigitsData
     from colossal_hetero.plugin import prepare_device
+    from colossal_hetero.utils.device import device_kind
 
     prepare_device(device)
     data = DigitsData(VAL_FRACTION)
     full, fixed = _step_seconds(case.model, data, case.batch_size, device)
     fraction = agree(fixed_fraction_of(full, fixed, world_size), device, "min")
-    from colossal_hetero.utils.device import device_kind
-
-    kind = device_kind(device)
     base = HeteroConfig(
         parallel=ParallelConfig(tp=world_size),
-        cluster=ClusterConfig(device=kind),
+        cluster=ClusterConfig(device=device_kind(device)),
     )
     emulation = emulation_of(case.phases)
     configs = {"unperturbed": base}
-    for mode in case.modes:
-        configs[mode] = dataclasses.replace(
-            base, emulation=emulation, balancer=balancer_config(mode, case.knobs, fraction)
+    named = [(m, m, ()) for m in case.modes] + [v for v in case.variants if v[1] in case.modes]
+    for name, mode, overrides in named:
+        knobs = {**case.knobs, **dict(overrides)}
+        configs[name] = dataclasses.replace(
+            base, emulation=emulation, balancer=balancer_config(mode, knobs, fraction)
         )
-    world = World(
-        model=case.model,
-        phases=case.phases,
-        warmup=0,
-        batch_size=case.batch_size,
-        seq_len=(8 // 2) ** 2 + 1,  # tokens per image: 2x2 patches of 8x8, plus [CLS]
-        train_batch=lambda step: data.train_batch(step, case.batch_size, 0),
-        val_batches=data.val_batches(EVAL_BATCH, data.max_val_batches(EVAL_BATCH)),
-        eval_every=case.eval_every,
-        lr=case.lr,
-    )
-    result = run_variants(world, {}, configs, device)
-    result["fixed_fraction"] = fraction
-    result["val_images"] = data.max_val_batches(EVAL_BATCH) * EVAL_BATCH
-    return result
+    val = data.val_batches(EVAL_BATCH, data.max_val_batches(EVAL_BATCH))
+    runs = []
+    for seed in case.seeds:
+        world = World(
+            model=dataclasses.replace(case.model, init_seed=seed),
+            phases=case.phases,
+            warmup=0,
+            batch_size=case.batch_size,
+            seq_len=(8 // 2) ** 2 + 1,  # tokens per image: 2x2 patches of 8x8, plus [CLS]
+            train_batch=functools.partial(_train_batch, data, case.batch_size, seed),
+            val_batches=val,
+            eval_every=case.eval_every,
+            lr=case.lr_at(0),
+            lr_at=case.lr_at,
+        )
+        runs.append(run_variants(world, {}, configs, device))
+    return {
+        "runs": runs,
+        "seeds": list(case.seeds),
+        "fixed_fraction": fraction,
+        "val_images": data.max_val_batches(EVAL_BATCH) * EVAL_BATCH,
+    }
+
+
+def _train_batch(data: Any, batch_size: int, seed: int, step: int) -> dict[str, torch.Tensor]:
+    return data.train_batch(step, batch_size, seed)  # type: ignore[no-any-return]
+
+
+def accuracy_report(result: Mapping[str, Any], modes: Sequence[str]) -> dict[str, Any]:
+    """The accuracy run's figures, from ``digits_rank``'s result.
+
+    ``accuracy``: each variant's final held-out accuracy, mean over the seeds;
+    ``drop_points``: per mode (and extra variant), the mean over seeds of the paired drop
+    ``100 * (acc_unperturbed - acc_mode)`` (same seed, same batches, same weights at the
+    start); ``drop_by_seed`` and ``drop_spread`` (min, max, sample std, or 0 for one seed);
+    ``val_loss`` and ``val_loss_increase`` (relative, mean over seeds); ``curves`` (per
+    variant, per seed, ``[step, loss, accuracy]``); ``records``: the first seed's decisions.
+    """
+    runs = result["runs"]
+    finals = [{n: v["evals"][-1] for n, v in run["variants"].items()} for run in runs]
+    names = list(finals[0])
+    ran = [m for m in modes if m in finals[0]] + [
+        n for n in names if n != "unperturbed" and n not in modes
+    ]
+
+    def mean_of(values: Sequence[float]) -> float:
+        return statistics.fmean(values)
+
+    drops = {m: [100.0 * (f["unperturbed"][2] - f[m][2]) for f in finals] for m in ran}
+    increases = {
+        m: [(f[m][1] - f["unperturbed"][1]) / f["unperturbed"][1] for f in finals] for m in ran
+    }
+    return {
+        "seeds": list(result.get("seeds", range(len(runs)))),
+        "val_images": result.get("val_images"),
+        "accuracy": {n: mean_of([f[n][2] for f in finals]) for n in names},
+        "drop_points": {m: mean_of(d) for m, d in drops.items()},
+        "drop_by_seed": drops,
+        "drop_spread": {
+            m: {
+                "min": min(d),
+                "max": max(d),
+                "std": statistics.stdev(d) if len(d) > 1 else 0.0,
+            }
+            for m, d in drops.items()
+        },
+        "val_loss": {n: mean_of([f[n][1] for f in finals]) for n in names},
+        "val_loss_increase": {m: mean_of(v) for m, v in increases.items()},
+        "curves": {n: [run["variants"][n]["evals"] for run in runs] for n in names},
+        "records": {m: runs[0]["variants"][m]["records"] for m in ran},
+        "step_time_median": {
+            n: statistics.median(
+                max(row[0::4]) for run in runs for row in run["variants"][n]["rows"]
+            )
+            for n in names
+        },
+    }
 
 
 def _step_seconds(

@@ -111,7 +111,8 @@ class _MeanImputedLinear(torch.autograd.Function):
     def forward(ctx: Any, x, weight, bias, kept, dropped):  # type: ignore[override]
         x_kept, w_kept = x.index_select(-1, kept), weight.index_select(1, kept)
         w_drop = weight.index_select(1, dropped)
-        mean = x.index_select(-1, dropped).reshape(-1, dropped.numel()).mean(0)
+        # every column's token mean, then the dropped ones: reads x once, copies nothing
+        mean = x.reshape(-1, x.shape[-1]).mean(0).index_select(0, dropped)
         shift = F.linear(mean, w_drop)  # [N]: the imputed features' contribution
         ctx.save_for_backward(x_kept, w_kept, w_drop, mean, kept, dropped)
         ctx.meta = (x.shape, weight.shape, bias is not None)
