@@ -29,16 +29,15 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from colossal_hetero.planner.tp2d_cost import block_time
-
 
 @dataclass(frozen=True)
 class Resizable2D:
     """Devices on mesh positions and the block sizes of every mesh row and column.
 
     ``positions[p]``: the device (index into the speeds, a global rank of the TP group) at
-    mesh position p = i * q + j. ``slowest``: max_ij b_i a_j / speed, in sample-heads per unit
-    speed; ``even_slowest``: the same for even blocks with devices in order.
+    mesh position p = i * q + j. ``slowest``: max_ij (overhead + b_i a_j) / speed, in
+    sample-heads per unit speed; ``even_slowest``: the same for even blocks with devices in
+    order.
     """
 
     positions: tuple[int, ...]
@@ -107,12 +106,60 @@ def _capacities(speeds: Sequence[float], positions: Sequence[int], batch: Sequen
     return caps
 
 
+def affine_heads(
+    speeds: Sequence[float],
+    positions: Sequence[int],
+    batch: Sequence[int],
+    heads: int,
+    overhead: float,
+) -> tuple[tuple[int, ...], float]:
+    """Head counts minimising the slowest block under ``(overhead + b_i a_j) / speed`` and
+    that time (every block pays the overhead, an empty one too).
+
+    Column j's time is non-decreasing in a_j, so handing out heads one at a time to the
+    column whose time after the hand-out is smallest is optimal (min-max allocation).
+    """
+    q = len(batch)
+
+    def column(j: int, a: int) -> float:
+        return max((overhead + batch[i] * a) / speeds[positions[i * q + j]] for i in range(q))
+
+    counts = [0] * q
+    for _ in range(heads):
+        j = min(range(q), key=lambda k: (column(k, counts[k] + 1), k))
+        counts[j] += 1
+    return tuple(counts), max(column(j, counts[j]) for j in range(q))
+
+
+def slowest_block(
+    speeds: Sequence[float],
+    positions: Sequence[int],
+    batch: Sequence[int],
+    heads: Sequence[int],
+    overhead: float = 0.0,
+) -> float:
+    """max over mesh blocks of (overhead + b_i a_j) / speed of the device at (i, j)."""
+    q = len(batch)
+    return max(
+        (overhead + batch[i] * heads[j]) / speeds[positions[i * q + j]]
+        for i in range(q)
+        for j in range(q)
+    )
+
+
 def _best_for_placement(
-    speeds: Sequence[float], positions: Sequence[int], batches: list[tuple[int, ...]], heads: int
+    speeds: Sequence[float],
+    positions: Sequence[int],
+    batches: list[tuple[int, ...]],
+    heads: int,
+    overhead: float = 0.0,
 ) -> tuple[float, tuple[int, ...], tuple[int, ...]]:
     best: tuple[float, tuple[int, ...], tuple[int, ...]] | None = None
     for b in batches:
-        a, worst = best_heads(_capacities(speeds, positions, b), heads)
+        if overhead:
+            a, worst = affine_heads(speeds, positions, b, heads, overhead)
+        else:
+            a, worst = best_heads(_capacities(speeds, positions, b), heads)
         if best is None or worst < best[0] - 1e-12:
             best = (worst, b, a)
     assert best is not None
@@ -143,14 +190,18 @@ def plan_resizable_2d(
     *,
     max_evaluations: int = 300_000,
     even_rows: bool = False,
+    overhead: float = 0.0,
 ) -> Resizable2D:
     """The placement and block sizes minimising the slowest block (see the module docstring).
 
     ``speeds``: one per device of the TP group (q * q of them, > 0). Exact when the search fits
     ``max_evaluations`` (placement classes x batch splits); else local search (``exact`` False).
     ``even_rows``: keep the batch split even (only placement and column widths are planned),
-    for a batch size not known when planning. ValueError, naming the field, when the group is
-    not a square or a speed is not positive.
+    for a batch size not known when planning. ``overhead``: work every rank does whatever its
+    block (host-side dispatch, the embedding's full-batch lookup, ...), in sample-heads, the
+    unit of b_i a_j: blocks then take (overhead + b_i a_j) / speed (``bench tp2d`` measures it;
+    0 is the proportional model). ValueError, naming the field, when the group is not a square
+    or a speed is not positive.
     """
     n = len(speeds)
     q = math.isqrt(n)
@@ -165,10 +216,10 @@ def plan_resizable_2d(
     exact = classes * len(batches) <= max_evaluations
     if exact:
         candidates = _canonical_placements(q)
-        scored = [(_best_for_placement(speeds, p, batches, heads), p) for p in candidates]
+        scored = [(_best_for_placement(speeds, p, batches, heads, overhead), p) for p in candidates]
         (worst, b, a), positions = min(scored, key=lambda item: item[0][0])
     else:
-        (worst, b, a), positions = _local_search(speeds, q, batches, heads)
+        (worst, b, a), positions = _local_search(speeds, q, batches, heads, overhead)
     even, even_heads = _even(batch, q), _even(heads, q)
     return Resizable2D(
         positions=tuple(positions),
@@ -177,7 +228,7 @@ def plan_resizable_2d(
         ffn_sizes=proportional(ffn, a),
         vocab_sizes=proportional(vocab, a),
         slowest=worst,
-        even_slowest=block_time(speeds, tuple(range(n)), even, even_heads),
+        even_slowest=slowest_block(speeds, tuple(range(n)), even, even_heads, overhead),
         exact=exact,
     )
 
@@ -188,17 +239,23 @@ def _even(total: int, parts: int) -> tuple[int, ...]:
     return tuple(base + (1 if k < extra else 0) for k in range(parts))
 
 
-def _local_search(speeds: Sequence[float], q: int, batches: list[tuple[int, ...]], heads: int):
+def _local_search(
+    speeds: Sequence[float],
+    q: int,
+    batches: list[tuple[int, ...]],
+    heads: int,
+    overhead: float = 0.0,
+):
     """Pairwise swaps from devices sorted fastest first, row-major; first improvement."""
     positions = sorted(range(q * q), key=lambda d: (-speeds[d], d))
-    best = _best_for_placement(speeds, positions, batches, heads)
+    best = _best_for_placement(speeds, positions, batches, heads, overhead)
     improved = True
     while improved:
         improved = False
         for x, y in itertools.combinations(range(q * q), 2):
             trial = list(positions)
             trial[x], trial[y] = trial[y], trial[x]
-            score = _best_for_placement(speeds, trial, batches, heads)
+            score = _best_for_placement(speeds, trial, batches, heads, overhead)
             if score[0] < best[0] - 1e-12:
                 positions, best, improved = trial, score, True
     return best, positions
@@ -274,6 +331,8 @@ def plan_tp2d(
     heads: int,
     ffn: int,
     vocab: int,
+    *,
+    overhead: float = 0.0,
 ) -> Tp2dPlan:
     """The 2D plan for a world whose rank r has speed ``speeds_by_rank[r]``.
 
@@ -281,7 +340,7 @@ def plan_tp2d(
     parallelism needs equal shapes down each data-parallel group), planned for the slowest
     device at each TP index over the replicas. ``batch``: samples per data-parallel batch, or
     None when unknown (rows stay even, ``batch_sizes`` empty). ValueError naming the field on a
-    non-square group or a rank without a speed.
+    non-square group or a rank without a speed. ``overhead``: see ``plan_resizable_2d``.
     """
     lists = [sorted(int(r) for r in ranks) for ranks in tp_rank_lists]
     if not lists:
@@ -294,7 +353,13 @@ def plan_tp2d(
     size = len(lists[0])
     speeds = tuple(min(speeds_by_rank[ranks[k]] for ranks in lists) for k in range(size))
     planned = plan_resizable_2d(
-        speeds, batch or math.isqrt(size), heads, ffn, vocab, even_rows=batch is None
+        speeds,
+        batch or math.isqrt(size),
+        heads,
+        ffn,
+        vocab,
+        even_rows=batch is None,
+        overhead=overhead,
     )
     q = planned.q
     return Tp2dPlan(

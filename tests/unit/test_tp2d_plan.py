@@ -263,3 +263,32 @@ def test_plan_command_shows_the_plan_the_plugin_applies():
     assert choice.resizable == expected
     assert expected.speeds == (1.0, 1.0, 0.5, 0.5)  # the slower of each data-parallel pair
     assert expected.summary() in format_choice(choice, "2d")
+
+
+def test_affine_blocks_against_brute_force_and_by_hand():
+    """With a per-rank overhead o, blocks take (o + b_i a_j) / speed: the planner's optimum
+    equals brute force over every placement and every pair of splits; for one half-speed device
+    and o = 12 (bench tp2d's order) the narrow column gets 3 heads, not 4 (by hand: 8/4 gives
+    max(12 + 48, (12 + 24) / 0.5) = 72, 9/3 gives max(66, 60) = 66, 10/2 gives 72)."""
+    from colossal_hetero.planner.tp2d_plan import slowest_block
+
+    rng = random.Random(3)
+    for _ in range(25):
+        speeds = [rng.choice([0.25, 0.5, 1.0, 1.3]) for _ in range(4)]
+        batch, heads, overhead = rng.randint(1, 6), rng.randint(1, 6), rng.choice([0.5, 3, 12])
+        plan = plan_resizable_2d(speeds, batch, heads, 4 * heads, 16, overhead=overhead)
+        brute = min(
+            slowest_block(speeds, perm, (b, batch - b), (a, heads - a), overhead)
+            for perm in itertools.permutations(range(4))
+            for b in range(batch + 1)
+            for a in range(heads + 1)
+        )
+        assert plan.slowest == pytest.approx(brute, rel=1e-12), (speeds, batch, heads, overhead)
+        assert slowest_block(
+            speeds, plan.positions, plan.batch_sizes, plan.head_counts, overhead
+        ) == pytest.approx(plan.slowest)
+    plan = plan_resizable_2d([1, 1, 1, 0.5], 12, 12, 3072, 256, overhead=12.0)
+    assert plan.slowest == pytest.approx(66.0) and plan.even_slowest == pytest.approx(96.0)
+    assert sorted(plan.head_counts) == [3, 9] and plan.batch_sizes == (6, 6)
+    i, j = plan.placement()[3]
+    assert plan.head_counts[j] == 3
