@@ -110,7 +110,7 @@ def digits_case(quick: bool, modes: tuple[str, ...]) -> DigitsCase:
 
 
 def vit_model(hidden: int = 64, heads: int = 8, layers: int = 2) -> ModelConfig:
-    """A small ViT for 8x8 digits (2x2 patches), dropout off, 12 outputs (10 used)."""
+    """A small ViT for 8x8 digits (2x2 patches), dropout off, 10 classes."""
     return ModelConfig(
         arch="vit",
         hf={
@@ -120,9 +120,9 @@ def vit_model(hidden: int = 64, heads: int = 8, layers: int = 2) -> ModelConfig:
             "intermediate_size": 4 * hidden,
             "hidden_dropout_prob": 0.0,
             "attention_probs_dropout_prob": 0.0,
-            # The stock ViT policy splits the classifier over the TP ranks, so its outputs
-            # must divide by 4: two extra classes that no label ever names.
-            "num_labels": 12,
+            # the classifier is replicated on every TP rank (policies/vit.py): no balancer op
+            # touches the head, and the ten classes need not divide by the TP width
+            "num_labels": 10,
         },
     )
 

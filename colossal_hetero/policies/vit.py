@@ -1,7 +1,9 @@
 """Resizable TP policy for transformers' ViTForImageClassification.
 
 Widths: ``heads`` (query, key, value; attention.output.dense) and ``ffn``
-(intermediate.dense, output.dense). The classifier stays replicated.
+(intermediate.dense, output.dense). The classifier stays replicated: the stock policy's
+column-parallel classifier is left out (as the planner's model of the head assumes), so any
+number of classes works at any width and no balancer op ever touches the head.
 """
 
 from __future__ import annotations
@@ -17,6 +19,20 @@ from colossal_hetero.policies.base import LayerSpec, ResizablePolicy
 
 class ResizableViTForImageClassificationPolicy(ResizablePolicy, ViTForImageClassificationPolicy):
     """ViTForImageClassificationPolicy with per-rank ``heads`` and ``ffn`` widths."""
+
+    def module_policy(self) -> dict:
+        """The resizable description without the stock split of the classifier: every TP
+        rank holds the whole head, computes the same logits from the same [CLS] state and
+        gets the same gradient, so the replicas stay equal without a collective."""
+        from transformers.models.vit.modeling_vit import ViTForImageClassification
+
+        policy = super().module_policy()
+        head = policy.get(ViTForImageClassification)
+        if head is not None and head.sub_module_replacement:
+            head.sub_module_replacement = [
+                item for item in head.sub_module_replacement if item.suffix != "classifier"
+            ]
+        return policy
 
     def width_totals(self) -> dict[str, int]:
         config = self.model.config
