@@ -42,7 +42,7 @@ DIGITS_KNOBS: dict[str, Any] = {**BALANCER_KNOBS, "threshold": 1.0, "release": 0
 """The throughput run's balancer settings, except that a rank is flagged at 2x and released
 below 1.5x: the accuracy run injects one 8x straggler and measures what balancing it costs.
 On this small ViT a ZERO-resized rank's index copies cost more than the GEMM work they save
-(an earlier idle run's records: a resized rank measured 1.6-2.1x the others with no slowdown
+(an earlier idle run's records: a resized rank measured 1.6-2.4x the others with no slowdown
 injected), so at the throughput run's 1.3x a noise flag kept itself flagged until a probe."""
 
 VAL_FRACTION = 0.2
