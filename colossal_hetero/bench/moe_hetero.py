@@ -31,7 +31,7 @@ import torch.distributed as dist
 HF = {
     "vocab_size": 256,
     "hidden_size": 128,
-    "intermediate_size": 2048,
+    "intermediate_size": 1024,
     "num_hidden_layers": 2,
     "num_attention_heads": 4,
     "num_key_value_heads": 4,
@@ -43,7 +43,7 @@ HF = {
 }
 SPEEDS = [1.0, 1.0, 0.5, 0.5]
 HOT_BIAS = [0.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.5, 0.5]  # added to the router logits
-SEQ, PER_RANK, EP, REPLACE_EVERY = 64, 8, 4, 4
+SEQ, PER_RANK, EP, REPLACE_EVERY = 64, 4, 4, 4
 
 
 def _build(replace_every: int) -> tuple[Any, Any, Any, Any]:
@@ -122,7 +122,7 @@ def hetero_worker(rank: int, world_size: int, device: torch.device, *, quick: bo
         return run
 
     policy = RoundsPolicy(
-        warmup=REPLACE_EVERY + 1, min_rounds=8 if quick else 12, budget_s=45 if quick else 240
+        warmup=REPLACE_EVERY + 1, min_rounds=8 if quick else 12, budget_s=40 if quick else 240
     )
     result = run_rounds(
         {name: variant(name) for name in runs},
