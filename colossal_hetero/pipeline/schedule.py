@@ -8,12 +8,14 @@ What it reuses from Colossal-AI's 1F1B (by inheritance, so the arithmetic is the
 loading and splitting, ``forward_step`` (the last stage's loss is divided by the micro-batch
 count and accumulated in micro-batch order), ``backward_step``, and the forward-only path.
 What it replaces: the order of passes (:func:`~colossal_hetero.pipeline.order.kfkb_order`) and
-the point-to-point layer (:mod:`colossal_hetero.pipeline.p2p`): every send is non-blocking and
-the next receive of each direction is posted as soon as the previous one is taken, which is
-what keeps kFkB deadlock-free (a blocking send from stage s to s+1 could wait on s+1 while s+1
-waits on a send to s). Forward and backward passes each run in increasing micro-batch order,
-exactly as in 1F1B, so parameter gradients accumulate in the same order: with ``k = 1`` and any
-``k`` alike, loss and gradients equal 1F1B's bit for bit in fp32.
+the point-to-point layer (:mod:`colossal_hetero.pipeline.p2p`): every send is non-blocking,
+which keeps kFkB deadlock-free (a blocking send from stage s to s+1 could wait on s+1 while s+1
+waits on a send to s), and every receive of a step is posted as soon as the step's first
+message has given the shapes (gloo moves a message only once its receive is posted, so a
+group's burst of sends flows while the receiver computes). Forward and backward passes each
+run in increasing micro-batch order, exactly as in 1F1B, so parameter gradients accumulate in
+the same order: with ``k = 1`` and any ``k`` alike, loss and gradients equal 1F1B's bit for
+bit in fp32.
 
 ``k`` may change between steps (:meth:`KFKBSchedule.set_k`), never within one; every rank of the
 pipeline must use the same ``k`` in a step (the Ada tuner's decision is identical on every rank).
