@@ -274,11 +274,14 @@ class BalanceController:
                 return {**decision, **extra, "executed": "replan"}, gain, act
             extra["replan_waits"] = decision["reason"]
         picks = {c.rank: c.action for c in semi.choices}
+        # A straggler whose best in-layer action gains nothing net of its accuracy cost (or
+        # of migration's messages) gets none: semi then waits for the re-plan.
+        worthless = {c.rank for c in semi.choices if c.gain <= 0}
         current = self.plan.actions()
         actions = {}
         for rank in view.stragglers:  # the detector's hysteresis decides who
             action = picks.get(rank, current.get(rank))
-            if action is not None:
+            if action is not None and rank not in worthless:
                 actions[rank] = action
         if self.bridge_off is not None:  # the ops measured a loss here: no bridge, ops off
             extra["bridge_off"] = {"step": self.bridge_off[0], "measured": self.bridge_off[1]}

@@ -10,6 +10,7 @@ recovery; SEMI executes its own pick."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -305,3 +306,23 @@ def test_semi_refines_the_fixed_fraction_from_a_move_made_under_its_ops(monkeypa
     _drive(controller, cluster, 20)
     assert cluster.moves == [SKEW] and cluster.ops.clears == 1
     assert controller.fixed_fraction == pytest.approx(0.1)
+
+
+def test_semi_attaches_no_op_that_gains_nothing_net(monkeypatch):
+    """Migration priced out (its messages cost more than any gain) and accuracy_weight 1
+    (resizing f of the work costs f x t, what it saves): the straggler's best in-layer action
+    gains nothing net, so semi, with a re-plan too costly to pay, attaches no op at all (it
+    used to attach its pick whatever its gain)."""
+    import math
+
+    from colossal_hetero.balance import semi as semi_module
+
+    monkeypatch.setattr(semi_module, "comm_time", lambda *args: math.inf)
+    cluster = _Cluster()
+    controller = _controller(cluster, "semi", monkeypatch, move_cost_s=1e6)
+    controller.settings = replace(controller.settings, accuracy_weight=1.0)
+    _drive(controller, cluster, 15)
+    semi = [r["decision"]["semi"] for r in controller.log.records if "semi" in r["decision"]]
+    choices = [c for s in semi for c in s["choices"]]
+    assert choices and all(c["gain"] is None or c["gain"] <= 0 for c in choices)  # None: -inf
+    assert cluster.ops.applied == [] and cluster.moves == []
