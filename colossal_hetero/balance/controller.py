@@ -13,6 +13,11 @@ its slowdown stays the device's, not the balanced rank's. The sequence of collec
 on the step number alone, never on local data (a move's and a migration's own collectives
 follow from agreed inputs, identical everywhere).
 
+The work model's fixed fraction starts at ``balancer.fixed_fraction`` and is refitted from
+the times before and after each width move (``detector.fixed_fraction_from_move``). Under
+semi, an in-layer bridge whose next window measured a clear loss is taken off for good
+(``bridge_off``), and an in-layer action with no net gain is never attached.
+
 Every agreement writes one decision record ``{"step", "controller", "inputs", "decision",
 "predicted_gain"}`` to ``balance_rank{r}.jsonl`` beside the per-step metrics; the first
 agreement after a move or an in-layer change writes the measured gain in its own record.
