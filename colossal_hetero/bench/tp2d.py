@@ -9,7 +9,9 @@ One spawned world of 4 CPU ranks holds five models of the same GPT-2 (same seed 
 - ``2d_even_slow`` / ``2d_resized_slow``: 2D with one device at half speed (emulated: the
   interceptor stretches each compute interval of rank 3 by its CPU time, so the extra time
   scales with the work the rank really did), even blocks against the planner's placement and
-  block sizes (``planner.tp2d_plan.plan_resizable_2d``).
+  block sizes (``planner.tp2d_plan.plan_resizable_2d``), planned with each rank's fixed work
+  per step measured first (``measure_overhead``: the even 2D model's CPU time at two batch
+  sizes, an affine fit; recorded as ``resized_plan.calibration``).
 
 Measured per rank, once: activation bytes of one forward at the benchmark batch
 (``bench.tp2d_measure``: every storage the autograd graph keeps, parameters excluded), and,
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from colossal_hetero.bench.rounds import Figure, RoundsPolicy, Variant, rank0_decides, run_rounds
 from colossal_hetero.bench.tp2d_measure import largest_fitting, sequence_parallel_on_gloo
@@ -37,6 +40,7 @@ from colossal_hetero.bench.tp2d_runners import (
     text_batch,
     timed_step,
     world_max,
+    world_sum,
 )
 from colossal_hetero.config.schema import EmulationConfig, ModelConfig, SlowdownSpec
 from colossal_hetero.planner.tp2d_plan import plan_resizable_2d
@@ -109,11 +113,16 @@ def even_shares(case: Tp2dCase, batch: int) -> Any:
     )
 
 
-def resized_shares(case: Tp2dCase) -> tuple[Any, dict[int, tuple[int, int]], dict[str, Any]]:
-    """The planner's shares and placement for ``case.speeds``; and a JSON record of them."""
+def resized_shares(
+    case: Tp2dCase, overhead: float = 0.0
+) -> tuple[Any, dict[int, tuple[int, int]], dict[str, Any]]:
+    """The planner's shares and placement for ``case.speeds`` (``overhead``: each rank's fixed
+    work in sample-heads, see ``measure_overhead``); and a JSON record of them."""
     from colossal_hetero.tp2d.gpt2 import GPT2Shares
 
-    plan = plan_resizable_2d(case.speeds, case.batch_size, case.heads, case.ffn, case.vocab)
+    plan = plan_resizable_2d(
+        case.speeds, case.batch_size, case.heads, case.ffn, case.vocab, overhead=overhead
+    )
     shares = GPT2Shares(plan.batch_sizes, plan.head_counts, plan.ffn_sizes, plan.vocab_sizes)
     record = {
         "positions": list(plan.positions),
@@ -123,6 +132,7 @@ def resized_shares(case: Tp2dCase) -> tuple[Any, dict[int, tuple[int, int]], dic
         "vocab_sizes": list(plan.vocab_sizes),
         "predicted_speedup": plan.predicted_speedup,
         "exact": plan.exact,
+        "overhead_sample_heads": overhead,
     }
     return shares, plan.placement(), record
 
@@ -154,7 +164,6 @@ def run_case(rank: int, world_size: int, device: torch.device, case: Tp2dCase) -
         raise ValueError(f"bench tp2d runs on 4 ranks (a 2 x 2 mesh), got {world_size}")
     prepare_device(device)
     model = case.model()
-    shares, placement, planned = resized_shares(case)
     with sequence_parallel_on_gloo():
         runners: dict[str, Any] = {
             "1d": OneDRunner(model, device, sequence_parallel=False),
@@ -162,6 +171,9 @@ def run_case(rank: int, world_size: int, device: torch.device, case: Tp2dCase) -
             "2d": TwoDRunner(model, device, even_shares(case, case.batch_size)),
         }
         runners["2d_even_slow"] = TwoDRunner(model, device, even_shares(case, case.batch_size))
+        calibration = measure_overhead(case, runners, device)
+        shares, placement, planned = resized_shares(case, calibration["overhead"])
+        planned["calibration"] = calibration
         runners["2d_resized_slow"] = TwoDRunner(model, device, shares, placement)
         result: dict[str, Any] = {"resized_plan": planned}
         result["memory"] = _memory(case, runners, device)
@@ -201,6 +213,42 @@ def _memory(case: Tp2dCase, runners: dict[str, Any], device: torch.device) -> di
         out[name]["max_batch"] = largest_fitting(fits, start=16, limit=case.max_batch_limit)
     _with_batch(runners, "2d", case, case.batch_size)  # back to the timed batch
     return out
+
+
+def measure_overhead(
+    case: Tp2dCase, runners: dict[str, Any], device: torch.device, repeats: int = 3
+) -> dict[str, float]:
+    """Each rank's fixed work per step, in sample-heads (the planner's ``overhead``).
+
+    The even 2D model runs forward and backward (no update) at the benchmark batch and at
+    half of it; a rank's CPU time (its thread's, so waits and other processes do not count)
+    is affine in its block b_i a_j: t = c + w b_i a_j. Two sizes give c / w; the mean over the
+    ranks (one all_reduce) is what every rank plans with. Medians of ``repeats`` steps.
+    """
+    import time
+
+    from colossal_hetero.tp2d.layout import even_sizes
+
+    q, head_share = 2, even_sizes(case.heads, 2)[0]
+    sizes = (case.batch_size, case.batch_size // 2)
+    times = []
+    for batch_size in sizes:
+        runner = _with_batch(runners, "2d", case, batch_size)
+        samples = []
+        for k in range(repeats):
+            batch = text_batch(batch_size, case.seq_len, 20_000 + k, case.vocab)
+            start = time.thread_time()
+            runner.forward(batch).backward()
+            samples.append(time.thread_time() - start)
+            runner.optimizer.zero_grad()
+        times.append(sorted(samples)[repeats // 2])
+    _with_batch(runners, "2d", case, case.batch_size)
+    units = [even_sizes(b, q)[0] * head_share for b in sizes]
+    slope = (times[0] - times[1]) / (units[0] - units[1])
+    fixed = times[0] - slope * units[0]
+    overhead = max(fixed, 0.0) / slope if slope > 0 else 0.0
+    (mean,) = world_sum([overhead / dist.get_world_size()], device)
+    return {"overhead": mean, "rank_fixed_s": fixed, "rank_per_unit_s": slope}
 
 
 def _with_batch(runners: dict[str, Any], name: str, case: Tp2dCase, batch: int) -> Any:

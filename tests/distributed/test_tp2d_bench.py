@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 
 def _check(rank: int, world_size: int, device: torch.device) -> None:
-    from colossal_hetero.bench.tp2d import Tp2dCase, _memory, even_shares
+    from colossal_hetero.bench.tp2d import Tp2dCase, _memory, even_shares, measure_overhead
     from colossal_hetero.bench.tp2d_measure import sequence_parallel_on_gloo
     from colossal_hetero.bench.tp2d_runners import OneDRunner, TwoDRunner, text_batch
     from colossal_hetero.plugin import prepare_device
@@ -37,6 +37,11 @@ def _check(rank: int, world_size: int, device: torch.device) -> None:
         batch = text_batch(case.batch_size, case.seq_len, 0, case.vocab)
         losses = {name: float(r.forward(batch)) for name, r in runners.items()}
         memory = _memory(case, runners, device)
+        calibration = measure_overhead(case, runners, device, repeats=1)
+    # The overhead every rank plans with is one agreed, finite, non-negative number.
+    agreed = [None] * world_size
+    torch.distributed.all_gather_object(agreed, calibration["overhead"])
+    assert len(set(agreed)) == 1 and 0.0 <= agreed[0] < float("inf"), agreed
     for a in losses.values():
         assert a == pytest.approx(losses["2d"], rel=1e-5), losses
     for name, mode in (("1d", "1d"), ("1d_sp", "1d-sp"), ("2d", "2d")):
