@@ -26,8 +26,10 @@ def draw_mesh(
     positions: list[int],
     speeds: list[float],
     title: str,
+    fixed: float = 0.0,
 ) -> None:
-    """One mesh: column j spans heads[j], row i spans batch[i] (row 0 on top)."""
+    """One mesh: column j spans heads[j], row i spans batch[i] (row 0 on top); a block's time
+    is (fixed + batch x heads) / speed."""
     q = len(batch)
     x0 = [sum(heads[:j]) for j in range(q)]
     y_top = sum(batch)
@@ -35,14 +37,14 @@ def draw_mesh(
         for j in range(q):
             device = positions[i * q + j]
             speed = speeds[device]
-            work = batch[i] * heads[j] / speed
+            work = (fixed + batch[i] * heads[j]) / speed
             y = y_top - sum(batch[: i + 1])
             colour = "#f4a582" if speed < max(speeds) else "#92c5de"
             ax.add_patch(_rect(ax, (x0[j], y), heads[j], batch[i], colour))
             ax.text(
                 x0[j] + heads[j] / 2,
                 y + batch[i] / 2,
-                f"rank {device}\nspeed {speed:g}\n{batch[i]} x {heads[j]}\ntime {work:g}",
+                f"rank {device}\nspeed {speed:g}\n{batch[i]} x {heads[j]}\ntime {work:.3g}",
                 ha="center",
                 va="center",
                 fontsize=8,
@@ -70,13 +72,20 @@ def plot(report: dict[str, Any], out_dir: Path) -> list[Path]:
     case, plan = report["case"], report["resized_plan"]
     speeds, batch, heads = list(case["speeds"]), case["batch_size"], case["heads"]
     even_b, even_a = [batch // 2] * 2, [heads // 2] * 2
+    fixed = float(plan.get("overhead_sample_heads", 0.0))  # each rank's fixed work
     fig, axes = plt.subplots(1, 2, figsize=(9, 4))
-    slow_even = max(even_b[0] * even_a[0] / s for s in speeds)
+    slow_even = max((fixed + even_b[0] * even_a[0]) / s for s in speeds)
     draw_mesh(
-        axes[0], even_b, even_a, [0, 1, 2, 3], speeds, f"even 2D: slowest block {slow_even:g}"
+        axes[0],
+        even_b,
+        even_a,
+        [0, 1, 2, 3],
+        speeds,
+        f"even 2D: slowest block {slow_even:.3g}",
+        fixed,
     )
     slow = max(
-        plan["batch_sizes"][p // 2] * plan["head_counts"][p % 2] / speeds[d]
+        (fixed + plan["batch_sizes"][p // 2] * plan["head_counts"][p % 2]) / speeds[d]
         for p, d in enumerate(plan["positions"])
     )
     draw_mesh(
@@ -85,9 +94,13 @@ def plot(report: dict[str, Any], out_dir: Path) -> list[Path]:
         plan["head_counts"],
         plan["positions"],
         speeds,
-        f"resized 2D: slowest block {slow:g} ({plan['predicted_speedup']:.2f}x predicted)",
+        f"resized 2D: slowest block {slow:.3g} ({plan['predicted_speedup']:.2f}x predicted)",
+        fixed,
     )
-    fig.suptitle("2 x 2 SUMMA mesh: rows share the batch, columns the heads (area = work)")
+    title = "2 x 2 SUMMA mesh: rows share the batch, columns the heads (area = work)"
+    if fixed:
+        title += f"\ntime = ({fixed:.3g} fixed + samples x heads) / speed, fixed work measured"
+    fig.suptitle(title)
     fig.tight_layout()
     out_dir.mkdir(parents=True, exist_ok=True)
     mesh_path = out_dir / "tp2d_mesh.png"
