@@ -14,7 +14,11 @@ interleaved rounds (``bench.rounds``), one step per variant per round:
 - ``even``: the contiguous placement, fixed;
 - ``speed_aware``: ``moe.replace_every``: the seam controller re-places the experts from the
   router loads it measured and the ranks' speeds, moving weights and AdamW state (during the
-  warm-up rounds the first time; later decisions are in the timed steps, if any move).
+  warm-up rounds the first time; later decisions are in the timed steps, if any move);
+- ``speed_aware_packed``: the same with expert packing (moe.packing) in the dispatch.
+Also per step: the bytes all ranks handed to all-to-all calls (the interceptor's count:
+forward and backward, local rows included), and, for the packed copy, the forward rows and
+bytes the blocks account for their tokens sent to other ranks, packed and as unpacked.
 Per step: the slowest rank's wall time. Reported: the paired ratio even / speed_aware with
 its 95% interval, the placements decided, and the loss of both on held batches (equal up to
 fp32 rounding: a placement changes where experts run, not what they compute).
@@ -46,7 +50,7 @@ HOT_BIAS = [0.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.5, 0.5]  # added to the router logit
 SEQ, PER_RANK, EP, REPLACE_EVERY = 64, 4, 4, 4
 
 
-def _build(replace_every: int) -> tuple[Any, Any, Any, Any]:
+def _build(replace_every: int, packing: bool = False) -> tuple[Any, Any, Any, Any]:
     from colossalai.booster import Booster
     from transformers import MixtralConfig, MixtralForCausalLM
 
@@ -63,7 +67,7 @@ def _build(replace_every: int) -> tuple[Any, Any, Any, Any]:
 
     config = HeteroConfig(
         parallel=ParallelConfig(ep=EP),
-        moe=MoeConfig(chunk_kib=256, replace_every=replace_every),
+        moe=MoeConfig(chunk_kib=256, replace_every=replace_every, packing=packing),
         cluster=ClusterConfig(devices=[DeviceSpec(speed=s) for s in SPEEDS]),
         emulation=EmulationConfig(compute="from_cluster"),
         plan=PlanConfig(mode="even"),  # no tensor-parallel widths to plan at tp = 1
@@ -104,7 +108,11 @@ def hetero_worker(rank: int, world_size: int, device: torch.device, *, quick: bo
 
     quiet_third_party_warnings()
     torch.set_num_threads(1)
-    runs = {"even": _build(0), "speed_aware": _build(REPLACE_EVERY)}
+    runs = {
+        "even": _build(0),
+        "speed_aware": _build(REPLACE_EVERY),
+        "speed_aware_packed": _build(REPLACE_EVERY, packing=True),
+    }
     generator = torch.Generator().manual_seed(1234)
     drawn: list[torch.Tensor] = []
 
@@ -116,8 +124,13 @@ def hetero_worker(rank: int, world_size: int, device: torch.device, *, quick: bo
 
     def variant(name: str) -> Any:
         def run(index: int, *, warmup: bool) -> dict[str, float]:
-            booster, model, optimizer, _ = runs[name]
-            return {"step": _slowest(_step(booster, model, optimizer, batch(index)))}
+            booster, model, optimizer, plugin = runs[name]
+            step = _step(booster, model, optimizer, batch(index))
+            timing = plugin.seam.last_timing  # bytes this rank handed to all-to-all calls
+            sent = 0 if timing is None else timing.bytes_by_kind.get("all_to_all", 0)
+            total = torch.tensor([float(sent)], dtype=torch.float64)
+            dist.all_reduce(total)
+            return {"step": _slowest(step), "a2a_bytes": float(total)}
 
         return run
 
@@ -126,15 +139,39 @@ def hetero_worker(rank: int, world_size: int, device: torch.device, *, quick: bo
     )
     result = run_rounds(
         {name: variant(name) for name in runs},
-        {"speed_aware_vs_even": lambda v: v["even.step"] / v["speed_aware.step"]},
+        {
+            "speed_aware_vs_even": lambda v: v["even.step"] / v["speed_aware.step"],
+            "packed_vs_unpacked": lambda v: v["speed_aware.step"] / v["speed_aware_packed.step"],
+        },
         policy,
         decide=rank0_decides(device),
     )
     losses = _held_losses(runs, batch, len(drawn))
     decisions = runs["speed_aware"][3].moe_replacer.writer.records
+    packing = _packing_stats(runs["speed_aware_packed"][1])
     for *_, plugin in runs.values():
         plugin.close()
-    return {"rounds": result.to_dict(), "losses": losses, "decisions": decisions}
+    return {
+        "rounds": result.to_dict(),
+        "losses": losses,
+        "decisions": decisions,
+        "packing": packing,
+    }
+
+
+def _packing_stats(model: Any) -> dict[str, float]:
+    """The packed blocks' accounted forward a2a traffic of their own tokens (moe/packed.py),
+    summed over layers and ranks, over the whole run."""
+    from colossal_hetero.moe.block import HeteroEPMixtralSparseMoeBlock
+
+    keys = ("rows_packed", "rows_unpacked", "bytes_packed", "bytes_unpacked")
+    totals = torch.zeros(len(keys), dtype=torch.float64)
+    for block in model.modules():
+        stats = getattr(block, "packing_stats", None)
+        if isinstance(block, HeteroEPMixtralSparseMoeBlock) and stats is not None:
+            totals += torch.tensor([float(getattr(stats, k)) for k in keys], dtype=torch.float64)
+    dist.all_reduce(totals)
+    return dict(zip(keys, totals.tolist(), strict=True))
 
 
 def _held_losses(runs: dict[str, Any], batch: Any, n: int) -> dict[str, float]:
@@ -169,6 +206,13 @@ def run_hetero_case(*, quick: bool) -> dict[str, Any]:
         "network_mode": "none",
         "speed_aware_vs_even_placement": float(figure["value"]),
         "speed_aware_vs_even_placement_ci": figure["ci"],
+        "packed_vs_unpacked": result["rounds"]["figures"]["packed_vs_unpacked"]["value"],
+        "packed_vs_unpacked_ci": result["rounds"]["figures"]["packed_vs_unpacked"]["ci"],
+        "a2a_bytes_per_step": {
+            name: medians[f"{name}.a2a_bytes"]["value"]
+            for name in ("even", "speed_aware", "speed_aware_packed")
+        },
+        "packing_accounted": result["packing"],
         "even_step_s": medians["even.step"]["value"],
         "speed_aware_step_s": medians["speed_aware.step"]["value"],
         "first_move": first,
