@@ -28,7 +28,10 @@ def wants_plan(config: HeteroConfig) -> bool:
     mode = config.plan.mode
     if mode == "file":
         return True
-    return mode == "auto" and is_heterogeneous(config.cluster) and config.parallel.pp == 1
+    # Expert parallelism runs at tp = 1: no widths to plan (and the planner models no MoE);
+    # its devices' speeds steer the expert placement instead (moe.replace_every).
+    auto = is_heterogeneous(config.cluster) and config.parallel.pp == 1
+    return mode == "auto" and auto and config.parallel.ep == 1
 
 
 def needs_calibration(config: HeteroConfig) -> bool:
