@@ -3,7 +3,7 @@
 - ``selection`` (pure): the kept fraction from a measured slowdown, the migrated fraction,
   priority scores and their stale-score update, the kept/migrated/dropped split;
 - ``resize``: ZERO-resizing (a straggler computes a kept subset of the reduction dimension,
-  the dropped inputs imputed by their token mean, or their gradients by a constant) and
+  the dropped gradients imputed by a constant, or the inputs by their token mean) and
   freezing the dropped columns in the optimizer;
 - ``migrate``: lossless lightweight migration of a straggler's lowest-priority columns to
   helper ranks, column- and row-parallel, with a byte counter.

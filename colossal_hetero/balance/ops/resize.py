@@ -10,7 +10,11 @@ On the straggler, with kept columns P and dropped D of the K reduction columns:
     dx[..., D] = dW[:, D] = impute_value
 
 Imputation (``impute``):
-- ``"mean"`` (the default): each dropped input feature is imputed by its mean over the
+- ``"zero"`` (the default): dx[..., D] = dW[:, D] = ``impute_value`` (0 by default) and no
+  forward term. For column-parallel dx the straggler's entry is one term of the all-reduced
+  sum, so 0 means "no contribution" and the other ranks' terms stay exact; for dW, 0 makes
+  plain SGD leave a dropped column where it is. 1e-18 reproduces the authors' code.
+- ``"mean"``: each dropped input feature is imputed by its mean over the
   step's tokens, mu_D = mean_t x[t, D], so the straggler computes
       y = x[..., P] @ W[:, P]^T + (mu_D @ W[:, D]^T) (+ b)
   and its gradients are the exact gradients of that function:
@@ -18,11 +22,9 @@ Imputation (``impute``):
       dW[:, D] = (sum_t dy_t)^T mu_D            (a rank-1 outer product).
   The forward error falls from x_D W_D^T to (x_D - mu_D) W_D^T: after LayerNorm or GELU a
   feature's mean is far from 0, and it is the part a layer's output leans on most. Extra
-  work: O(T |D| + N |D|) against the O(T N |D|) saved in each of the three GEMMs.
-- ``"zero"``: dx[..., D] = dW[:, D] = ``impute_value`` (0 by default) and no forward term.
-  For column-parallel dx the straggler's entry is one term of the all-reduced sum, so 0
-  means "no contribution"; for dW, 0 makes plain SGD leave a dropped column where it is.
-  1e-18 reproduces the authors' code.
+  work: O(T |D| + N |D|) against the O(T N |D|) saved in each of the three GEMMs. Not the
+  default: on the digits ViT (docs/balancing-ops.md) it ended with a higher held-out loss
+  than zero imputation on each of 5 seeds, the accuracy the same within the seeds' spread.
 A stale (last computed) gradient was rejected: it would push a column again and again in a
 direction measured at old weights. Momentum and weight decay still move a dropped column
 unless the optimizer step runs inside :func:`frozen_columns`.
@@ -180,7 +182,7 @@ class ZeroResize:
         straggler: int,
         kept: torch.Tensor,
         *,
-        impute: str = "mean",
+        impute: str = "zero",
         impute_value: float = 0.0,
     ) -> None:
         if impute not in IMPUTE_MODES:
@@ -215,7 +217,7 @@ def attach_resize(
     straggler: int,
     kept: torch.Tensor,
     *,
-    impute: str = "mean",
+    impute: str = "zero",
     impute_value: float = 0.0,
 ) -> ZeroResize:
     """Check ``kept`` (on every rank, before any collective) and set it as ``layer.local_op``."""
