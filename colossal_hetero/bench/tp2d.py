@@ -9,9 +9,10 @@ One spawned world of 4 CPU ranks holds five models of the same GPT-2 (same seed 
 - ``2d_even_slow`` / ``2d_resized_slow``: 2D with one device at half speed (emulated: the
   interceptor stretches each compute interval of rank 3 by its CPU time, so the extra time
   scales with the work the rank really did), even blocks against the planner's placement and
-  block sizes (``planner.tp2d_plan.plan_resizable_2d``), planned with each rank's fixed work
-  per step measured first (``measure_overhead``: the even 2D model's CPU time at two batch
-  sizes, an affine fit; recorded as ``resized_plan.calibration``).
+  block sizes (``planner.tp2d_plan.plan_resizable_2d``, proportional blocks). Each rank's
+  fixed work per step is measured too (``measure_overhead``: the even 2D model's CPU time at
+  two batch sizes, an affine fit) and recorded with the plan it would give
+  (``resized_plan.calibration``), not run: it measured slower (docs/tp2d.md).
 
 Measured per rank, once: activation bytes of one forward at the benchmark batch
 (``bench.tp2d_measure``: every storage the autograd graph keeps, parameters excluded), and,
@@ -171,9 +172,17 @@ def run_case(rank: int, world_size: int, device: torch.device, case: Tp2dCase) -
             "2d": TwoDRunner(model, device, even_shares(case, case.batch_size)),
         }
         runners["2d_even_slow"] = TwoDRunner(model, device, even_shares(case, case.batch_size))
+        # Recorded, not planned with: in a paired run (docs/tp2d.md) the plan with the
+        # measured overhead (heads 9 / 3) stepped 0.965x as fast as the proportional one.
         calibration = measure_overhead(case, runners, device)
-        shares, placement, planned = resized_shares(case, calibration["overhead"])
-        planned["calibration"] = calibration
+        shares, placement, planned = resized_shares(case)
+        calibrated = resized_shares(case, calibration["overhead"])[2]
+        planned["calibration"] = {
+            **calibration,
+            "head_counts": calibrated["head_counts"],
+            "batch_sizes": calibrated["batch_sizes"],
+            "predicted_speedup": calibrated["predicted_speedup"],
+        }
         runners["2d_resized_slow"] = TwoDRunner(model, device, shares, placement)
         result: dict[str, Any] = {"resized_plan": planned}
         result["memory"] = _memory(case, runners, device)
