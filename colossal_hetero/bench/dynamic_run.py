@@ -159,9 +159,7 @@ def throughput_rank(
             balancer=balancer_config(mode, case.knobs, fraction),
         )
 
-    even = (1.0,) * world_size
-    configs = {"none": hetero("none", even)}
-    configs.update({mode: hetero(mode, even) for mode in case.modes})
+    configs = {mode: hetero(mode, (1.0,) * world_size) for mode in ("none", *case.modes)}
     configs["oracle"] = hetero("none", case.phases[0].speeds)
     data = text_data(case)
     world = World(

@@ -22,7 +22,7 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -192,7 +192,6 @@ def a2a_split(
 def moe_worker(rank: int, world_size: int, device: torch.device, *, quick: bool) -> dict:
     """One rank of the benchmark (see the module); returns the rounds' JSON on every rank."""
     from colossal_hetero.bench.rounds import RoundsPolicy, rank0_decides, run_rounds
-    from colossal_hetero.bench.shaped_spawn import report_bench_step
     from colossal_hetero.utils.quiet import quiet_third_party_warnings
 
     quiet_third_party_warnings()
@@ -203,57 +202,33 @@ def moe_worker(rank: int, world_size: int, device: torch.device, *, quick: bool)
     logs: dict[str, list[tuple[float, list]]] = {name: [] for name in ours}
     stock = _build_stock(device)
     batches = _Batches(rank, world_size)
-    batch, step, agreed = batches.get, _train_step, _agreed
+    batch, agreed = batches.get, _agreed
     # H6's baseline (bench/moe_deepspeed.py): DeepSpeed-MoE, when the optional extra is here.
     ds_variants, ds_figures, ds_info = baseline_round_entries(
         _model, EP, "bf16", PER_RANK, batch, agreed, all_on="ours_all"
     )
 
-    def stock_variant(index: int, *, warmup: bool) -> dict[str, float]:
-        report_bench_step(rank, index)
-        booster, model, optimizer = stock
-        ids = batch(index)
-        calls: list[Any] = []
-        step_time, comm = step(booster, model, optimizer, ids, calls)
-        transfer = _transfer_time(calls)
-        s, c, t = agreed([step_time, comm, -1.0 if transfer is None else transfer])
-        return {"step": s, "comm": c, "transfer": t}
-
     def ours_variant(name: str) -> Callable[..., dict[str, float]]:
         def run(index: int, *, warmup: bool) -> dict[str, float]:
             booster, model, optimizer, plugin = ours[name]
-            step_time, comm = step(booster, model, optimizer, batch(index))
+            step_time, comm = _train_step(booster, model, optimizer, batch(index))
             alone, under, overlapped = _a2a_medians(plugin.moe_log.comm)
             if not warmup:
                 logs[name].append((step_time, [list(row) for row in plugin.moe_log.last]))
             s, c = agreed([step_time, comm])
-            return {
-                "step": s,
-                "comm": c,
-                "a2a_alone": alone,
-                "a2a_under": under,
-                "a2a_overlapped": overlapped,
-            }
+            a2a = {"a2a_alone": alone, "a2a_under": under, "a2a_overlapped": overlapped}
+            return {"step": s, "comm": c, **a2a}
 
         return run
 
     policy = RoundsPolicy(warmup=2, min_rounds=8 if quick else 12, budget_s=50 if quick else 300)
     result = run_rounds(
         {
-            "stock": stock_variant,
+            "stock": _stock_variant(rank, stock, batch, agreed),
             **{name: ours_variant(name) for name in VARIANTS},
             **ds_variants,
         },
-        {
-            "ours_all_vs_stock": lambda v: v["stock.step"] / v["ours_all.step"],
-            "all_vs_on": lambda v: v["ours_on.step"] / v["ours_all.step"],
-            "ours_on_vs_stock": lambda v: v["stock.step"] / v["ours_on.step"],
-            "ours_off_vs_stock": lambda v: v["stock.step"] / v["ours_off.step"],
-            "ours_hold_vs_stock": lambda v: v["stock.step"] / v["ours_hold.step"],
-            "on_vs_off": lambda v: v["ours_off.step"] / v["ours_on.step"],
-            "on_vs_hold": lambda v: v["ours_hold.step"] / v["ours_on.step"],
-            **ds_figures,
-        },
+        {**_ratios(), **ds_figures},
         policy,
         decide=rank0_decides(device),
     )
@@ -272,6 +247,37 @@ def moe_worker(rank: int, world_size: int, device: torch.device, *, quick: bool)
             "profile_alpha_beta": {"dense": profiles[0], "expert": profiles[1]},
             "ours_on": _chunking(ours["ours_on"][3]),
         },
+    }
+
+
+def _stock_variant(
+    rank: int, stock: tuple, batch: Callable[[int], Any], agreed: Callable[[list[float]], list]
+) -> Callable[..., dict[str, float]]:
+    """The stock plugin's round entry: its step, communication and transfer time, agreed."""
+    from colossal_hetero.bench.shaped_spawn import report_bench_step
+
+    def run(index: int, *, warmup: bool) -> dict[str, float]:
+        report_bench_step(rank, index)
+        booster, model, optimizer = stock
+        calls: list[Any] = []
+        step_time, comm = _train_step(booster, model, optimizer, batch(index), calls)
+        transfer = _transfer_time(calls)
+        s, c, t = agreed([step_time, comm, -1.0 if transfer is None else transfer])
+        return {"step": s, "comm": c, "transfer": t}
+
+    return run
+
+
+def _ratios() -> dict[str, Callable[[Mapping[str, float]], float]]:
+    """The rounds' paired ratios (each > 1 when the second-named variant is faster)."""
+    return {
+        "ours_all_vs_stock": lambda v: v["stock.step"] / v["ours_all.step"],
+        "all_vs_on": lambda v: v["ours_on.step"] / v["ours_all.step"],
+        "ours_on_vs_stock": lambda v: v["stock.step"] / v["ours_on.step"],
+        "ours_off_vs_stock": lambda v: v["stock.step"] / v["ours_off.step"],
+        "ours_hold_vs_stock": lambda v: v["stock.step"] / v["ours_hold.step"],
+        "on_vs_off": lambda v: v["ours_off.step"] / v["ours_on.step"],
+        "on_vs_hold": lambda v: v["ours_hold.step"] / v["ours_on.step"],
     }
 
 

@@ -217,6 +217,17 @@ class HeteroParallelPlugin(PipelinePluginBase):
         lr_scheduler: LRScheduler | None = None,
     ) -> tuple:
         """Shard ``model`` and wrap ``optimizer`` for the layout (see HybridParallelPlugin)."""
+        model, moe, sfb = self._shard_for_layout(model, dataloader)
+        boosted = self.engine.configure(model, optimizer, criterion, dataloader, lr_scheduler)
+        self._attach_runtime(boosted, moe, sfb)
+        return boosted
+
+    def _shard_for_layout(self, model: nn.Module, dataloader: DataLoader | None) -> tuple:
+        """Plan the layout and pick the shardformer policy; no collective except 2D's plan.
+
+        Returns ``(model, moe, sfb)``: the model (2D-converted when ``tp_mode`` is 2d), the
+        MoE wiring or None, and the planned SFB modules.
+        """
         keep_gpt2_causal(model)
         check_stage_split(self.config.parallel, model.config.num_hidden_layers)  # no collective
         # pp > 1: layers per stage on unequal devices, micro-batches and k when the config says
@@ -251,7 +262,10 @@ class HeteroParallelPlugin(PipelinePluginBase):
             self.engine.custom_policy = moe.policy
         sfb = planned_sfb(self.plan, self.config.parallel, self.dp_size)
         exclude_sfb_from_ddp(model, sfb)  # SFB modules sync by gathered factors, not DDP
-        boosted = self.engine.configure(model, optimizer, criterion, dataloader, lr_scheduler)
+        return model, moe, sfb
+
+    def _attach_runtime(self, boosted: tuple, moe: Any, sfb: Any) -> None:
+        """Wire the boosted model and optimizer to the step seam's runtime features."""
         self.plan, note = plan_that_runs(self.plan, self._policy, self.tp_size)
         announce(self.plan, note, self.rank, self._run_dir)
         if isinstance(self.engine.custom_policy, ResizablePolicy):
@@ -278,7 +292,6 @@ class HeteroParallelPlugin(PipelinePluginBase):
         if self.config.balancer.mode != "none":  # after the metrics writer: it logs first
             balancer = build_balancer(self, boosted[0], boosted[1], self._run_dir)
             self.balancer = self.seam.add(balancer)
-        return boosted
 
     def resize(self, model: nn.Module, optimizer: Any, widths: dict[str, list[int]]) -> None:
         """Move tensor-parallel shards to new ``widths`` between steps, losslessly.
