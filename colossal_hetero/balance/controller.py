@@ -159,8 +159,17 @@ class BalanceController:
         self.fixed_fraction = settings.fixed_fraction
         """The work model's fixed fraction: the config's, then refined from each move's
         measured times (``detector.fixed_fraction_from_move``)."""
-        self._moved: tuple[tuple[float, ...], tuple[float, ...]] | None = None
-        # (shares, per-position times) of the window before the last move
+        self.ops_fraction = settings.fixed_fraction
+        """The work model's fixed fraction under in-layer ops: the part of a rank's compute
+        that dropping or migrating its columns does not shrink (its replicated layers, and
+        the ops' own index copies, imputation and sends). It starts at the config's; each
+        change of the attached plan refits it from the measured times before and after
+        (the median of every such estimate), so that a rank's seconds per unit of work stay
+        its device's under the ops and a recovery shows in them."""
+        self._ops_estimates: list[float] = []
+        self._moved: tuple[str, tuple[float, ...], tuple[float, ...]] | None = None
+        # ("move" | "ops", scaling shares, per-position times) of the window before the
+        # last width move or change of the in-layer plan
 
     def on_step_end(self, step: int, timing: StepTiming) -> None:
         """Record the step; every ``every`` steps agree, decide and maybe resize.
@@ -209,8 +218,8 @@ class BalanceController:
             self.move_cost_s = agreed.move_s
         widths = self.actuator.widths()
         shares = shares_of(widths, self.tp_size)
-        self._refine_fixed_fraction(agreed, shares)
-        work = plan_units(self.plan, shares, self.fixed_fraction)
+        self._refine_fixed_fraction(agreed)
+        work = plan_units(self.plan, shares, self.phi)
         detection = self.detector.update(step, agreed.windows, work)
         self.detections.append(detection)
         self._log_measured(step, agreed)
@@ -230,13 +239,22 @@ class BalanceController:
             {
                 "step": step,
                 "controller": "balance",
-                "inputs": _inputs(view, self.move_cost_s, self.plan, self.fixed_fraction),
+                "inputs": {
+                    **_inputs(view, self.move_cost_s, self.plan, self.fixed_fraction),
+                    "ops_fraction": round(self.ops_fraction, 4),
+                },
                 "decision": {"mode": self.settings.mode, **decision},
                 "predicted_gain": gain,
             }
         )
         if act is not None:
             act()
+
+    @property
+    def phi(self) -> float:
+        """The fixed fraction of the work model now: ``ops_fraction`` while in-layer ops are
+        attached, else ``fixed_fraction``."""
+        return self.fixed_fraction if self.plan.empty else self.ops_fraction
 
     @property
     def plan(self) -> InLayerPlan:
@@ -305,14 +323,14 @@ class BalanceController:
             actions,
             view.slowdown,
             view.shares,
-            fixed_fraction=self.fixed_fraction,
+            fixed_fraction=self.ops_fraction,
             budget=settings.accuracy_budget,
         )
         if new.same_as(now, settings.stable_tolerance):
             why = "no straggler" if new.empty else "ops attached for these slowdowns"
             return {"action": "none" if new.empty else "keep", "reason": why}, 0.0, None
         times = view.agreed.times
-        predicted = predicted_times(times, now, new, view.shares, self.fixed_fraction)
+        predicted = predicted_times(times, now, new, view.shares, self.ops_fraction)
         inputs = self._semi_inputs(view.agreed, view.widths, times)
         comm = sum(comm_time(o.migrated, o.rank, inputs) for o in new.migrating)
         gain = max(times) - max(predicted) - comm
@@ -340,6 +358,7 @@ class BalanceController:
             assert self.actuator.ops is not None
             if self.plan.empty:
                 self._attached_at = step
+            self._mark_change("ops", agreed)
             self.actuator.ops.apply(plan)
             self._restart_window()
             self._pending = (step, agreed.step_time, gain)
@@ -356,6 +375,7 @@ class BalanceController:
 
         def probe() -> None:
             assert self.actuator.ops is not None
+            self._mark_change("ops", view.agreed)
             self.actuator.ops.clear()
             self.detector.reset(step)
             self._restart_window()
@@ -413,11 +433,7 @@ class BalanceController:
 
     def _move(self, step: int, decision: ReplanDecision, agreed: Agreed) -> None:
         start = time.perf_counter()
-        # Under in-layer ops a rank's scaling work is its GEMM units (what it drops or migrates
-        # off, what it takes on as a helper): those, as shares, are what its times followed.
-        old = shares_of(self.actuator.widths(), self.tp_size)
-        scaling = plan_units(self.plan, old, 0.0)
-        self._moved = (tuple(u / self.tp_size for u in scaling), agreed.times)
+        self._mark_change("move", agreed)
         if self.actuator.ops is not None:
             self.actuator.ops.clear()  # the ops' columns belong to the old widths
         self.actuator.resize(decision.widths)
@@ -427,17 +443,36 @@ class BalanceController:
         self._pending = (step, agreed.step_time, decision.predicted_gain)
         self._pending_in_layer = False
 
-    def _refine_fixed_fraction(self, agreed: Agreed, shares: tuple[float, ...]) -> None:
-        """At the first complete agreement after a move, re-estimate the fixed fraction from
-        the times before and after it (the devices' speeds are taken as unchanged) and keep
-        the mean of the old value and the estimate (one noisy window moves it half-way)."""
+    def _scaling(self) -> tuple[float, ...]:
+        """Per position, its scaling work as a share: its GEMM units under the attached plan
+        (what it drops or migrates off, what it takes on as a helper) over the group size."""
+        shares = shares_of(self.actuator.widths(), self.tp_size)
+        return tuple(u / self.tp_size for u in plan_units(self.plan, shares, 0.0))
+
+    def _mark_change(self, kind: str, agreed: Agreed) -> None:
+        """Before a width move (``kind`` "move") or a change of the in-layer plan ("ops"):
+        keep the scaling shares and times it ran at, for ``_refine_fixed_fraction``."""
+        self._moved = (kind, self._scaling(), agreed.times)
+
+    def _refine_fixed_fraction(self, agreed: Agreed) -> None:
+        """At the first complete agreement after a move or a change of the in-layer plan,
+        estimate the fixed fraction from the times before and after it (the devices' speeds
+        are taken as unchanged). A move keeps the mean of the old ``fixed_fraction`` and the
+        estimate (one noisy window moves it half-way); an in-layer change sets
+        ``ops_fraction`` to the median of every estimate so far (the config's value is only
+        a guess: on small models the ops save far less than their share of the GEMMs)."""
         if self._moved is None:
             return
-        old_shares, before = self._moved
+        kind, old_scaling, before = self._moved
         self._moved = None
-        estimate = fixed_fraction_from_move(before, old_shares, agreed.times, shares)
-        if estimate is not None:
+        estimate = fixed_fraction_from_move(before, old_scaling, agreed.times, self._scaling())
+        if estimate is None:
+            return
+        if kind == "move":
             self.fixed_fraction = 0.5 * (self.fixed_fraction + estimate)
+        else:
+            self._ops_estimates.append(estimate)
+            self.ops_fraction = statistics.median(self._ops_estimates)
 
     def _log_measured(self, step: int, agreed: Agreed) -> None:
         if self._pending is None:

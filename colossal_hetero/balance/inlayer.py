@@ -197,8 +197,11 @@ def effective_slowdown(
     The work model can be off (a step's fixed part, the ops' own overhead), and then the
     per-unit slowdown of a rank whose work the ops cut drifts, which would feed back into
     ever larger cuts. So an offloaded rank's slowdown is corrected by what the ops achieved
-    instead: ``s' = s_planned * t_r / t_ref``, ``t_ref`` the slowest rank without an offload
-    (integral control: the amounts settle where the measured times meet, whatever the model).
+    instead: ``s' = s_planned * t_r / t_ref``, ``t_ref`` the slowest rank neither offloaded
+    nor flagged (a straggler flagged since the plan was made is no reference: next to its
+    time every offloaded rank would read as recovered; with no such rank, the slowest rank
+    without an offload) -- integral control: the amounts settle where the measured times
+    meet, whatever the model.
     A rank whose cut is at its cap and still lags keeps ``s_planned`` (nothing more to do);
     one that is ahead takes the lower of ``s'`` and the detector's value (a recovery shows
     at once where the work model holds). It stays a straggler while ``s' >= 1 + release``;
@@ -206,7 +209,8 @@ def effective_slowdown(
     recovered rank behind, only a probe (the controller's ``probe_steps``) shows it.
     """
     out, stragglers = list(slowdown), {r for r in flagged if plan.of(r) is None}
-    others = [t for r, t in enumerate(times) if plan.of(r) is None]
+    free = [r for r in range(len(times)) if plan.of(r) is None]
+    others = [times[r] for r in free if r not in flagged] or [times[r] for r in free]
     reference = max(others) if others else 0.0
     for o in plan.offloads:
         ratio = times[o.rank] / reference if reference > 0 else 1.0

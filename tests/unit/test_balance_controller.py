@@ -213,6 +213,38 @@ def test_resize_attaches_from_the_slowdown_keeps_and_removes(monkeypatch):
     assert attach["predicted_gain"] == pytest.approx(1.6e-3)
 
 
+class _WeakOps(_Cluster):
+    """In-layer ops that save less than the configured model says: under a plan every rank's
+    work follows phi 0.7 (replicated layers and the ops' own copies), not the configured 0.2;
+    without ops, phi 0.2 as before."""
+
+    def times(self, step: int) -> list[float]:
+        if not self.ops.plan.offloads:
+            return super().times(step)
+        units = plan_units(self.ops.plan, shares_of(self.widths, 2), 0.7)
+        return [1e-3 * units[0], 1e-3 * units[1] * self.slow(step)]
+
+
+@pytest.mark.parametrize("mode", ["resize", "migrate"])
+def test_recovery_under_ops_that_save_less_than_modelled(monkeypatch, mode: str):
+    """Attached at 8 from the configured phi 0.2; the agreement at 11 refits the ops' phi from
+    the times before and after the attach (exactly 0.7, no noise), so the detector reads the
+    device's 4x while the ops run and 1x once rank 1 recovers at 30: the window 30..32 shows
+    it at 32 and the ops come off there. With phi 0.2 kept, resize's 0.85 ms at 1x read as
+    0.85 / 0.6 = 1.42x and rank 1 stayed flagged until the next probe."""
+    cluster = _WeakOps()
+    controller = _controller(cluster, mode, monkeypatch)
+    _drive(controller, cluster, 48)
+    assert controller.ops_fraction == pytest.approx(0.7)
+    slow = [d for d in controller.detections if 11 <= d.step < 30]
+    assert all(d.slowdown == pytest.approx((1.0, 4.0)) and d.stragglers == (1,) for d in slow)
+    after = [d for d in controller.detections if d.step >= 32]
+    assert all(d.stragglers == () and d.slowdown == pytest.approx((1.0, 1.0)) for d in after)
+    removals = [step for step, offloads in _in_layer(controller) if not offloads]
+    assert removals == [32] and cluster.ops.plan.empty
+    assert all(step in (8, 11, 14, 32) for step, _ in _in_layer(controller))  # no flapping
+
+
 def test_migrate_balances_straggler_and_helper(monkeypatch):
     """One helper: T = (1 + 1 / 1) / (1 + 1 / 4) = 1.6 units, m = (1 - 1.6 / 4) / 0.8 = 0.75:
     both ranks then take 1.6 ms."""

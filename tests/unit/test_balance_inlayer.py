@@ -122,3 +122,14 @@ def test_effective_slowdown_closes_the_loop_on_measured_times():
         (1.3, 1.0),
         (0,),
     )
+
+
+def test_effective_slowdown_reference_is_no_new_straggler():
+    """Rank 1 resized at s = 2 is level with rank 0; rank 2, flagged since (4x, no offload yet),
+    is no reference: rank 1 keeps 2 and its flag (against rank 2's time it read 0.25x)."""
+    plan = InLayerPlan((Offload(1, "resize", 0.3, 0.0, 2.0),))
+    kw = {"release": 0.05, "budget": 0.5}
+    out = effective_slowdown(plan, (1.0, 2.0, 4.0), (1, 2), (1.0, 1.0, 4.0), **kw)
+    assert out == ((1.0, 2.0, 4.0), (1, 2))
+    # with every other rank flagged, the slowest without an offload is the reference
+    assert effective_slowdown(plan, (1.0, 2.0), (0, 1), (1.0, 1.0), **kw)[0] == (1.0, 2.0)
