@@ -30,8 +30,15 @@ class MoeConfig:
 
     pipeline_chunks: int = 1
     """a2a/expert pipelining: each MoE block's dispatch and combine all-to-alls are cut into
-    this many token ranges, one range's experts computed while the next range is on the wire
-    (forward and backward). 1: off. Not combined with packing."""
+    this many token ranges (with pipeline_auto: at most this many), one range's experts
+    computed while the next range is on the wire (forward and backward). 1: off. Not
+    combined with packing."""
+
+    pipeline_auto: bool = True
+    """true: after the first training step the number of ranges (1 = off, up to
+    pipeline_chunks) is chosen from the measured all-to-all latency and bandwidth and expert
+    compute time (docs/moe.md), the same on every rank, and logged; false: always
+    pipeline_chunks."""
 
     fit_gaps: bool = True
     """With priority: a gradient chunk may go between two all-to-alls (also inside the expert

@@ -94,7 +94,8 @@ class HeteroEPMixtralSparseMoeBlock(EPMixtralSparseMoeBlock):
     held: tuple[int, ...]
     backward_spans: list[Span]
     packing: bool = False  # moe.packing: one row per (token, rank), combined there (packed.py)
-    pipeline_chunks: int = 1  # moe.pipeline_chunks: a2a/expert pipelining (pipelined.py)
+    pipeline_chunks: int = 1  # token ranges of a2a/expert pipelining (pipelined.py)
+    dispatched_rows: int = 0  # rows the last training forward dispatched (pipeline_choice.py)
 
     @staticmethod
     def from_native_module(  # type: ignore[override]
@@ -171,6 +172,8 @@ class HeteroEPMixtralSparseMoeBlock(EPMixtralSparseMoeBlock):
         weights = F.softmax(router_logits, dim=1, dtype=torch.float)
         weights, selected = torch.topk(weights, self.top_k, dim=-1)
         weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        if self.training:
+            self.dispatched_rows = selected.numel()
         span = self.comm.open_span(self.ep_group)
         try:
             if self.packing:

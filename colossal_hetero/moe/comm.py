@@ -98,6 +98,7 @@ class MoeComm:
     reducers: dict[str, ChunkedGradReducer] = field(default_factory=dict)
     events: list[CommEvent] = field(default_factory=list)
     gaps: GapModel = field(default_factory=GapModel)
+    chooser: Any = None  # moe.pipeline_auto: a PipelineChooser, run by MoeStepLog
     _open: int = 0
     _count: int = 0
     _calls: list[tuple[float, float]] = field(default_factory=list)

@@ -13,7 +13,8 @@ The reducers then run on the step seam:
   before the update (and before clipping);
 - :class:`MoeStepLog`, a seam controller, starts each step's event log and, with a metrics
   folder, writes it as one record per step to ``moe_rank{r}.jsonl`` (with the placement in
-  the first record).
+  the first record); with ``moe.pipeline_auto`` it runs the pipelining choice
+  (moe/pipeline_choice.py) after the first training step and logs it in that record.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from colossal_hetero.moe.block import HeteroEPMixtralSparseMoeBlock
 from colossal_hetero.moe.checks import check_moe_model
 from colossal_hetero.moe.chunks import chunk_bytes_for
 from colossal_hetero.moe.comm import MoeComm
+from colossal_hetero.moe.pipeline_choice import PipelineChooser
 from colossal_hetero.moe.placement import Placement
 from colossal_hetero.moe.policy import HeteroMixtralForCausalLMPolicy
 from colossal_hetero.moe.profile import profile_groups
@@ -87,8 +89,10 @@ def install_reducers(
     booster's, on the instance) flushes them first."""
     moe = config.moe
     blocks = [m for m in model.modules() if isinstance(m, HeteroEPMixtralSparseMoeBlock)]
-    for block in blocks:  # read by each block's forward
-        block.pipeline_chunks = moe.pipeline_chunks
+    for block in blocks:  # read by each block's forward; auto: 1 until the chooser decides
+        block.pipeline_chunks = 1 if moe.pipeline_auto else moe.pipeline_chunks
+    if moe.pipeline_auto and moe.pipeline_chunks > 1:
+        comm.chooser = PipelineChooser(blocks, moe.pipeline_chunks)
     expert_ids = {id(p) for block in blocks for p in block.expert_parameters()}
     params = [p for p in model.parameters() if p.requires_grad]
     dense_params = [p for p in params if id(p) not in expert_ids]
@@ -143,6 +147,9 @@ class MoeStepLog:
     def on_step_end(self, step: int, timing: Any) -> None:
         self.last = self.comm.step_log()
         record: dict[str, Any] = {"step": step, "controller": "moe", "events": self.last}
+        decided = self.comm.chooser.on_step_end(step) if self.comm.chooser else None
+        if decided is not None:  # collective: every rank at the same step
+            record["pipeline"] = decided
         if step == 0:
             record["placement"] = self.placement.record()
         if self.writer.path is not None:

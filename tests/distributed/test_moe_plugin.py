@@ -90,7 +90,11 @@ def _check(  # type: ignore[no-untyped-def]
 
     # fit_gaps off: the strict span gate is checked here; the windows in test_moe_scheduler.
     moe = MoeConfig(
-        chunk_kib=1, placement=placement or [], fit_gaps=False, pipeline_chunks=pipeline
+        chunk_kib=1,
+        placement=placement or [],
+        fit_gaps=False,
+        pipeline_chunks=pipeline,
+        pipeline_auto=False,  # exactly `pipeline` ranges (the choice: test_moe_pipeline_choice)
     )
     config = HeteroConfig(parallel=ParallelConfig(ep=2), moe=moe)
     held = (placement or [[0, 1], [2, 3]])[rank % 2]
@@ -199,7 +203,7 @@ def _check_gate_mattered(log, case: str, priority: bool) -> None:  # type: ignor
 
 
 def _check_sequences(plugin, log, rank: int, world_size: int, case: str) -> None:  # type: ignore[no-untyped-def]
-    mine = {
+    mine: dict = {
         "dense": list(plugin.moe_reducers["dense"].collectives),
         "expert": list(plugin.moe_reducers["expert"].collectives),
         "a2a": sum(1 for k, *_ in log if k == "a2a"),

@@ -1,0 +1,105 @@
+"""The a2a/expert pipelining decision (moe/pipeline_model.py) against hand-computed cases."""
+
+from __future__ import annotations
+
+import pytest
+
+from colossal_hetero.moe.pipeline_model import (
+    MIN_GAIN,
+    ExchangeInputs,
+    choose_ranges,
+    exchange_time,
+    pass_time,
+)
+
+MS = 1e-3
+
+
+def test_one_range_is_dispatch_compute_combine() -> None:
+    # a = 1 ms + 2e5 B / 1e8 B/s = 3 ms; 2a + c = 6 + 5 ms.
+    assert pass_time(1, 1 * MS, 1e8, 2e5, 5 * MS) == pytest.approx(11 * MS)
+
+
+def test_latency_bound_two_ranges_cost_two_extra_alphas() -> None:
+    # a2 = 1 + 1 = 2 ms, c/2 = 0.5 ms <= a2: the wire runs 4 a2a's back to back: 8 ms,
+    # against one range's 2 * 3 + 1 = 7 ms (4 alpha + 2 S/beta).
+    assert pass_time(2, 1 * MS, 1e8, 2e5, 1 * MS) == pytest.approx(8 * MS)
+    assert pass_time(1, 1 * MS, 1e8, 2e5, 1 * MS) == pytest.approx(7 * MS)
+
+
+def test_compute_bound_ranges_hide_all_but_one_range_of_wire() -> None:
+    # alpha 0, S/beta 1 ms, c 4 ms: n ranges take 2 (1/n) + 4 ms.
+    for n, expected in ((1, 6.0), (2, 5.0), (4, 4.5)):
+        assert pass_time(n, 0.0, 1e8, 1e5, 4 * MS) == pytest.approx(expected * MS)
+
+
+def test_latency_bound_block_stays_unpipelined() -> None:
+    # Measured-like inputs: alpha 1 ms, 512 rows of 256 B at 1e8 B/s (1.31072 ms), expert
+    # compute 1 ms forward, 2 ms backward. n=1: (2 * 2.31072 + 1) + (2 * 2.31072 + 2) =
+    # 12.24288 ms; n=2: a2 = 1.65536 ms, both passes latency bound: 8 * a2 = 13.24288 ms.
+    inputs = ExchangeInputs(
+        alpha=1 * MS, beta=1e8, rows=512, row_bytes=256, fwd_row_s=MS / 512, bwd_row_s=2 * MS / 512
+    )
+    assert exchange_time(1, inputs) == pytest.approx(12.24288 * MS)
+    assert exchange_time(2, inputs) == pytest.approx(13.24288 * MS)
+    ranges, record = choose_ranges(inputs, 4)
+    assert ranges == 1
+    assert record["ranges"] == 1 and set(record["predicted_s"]) == {1, 2, 3, 4}
+    assert record["inputs"]["rows"] == 512
+
+
+def test_compute_bound_block_pipelines_as_far_as_allowed() -> None:
+    # alpha 0, S/beta 1 ms, compute 4 ms forward, 8 ms backward: n=1 16 ms, n=2 14 ms,
+    # n=4 (0.5 + 4) + (0.5 + 8) = 13 ms.
+    inputs = ExchangeInputs(
+        alpha=0.0, beta=1e8, rows=1000, row_bytes=100, fwd_row_s=4e-6, bwd_row_s=8e-6
+    )
+    assert [exchange_time(n, inputs) / MS for n in (1, 2, 4)] == pytest.approx([16, 14, 13])
+    assert choose_ranges(inputs, 4)[0] == 4
+    assert choose_ranges(inputs, 2)[0] == 2
+    assert choose_ranges(inputs, 1)[0] == 1
+
+
+def test_gain_below_margin_keeps_one_range() -> None:
+    # alpha 0, S/beta 1 ms, compute 0.2 ms forward and backward: n=1 2 * 2.2 = 4.4 ms; n=2
+    # latency... a2 = 0.5 >= c/2 = 0.1: 4 * 0.5 = 2 ms per pass, 4 ms: gain 9% > MIN_GAIN.
+    inputs = ExchangeInputs(
+        alpha=0.0, beta=1e8, rows=1000, row_bytes=100, fwd_row_s=2e-7, bwd_row_s=2e-7
+    )
+    assert choose_ranges(inputs, 2)[0] == 2
+    # alpha 0.05 ms: n=1 2 * (2 * 1.05 + 0.2) = 4.6 ms, n=2 2 * 4 * 0.55 = 4.4 ms: 4.3% gain.
+    slow = ExchangeInputs(
+        alpha=0.05 * MS, beta=1e8, rows=1000, row_bytes=100, fwd_row_s=2e-7, bwd_row_s=2e-7
+    )
+    assert 1 - exchange_time(2, slow) / exchange_time(1, slow) < MIN_GAIN
+    assert choose_ranges(slow, 2)[0] == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"alpha": -1.0},
+        {"beta": 0.0},
+        {"rows": -1},
+        {"fwd_row_s": -1.0},
+    ],
+)
+def test_bad_inputs_raise(kwargs: dict) -> None:
+    base = {
+        "alpha": 0.0,
+        "beta": 1.0,
+        "rows": 1,
+        "row_bytes": 1,
+        "fwd_row_s": 0.0,
+        "bwd_row_s": 0.0,
+    }
+    with pytest.raises(ValueError, match="pipeline model"):
+        ExchangeInputs(**{**base, **kwargs})
+
+
+def test_bad_counts_raise() -> None:
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        pass_time(0, 0.0, 1.0, 1.0, 1.0)
+    inputs = ExchangeInputs(alpha=0, beta=1, rows=1, row_bytes=1, fwd_row_s=0, bwd_row_s=0)
+    with pytest.raises(ValueError, match="most must be >= 1"):
+        choose_ranges(inputs, 0)
