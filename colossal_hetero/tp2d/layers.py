@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,9 @@ from colossal_hetero.tp2d import comm2d
 from colossal_hetero.tp2d.layout import check_sizes, offsets
 from colossal_hetero.tp2d.mesh import Mesh2D
 from colossal_hetero.tp2d.summa import summa_ab, summa_abt
+
+if TYPE_CHECKING:
+    from colossal_hetero.tp2d.resize import Resize2D
 
 
 def dense_block(
@@ -73,7 +76,8 @@ class Linear2D(nn.Module):
 
     ``in_sizes`` cuts the input features (over mesh columns for x, mesh rows for W);
     ``out_sizes`` the output features over mesh columns. Forward: one summa_ab; backward:
-    summa_abt (dx) and summa_atb (dW), plus the bias's column all-reduce.
+    summa_abt (dx) and summa_atb (dW), plus the bias's column all-reduce. ``resize``: a
+    ZERO-resizing of one mesh position's GEMMs (tp2d/resize.py; training with grad only).
     """
 
     def __init__(
@@ -96,6 +100,7 @@ class Linear2D(nn.Module):
         self.bias = (
             nn.Parameter(torch.zeros(shape[1], dtype=dtype, device=device)) if bias else None
         )
+        self.resize: Resize2D | None = None
 
     @torch.no_grad()
     def load_dense(
@@ -113,8 +118,11 @@ class Linear2D(nn.Module):
         return tuple(size // parts for size in self.out_sizes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        y = summa_ab(x.reshape(-1, x.shape[-1]), self.weight, self.mesh, self.in_sizes)
+        lead, kept, fill = x.shape[:-1], None, 0.0
+        if self.resize is not None and self.training and torch.is_grad_enabled():
+            kept, fill = self.resize.steps, self.resize.impute_value
+        x2d = x.reshape(-1, x.shape[-1])
+        y = summa_ab(x2d, self.weight, self.mesh, self.in_sizes, kept=kept, fill=fill)
         y = y.reshape(*lead, y.shape[-1])
         if self.bias is not None:
             y = y + column_shared(self.bias, self.mesh)
