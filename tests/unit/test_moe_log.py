@@ -55,6 +55,9 @@ def test_summary_keys_and_nulls() -> None:
         "ours_hold.a2a_overlapped": 0.25,
         "ours_on.a2a_overlapped": 0.0,
         "ours_all.a2a_overlapped": 0.0,
+        "ours_pipe.a2a_overlapped": 0.0,
+        "ours_on.step": 0.1,
+        "ours_pipe.step": 0.112,
     }
     result = {
         "rounds": {
@@ -64,7 +67,8 @@ def test_summary_keys_and_nulls() -> None:
                 for k, v in {
                     "ours_on_vs_stock": 1.2,
                     "ours_all_vs_stock": 1.3,
-                    "all_vs_on": 1.08,
+                    "all_vs_on": 1.01,
+                    "pipe_vs_on": 0.9,
                     "ours_off_vs_stock": 1.1,
                     "on_vs_off": 1.05,
                     "on_vs_hold": 1.02,
@@ -72,6 +76,8 @@ def test_summary_keys_and_nulls() -> None:
             },
         },
         "max_loss_diff_vs_stock": 0.004,
+        # the choice as logged (keys are strings after JSON): 2 ranges predicted 5 ms slower
+        "pipelining": {"ranges": 1, "predicted_s": {"1": 0.010, "2": 0.015}},
     }
     summary = summarise(result, "shaped")
     assert summary["stock_comm_fraction"] == 0.4
@@ -81,7 +87,10 @@ def test_summary_keys_and_nulls() -> None:
     assert abs(summary["a2a_under_allreduce_over_alone_hold"] - 1.5) < 1e-12
     assert summary["a2a_with_chunks_on_wire"]["ours_off"] == 0.5 and summary["fit_vs_hold"] == 1.02
     assert summary["priority_on_vs_colossalai_moe"] == 1.2
-    assert summary["pipelining_on_vs_off"] == 1.08
+    assert summary["pipelining_on_vs_off"] == 0.9 and summary["all_on_vs_priority_on"] == 1.01
+    assert summary["pipelining_ranges_chosen"] == 1
+    delta = summary["pipelining_step_delta_ms"]  # 112 - 100 ms; 2 layers x 5 ms
+    assert abs(delta["measured"] - 12.0) < 1e-9 and abs(delta["predicted"] - 10.0) < 1e-9
     assert summary["all_on_vs_colossalai_moe"] == 1.3 and summary["network_mode"] == "shaped"
     assert summary["all_on_vs_deepspeed_moe"] is None and summary["all_on_vs_deepspeed_moe_reason"]
 
