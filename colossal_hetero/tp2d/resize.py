@@ -26,29 +26,34 @@ is identical on every rank, so is P. Freezing: ``freeze_targets_2d`` gives the r
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from colossal_hetero.balance.ops.resize import check_columns, complement
+from colossal_hetero.balance.inlayer import InLayerPlan
+from colossal_hetero.balance.ops.resize import check_columns, complement, frozen_columns
 from colossal_hetero.balance.ops.selection import PriorityTracker, kept_fraction, select_kept
 from colossal_hetero.tp2d.layers import Linear2D, gather_matrix
 from colossal_hetero.tp2d.layout import offsets
 
+Position = tuple[int, int]
+"""A mesh position (i, j)."""
+
 
 @dataclass(frozen=True)
 class Resize2D:
-    """One Linear2D's ZERO-resizing: mesh position ``straggler`` computes ``kept`` of K only.
+    """One Linear2D's ZERO-resizing: each straggler position computes its ``kept`` of K only.
 
-    ``kept``: sorted LongTensor within [0, sum(in_sizes)), the same on every rank.
-    ``steps``: what this rank's summa_ab takes, ``kept`` cut into the q reduction blocks
-    (local indices per step) on the straggler, None elsewhere or when every entry is kept.
+    ``kept[(i, j)]``: sorted LongTensor within [0, sum(in_sizes)), the same on every rank.
+    ``steps``: what this rank's summa_ab takes, its own kept entries cut into the q reduction
+    blocks (local indices per step); None when this rank keeps every entry.
     """
 
-    straggler: tuple[int, int]
-    kept: torch.Tensor
+    kept: Mapping[Position, torch.Tensor]
     steps: tuple[torch.Tensor, ...] | None
     impute_value: float = 0.0
 
@@ -67,42 +72,49 @@ def linear_layers(model: nn.Module) -> dict[str, Linear2D]:
     return {name: m for name, m in model.named_modules() if isinstance(m, Linear2D)}
 
 
-def _check_straggler(straggler: tuple[int, int], q: int) -> tuple[int, int]:
-    i, j = (int(v) for v in straggler)
+def _check_position(position: Position, q: int) -> Position:
+    i, j = (int(v) for v in position)
     if not (0 <= i < q and 0 <= j < q):
-        raise ValueError(f"straggler must be a mesh position (i, j) of the {q} x {q} mesh")
+        raise ValueError(
+            f"straggler {position} must be a mesh position (i, j) of the {q} x {q} mesh"
+        )
     return i, j
 
 
 def attach_resize_2d(
     model: nn.Module,
-    straggler: tuple[int, int],
-    kept: Mapping[str, torch.Tensor],
+    kept: Mapping[Position, Mapping[str, torch.Tensor]],
     *,
     impute_value: float = 0.0,
 ) -> dict[str, Resize2D]:
-    """ZERO-resize the Linear2D layers named in ``kept`` at mesh position ``straggler``.
+    """ZERO-resize Linear2D layers: ``kept[(i, j)][name]``, the entries of K that the rank at
+    mesh position (i, j) computes in layer ``name`` (see ``Resize2D``).
 
-    ``kept[name]``: that layer's kept reduction entries (see ``Resize2D``); every rank passes
-    the same arguments. Everything is checked (ValueError, the same on every rank, no
-    collective) before any layer changes; layers not named keep their current resize.
+    Every rank passes the same arguments. Everything is checked (ValueError, the same on every
+    rank, no collective) before any layer changes. Each layer named under some position gets a
+    new op (its stragglers: the positions naming it); the others keep theirs.
     """
     layers = linear_layers(model)
-    unknown = sorted(set(kept) - set(layers))
-    if unknown:
-        raise ValueError(f"kept names no Linear2D of the model: {unknown}")
+    per_layer: dict[str, dict[Position, torch.Tensor]] = {}
+    for position, by_name in kept.items():
+        unknown = sorted(set(by_name) - set(layers))
+        if unknown:
+            raise ValueError(f"kept names no Linear2D of the model: {unknown}")
+        for name, indices in by_name.items():
+            layer = layers[name]
+            where = _check_position(position, layer.mesh.q)
+            indices = indices.detach().cpu()
+            check_columns(indices, sum(layer.in_sizes), f"kept[{where}][{name!r}]")
+            per_layer.setdefault(name, {})[where] = indices
     ops = {}
-    for name, indices in kept.items():
+    for name, by_position in per_layer.items():
         layer = layers[name]
-        position = _check_straggler(straggler, layer.mesh.q)
-        indices = indices.detach().cpu()
-        check_columns(indices, sum(layer.in_sizes), f"kept[{name!r}]")
-        mine = (layer.mesh.i, layer.mesh.j) == position
+        mine = by_position.get((layer.mesh.i, layer.mesh.j))
         steps = None
-        if mine and indices.numel() < sum(layer.in_sizes):
+        if mine is not None and mine.numel() < sum(layer.in_sizes):
             device = layer.weight.device
-            steps = tuple(s.to(device) for s in split_steps(indices, layer.in_sizes))
-        ops[name] = Resize2D(position, indices, steps, float(impute_value))
+            steps = tuple(s.to(device) for s in split_steps(mine, layer.in_sizes))
+        ops[name] = Resize2D(by_position, steps, float(impute_value))
     for name, op in ops.items():
         layers[name].resize = op
     return ops
@@ -115,25 +127,30 @@ def detach_resize_2d(model: nn.Module) -> None:
 
 
 def _dropped_rows(layer: Linear2D) -> torch.Tensor:
-    """Rows of this rank's weight block W[K_i, N_j] its column's straggler drops (else empty)."""
-    op = layer.resize
-    if op is None or layer.mesh.j != op.straggler[1]:
-        return torch.empty(0, dtype=torch.long)
-    i = layer.mesh.i
-    own = split_steps(op.kept, layer.in_sizes)[i]
-    return complement(own, layer.in_sizes[i])
+    """Rows of this rank's weight block W[K_i, N_j] that a straggler of its mesh column drops
+    (the union over them; empty when none)."""
+    op, (i, j) = layer.resize, (layer.mesh.i, layer.mesh.j)
+    rows = torch.zeros(layer.in_sizes[i], dtype=torch.bool)
+    for position, kept in op.kept.items() if op is not None else ():
+        if position[1] == j:
+            rows[complement(split_steps(kept, layer.in_sizes)[i], layer.in_sizes[i])] = True
+    return rows.nonzero().flatten()
 
 
-def freeze_targets_2d(model: nn.Module) -> list[tuple[nn.Parameter, int, torch.Tensor]]:
+def freeze_targets_2d(
+    model: nn.Module, masters: Mapping[Any, nn.Parameter] | None = None
+) -> list[tuple[nn.Parameter, int, torch.Tensor]]:
     """(weight, 0, dropped rows) of each resized Linear2D block on this rank, for
-    ``balance.ops.resize.frozen_columns``: the straggler's dropped entries W[D, n_j*] keep
+    ``balance.ops.resize.frozen_columns``: a straggler's dropped entries W[D, n_j*] keep
     their value and optimizer state on every rank of its mesh column (they still get the other
-    batch shares' gradient terms; freezing drops those too)."""
+    batch shares' gradient terms; freezing drops those too). ``masters``: working weight ->
+    the optimizer's fp32 master (mixed precision), which is then the one frozen."""
     targets = []
     for layer in linear_layers(model).values():
         rows = _dropped_rows(layer)
         if rows.numel():
-            targets.append((layer.weight, 0, rows.to(layer.weight.device)))
+            param = (masters or {}).get(layer.weight, layer.weight)
+            targets.append((param, 0, rows.to(param.device)))
     return targets
 
 
@@ -141,10 +158,11 @@ class Priority2D:
     """Priority scores (the A.4 rule) of every Linear2D's K entries, per mesh column.
 
     Each rank tracks its own block W[K_i, N_j] with a ``PriorityTracker`` (rows: dim 0).
-    ``refresh`` (local) at each period boundary: the rows the column's straggler computed
+    ``refresh`` (local) at each period boundary: the rows its column's stragglers computed
     last period get their change, the dropped rows keep their stale score. ``scores``
-    (collective over the mesh: one gather per layer) returns [K, q]: column j scores the
-    entries by their change in W[:, n_j], the weights mesh column j's outputs use.
+    (collective over the mesh: 2q broadcasts for all layers together) returns per layer
+    [K, q]: column j scores the entries by their change in W[:, n_j], the weights that mesh
+    column j's outputs use.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -155,38 +173,141 @@ class Priority2D:
     def refresh(self, model: nn.Module) -> None:
         for name, layer in linear_layers(model).items():
             rows = layer.in_sizes[layer.mesh.i]
-            dropped = _dropped_rows(layer)
-            computed = complement(dropped, rows) if dropped.numel() else torch.arange(rows)
+            computed = complement(_dropped_rows(layer), rows)
             self.trackers[name].refresh(layer.weight, computed)
 
     def scores(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        out = {}
-        for name, layer in linear_layers(model).items():
-            mesh, mine = layer.mesh, self.trackers[name].scores
-            out[name] = gather_matrix(mine.unsqueeze(1), mesh, layer.in_sizes, [1] * mesh.q)
+        layers = linear_layers(model)
+        if not layers:
+            return {}
+        mesh = next(iter(layers.values())).mesh
+        rows = [sum(layer.in_sizes[i] for layer in layers.values()) for i in range(mesh.q)]
+        mine = torch.cat([self.trackers[name].scores for name in layers])
+        table = gather_matrix(mine.unsqueeze(1), mesh, rows, [1] * mesh.q)  # [sum K, q]
+        out, at = {}, [0] * mesh.q  # each mesh row's blocks sit in layer order
+        starts = offsets(rows)
+        for name, layer in layers.items():
+            parts = []
+            for i in range(mesh.q):
+                size = layer.in_sizes[i]
+                parts.append(table[starts[i] + at[i] : starts[i] + at[i] + size])
+                at[i] += size
+            out[name] = torch.cat(parts)
         return out
+
+
+def kept_for_fraction(
+    model: nn.Module,
+    straggler: Position,
+    fraction: float,
+    scores: Mapping[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Every Linear2D's ``kept_count(K, fraction)`` entries for the straggler at mesh position
+    ``straggler`` (pure, local): the highest-scored ones of its mesh column in ``scores``
+    (``Priority2D.scores``), or the first ones (ties by index) without scores."""
+    out = {}
+    for name, layer in linear_layers(model).items():
+        _, j = _check_position(straggler, layer.mesh.q)
+        total = sum(layer.in_sizes)
+        column = scores[name][:, j] if scores is not None else torch.ones(total)
+        out[name] = select_kept(column, fraction)
+    return out
 
 
 def kept_for_slowdown(
     model: nn.Module,
-    straggler: tuple[int, int],
+    straggler: Position,
     slowdown: float,
     scores: Mapping[str, torch.Tensor] | None = None,
     *,
     min_fraction: float = 0.5,
     gemm_share: float = 1.0,
 ) -> dict[str, torch.Tensor]:
-    """Every Linear2D's kept entries for a straggler ``slowdown`` times slower (pure, local).
-
-    The fraction is ``kept_fraction(slowdown, min_fraction=, gemm_share=)``; the entries the
-    highest-scored ones of the straggler's mesh column in ``scores`` (``Priority2D.scores``),
-    or the first ones (ties by index) without scores.
-    """
+    """``kept_for_fraction`` at ``kept_fraction(slowdown, min_fraction=, gemm_share=)``: a
+    straggler ``slowdown`` times slower than the fastest rank (measured)."""
     fraction = kept_fraction(slowdown, min_fraction=min_fraction, gemm_share=gemm_share)
-    out = {}
-    for name, layer in linear_layers(model).items():
-        i, j = _check_straggler(straggler, layer.mesh.q)
-        total = sum(layer.in_sizes)
-        column = scores[name][:, j] if scores is not None else torch.ones(total)
-        out[name] = select_kept(column, fraction)
-    return out
+    return kept_for_fraction(model, straggler, fraction, scores)
+
+
+class LayerOps2D:
+    """The balancer's in-layer actuator for a 2D model: ``balance.actuator.LayerOps``'s
+    interface (``plan``, ``apply``, ``clear``, ``refresh``, ``freeze_targets``,
+    ``install_freeze``, ``bytes_sent``), ZERO-resizing only.
+
+    An ``Offload``'s ``rank`` is a tensor-parallel position (the index of a global rank in
+    the TP group, ascending, as ``dist.get_rank(tp_group)`` numbers them); it maps to the mesh
+    position that rank sits at. ``apply`` and ``refresh`` are collective over the mesh
+    (``Priority2D.scores``): every rank calls them at the same step, as the controller does
+    (right after its agreement). Migration plans: ValueError (2D has no migration op).
+    """
+
+    def __init__(self, model: nn.Module, *, impute_value: float = 0.0) -> None:
+        self.model, self.impute_value = model, impute_value
+        self.plan = InLayerPlan()
+        self.priority: Priority2D | None = None
+        self.bytes_sent = 0  # no migration: nothing is sent
+
+    def position(self, tp_rank: int) -> Position:
+        """Mesh position of the ``tp_rank``-th rank (ascending) of the TP group."""
+        layers = linear_layers(self.model)
+        if not layers:
+            raise ValueError("the model has no Linear2D layer to resize")
+        layout = next(iter(layers.values())).mesh.layout
+        return layout.position(sorted(layout.positions)[tp_rank])
+
+    def clear(self) -> None:
+        """Every layer whole again; priority scores forgotten."""
+        detach_resize_2d(self.model)
+        self.plan, self.priority = InLayerPlan(), None
+
+    def apply(self, plan: InLayerPlan) -> None:
+        """Attach ``plan`` (the same on every rank): each straggler keeps 1 - dropped of every
+        layer's K, chosen by priority (a straggler that stays keeps its scores)."""
+        if plan.migrating:
+            raise ValueError(
+                "balancer.mode: parallel.tp_mode 2d supports in-layer resize only, not migration"
+            )
+        detach_resize_2d(self.model)
+        self.plan = plan
+        if plan.empty:
+            self.priority = None
+            return
+        if self.priority is None:
+            self.priority = Priority2D(self.model)
+        self._select(self.priority.scores(self.model))
+
+    def refresh(self) -> None:
+        """Priority period boundary: update the scores, re-select (same counts). Collective."""
+        if self.plan.empty or self.priority is None:
+            return
+        self.priority.refresh(self.model)
+        self._select(self.priority.scores(self.model))
+
+    def _select(self, scores: Mapping[str, torch.Tensor]) -> None:
+        kept = {
+            self.position(o.rank): kept_for_fraction(
+                self.model, self.position(o.rank), 1 - o.dropped, scores
+            )
+            for o in self.plan.offloads
+            if o.dropped > 0
+        }
+        attach_resize_2d(self.model, kept, impute_value=self.impute_value)
+
+    def freeze_targets(self, optimizer: Any) -> list[tuple[nn.Parameter, int, torch.Tensor]]:
+        """``freeze_targets_2d`` with the optimizer's fp32 masters under mixed precision."""
+        return freeze_targets_2d(self.model, getattr(optimizer, "working_to_master_map", None))
+
+    def install_freeze(self, optimizer: Any) -> None:
+        """Run the inner optimizer's ``step`` with the dropped rows frozen (as ``LayerOps``)."""
+        inner = getattr(optimizer, "optim", optimizer)
+        original = inner.step
+
+        @functools.wraps(original)
+        def step(*args: Any, **kwargs: Any) -> Any:
+            targets = self.freeze_targets(optimizer) if not self.plan.empty else []
+            if not targets:
+                return original(*args, **kwargs)
+            with frozen_columns(inner, targets):
+                return original(*args, **kwargs)
+
+        inner.step = step

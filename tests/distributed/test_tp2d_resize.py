@@ -21,12 +21,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from colossal_hetero.balance.inlayer import InLayerPlan, Offload
 from colossal_hetero.balance.ops import complement, frozen_columns, kept_count
 from colossal_hetero.tp2d import Mesh2D
 from colossal_hetero.tp2d.block import Block2D
 from colossal_hetero.tp2d.layers import Linear2D, dense_block, dense_vector_block, gather_matrix
 from colossal_hetero.tp2d.layout import offsets
 from colossal_hetero.tp2d.resize import (
+    LayerOps2D,
     Priority2D,
     attach_resize_2d,
     detach_resize_2d,
@@ -42,6 +44,7 @@ DT = torch.float64
 IN, OUT, BATCH, SEQ = (5, 3), (3, 4), (3, 1), 2  # uneven blocks: K = 8, N = 7, B = 4
 K, N, B = sum(IN), sum(OUT), sum(BATCH)
 KEPT = torch.tensor([0, 2, 3, 6])  # spans both reduction blocks (t = 0: 0, 2, 3; t = 1: 1)
+KEPT2 = torch.tensor([1, 4, 5, 7])  # a second straggler's: block 1 only partly kept
 PERMUTED = {2: (0, 0), 0: (0, 1), 3: (1, 0), 1: (1, 1)}  # TP not in the global rank order
 
 
@@ -51,13 +54,17 @@ def act(x, mesh, cols):
     return x[b0 : b0 + BATCH[mesh.i], :, c0 : c0 + cols[mesh.j]]
 
 
-def dense_resized(x, w, b, straggler, kept):
-    """The dense reference (module docstring): differentiable in x, w, b."""
-    dropped = complement(kept, K)
-    mask = torch.zeros(B, 1, N, dtype=x.dtype)
-    (i, j), b0, c0 = straggler, offsets(BATCH), offsets(OUT)
-    mask[b0[i] : b0[i] + BATCH[i], :, c0[j] : c0[j] + OUT[j]] = 1
-    return x @ w + b - mask * (x[..., dropped] @ w[dropped])
+def dense_resized(x, w, b, kept):
+    """The dense reference (module docstring) for {straggler position: kept}: differentiable
+    in x, w, b."""
+    y = x @ w + b
+    for (i, j), entries in kept.items():
+        dropped = complement(entries, K)
+        mask = torch.zeros(B, 1, N, dtype=x.dtype)
+        b0, c0 = offsets(BATCH), offsets(OUT)
+        mask[b0[i] : b0[i] + BATCH[i], :, c0[j] : c0[j] + OUT[j]] = 1
+        y = y - mask * (x[..., dropped] @ w[dropped])
+    return y
 
 
 def _inputs(dtype=DT, seed=0):
@@ -66,13 +73,13 @@ def _inputs(dtype=DT, seed=0):
     return [t.to(dtype).to(DT) for t in tensors]  # exact in ``dtype``, held in float64
 
 
-def _run_layer(mesh, inputs, dtype=DT, kept=None, straggler=(1, 0), impute=0.0, *, grad=True):
-    """This rank's y, dx, dW, db of a Linear2D (resized when ``kept`` is given)."""
+def _run_layer(mesh, inputs, dtype=DT, kept=None, impute=0.0, *, grad=True):
+    """This rank's y, dx, dW, db of a Linear2D (resized by {position: kept} when given)."""
     x, w, b, dy = inputs
     layer = Linear2D(mesh, IN, OUT, dtype=dtype)
     layer.load_dense(w.to(dtype), b.to(dtype))
     if kept is not None:
-        attach_resize_2d(layer, straggler, {"": kept}, impute_value=impute)
+        attach_resize_2d(layer, {p: {"": v} for p, v in kept.items()}, impute_value=impute)
     xb = act(x, mesh, IN).to(dtype).clone().requires_grad_(grad)
     with counting() as calls:
         y = layer(xb)
@@ -83,9 +90,9 @@ def _run_layer(mesh, inputs, dtype=DT, kept=None, straggler=(1, 0), impute=0.0, 
     return {"y": y, "dx": xb.grad, "dw": layer.weight.grad, "db": layer.bias.grad}, calls
 
 
-def _reference(mesh, inputs, straggler, kept):
+def _reference(mesh, inputs, kept):
     x, w, b, dy = (t.clone().requires_grad_() for t in inputs)
-    y = dense_resized(x, w, b, straggler, kept)
+    y = dense_resized(x, w, b, kept)
     (y * dy).sum().backward()
     mine = {
         "y": act(y.detach(), mesh, OUT),
@@ -103,17 +110,17 @@ def _reference(mesh, inputs, straggler, kept):
     return mine, scale
 
 
-def _check_exact(mesh, straggler):
+def _check_exact(mesh, kept):
     """Resized = dense reference; the same collectives as the plain layer; not the plain one."""
     inputs = _inputs()
-    got, calls = _run_layer(mesh, inputs, kept=KEPT, straggler=straggler)
+    got, calls = _run_layer(mesh, inputs, kept=kept)
     plain, plain_calls = _run_layer(mesh, inputs)
     assert sorted(calls) == sorted(plain_calls) and len(calls) == 3 * 2 * mesh.q + 1
-    expected, scale = _reference(mesh, inputs, straggler, KEPT)
+    expected, scale = _reference(mesh, inputs, kept)
     for key, value in got.items():
         atol = chain_atol(2, max(K, N, B * SEQ), DT, scale[key])
         torch.testing.assert_close(value, expected[key], rtol=0, atol=atol, msg=key)
-    if (mesh.i, mesh.j) == straggler:  # the resized block really differs from the whole one
+    if (mesh.i, mesh.j) in kept:  # the resized block really differs from the whole one
         assert (plain["y"] - got["y"]).abs().max() > 1e-3
 
 
@@ -121,14 +128,14 @@ def _check_untouched(mesh):
     """Every entry kept, eval mode, no_grad: bitwise the plain layer."""
     inputs = _inputs(seed=20)
     plain, _ = _run_layer(mesh, inputs)
-    whole, _ = _run_layer(mesh, inputs, kept=torch.arange(K))
+    whole, _ = _run_layer(mesh, inputs, kept={(0, 0): torch.arange(K), (1, 1): torch.arange(K)})
     for key in plain:
         assert torch.equal(whole[key], plain[key]), key
     layer = Linear2D(mesh, IN, OUT, dtype=DT)
     layer.load_dense(inputs[1], inputs[2])
     xb = act(inputs[0], mesh, IN)
     reference = layer(xb).detach()
-    attach_resize_2d(layer, (mesh.i, mesh.j), {"": KEPT})  # every rank its own straggler
+    attach_resize_2d(layer, {(mesh.i, mesh.j): {"": KEPT}})  # this rank a straggler
     with torch.no_grad():
         assert torch.equal(layer(xb), reference)
     layer.eval()
@@ -142,8 +149,8 @@ def _check_untouched(mesh):
 def _check_impute(mesh, straggler=(0, 1)):
     """impute_value c adds c to the straggler's shares of dx[b_i*, D] and dW[D, n_j*] only."""
     inputs, c = _inputs(seed=30), 0.25
-    zero, _ = _run_layer(mesh, inputs, kept=KEPT, straggler=straggler)
-    filled, _ = _run_layer(mesh, inputs, kept=KEPT, straggler=straggler, impute=c)
+    zero, _ = _run_layer(mesh, inputs, kept={straggler: KEPT})
+    filled, _ = _run_layer(mesh, inputs, kept={straggler: KEPT}, impute=c)
     dropped = complement(KEPT, K)
     dx_add = torch.zeros(B, SEQ, K, dtype=DT)
     dx_add[offsets(BATCH)[straggler[0]] : offsets(BATCH)[straggler[0]] + BATCH[straggler[0]]][
@@ -166,8 +173,8 @@ def _check_impute(mesh, straggler=(0, 1)):
 def _check_bf16(mesh, straggler=(1, 1)):
     """bf16 against the float64 reference on the same bf16-exact inputs."""
     inputs = _inputs(torch.bfloat16, seed=40)
-    got, _ = _run_layer(mesh, inputs, torch.bfloat16, kept=KEPT, straggler=straggler)
-    expected, scale = _reference(mesh, inputs, straggler, KEPT)
+    got, _ = _run_layer(mesh, inputs, torch.bfloat16, kept={straggler: KEPT})
+    expected, scale = _reference(mesh, inputs, {straggler: KEPT})
     for key, value in got.items():
         assert value.dtype == torch.bfloat16, key
         # per-step bf16 GEMM, the bf16 sum of q steps (or the bf16 reduce), the bias: 3 sums
@@ -214,7 +221,7 @@ def _check_model_api(mesh, straggler=(1, 0)):
         assert kept[name].numel() == kept_count(total, 0.625)
         top = torch.sort(-scores[name][:, straggler[1]], stable=True).indices[: kept[name].numel()]
         assert kept[name].tolist() == sorted(top.tolist())
-    attach_resize_2d(model, straggler, kept)
+    attach_resize_2d(model, {straggler: kept})
     weights = {n: lin.weight.detach().clone() for n, lin in layers.items()}
     opt = _train_step(model, x, momentum=0.9)
     targets = freeze_targets_2d(model)
@@ -237,30 +244,83 @@ def _check_model_api(mesh, straggler=(1, 0)):
             assert stale.shape == (layer.in_sizes[mesh.i],)
 
 
+def _dense_weights(layers, mesh):
+    return {
+        n: gather_matrix(lin.weight.detach(), mesh, lin.in_sizes, lin.out_sizes)
+        for n, lin in layers.items()
+    }
+
+
+def _check_layer_ops(mesh, tp_rank=3):
+    """The balancer's 2D actuator: a resize offload of TP index ``tp_rank`` (the rank's index
+    in the TP group, ascending) lands at that rank's mesh position; refresh re-selects by the
+    dense weight change of the straggler's column (stale scores on dropped rows); freezing."""
+    heads, head_dim, ffn = (1, 3), 4, (16, 48)
+    torch.manual_seed(6)
+    model = Block2D(mesh, heads, head_dim, ffn, dtype=DT)
+    layers = linear_layers(model)
+    position = mesh.layout.position(sorted(mesh.layout.positions)[tp_rank])
+    ops = LayerOps2D(model)
+    assert ops.position(tp_rank) == position
+    with pytest.raises(ValueError, match="resize only"):
+        ops.apply(InLayerPlan((Offload(tp_rank, "migrate", 0.0, 0.3, 1.6),), (0, 1, 2)))
+    ops.apply(InLayerPlan((Offload(tp_rank, "resize", 0.375, 0.0, 1.6),)))
+    for layer in layers.values():  # fresh scores are all ones: the first entries by index
+        total = sum(layer.in_sizes)
+        assert list(layer.resize.kept) == [position]
+        assert layer.resize.kept[position].tolist() == list(range(kept_count(total, 0.625)))
+        assert (layer.resize.steps is not None) == ((mesh.i, mesh.j) == position)
+    widths = tuple(a * head_dim for a in heads)
+    b0, c0 = offsets(BATCH)[mesh.i], offsets(widths)[mesh.j]
+    x = randn((B, SEQ, sum(widths)), 60)[b0 : b0 + BATCH[mesh.i], :, c0 : c0 + widths[mesh.j]]
+    before, old = (
+        _dense_weights(layers, mesh),
+        {n: v.resize.kept[position] for n, v in layers.items()},
+    )
+    opt = _train_step(model, x, momentum=0.9)
+    ops.install_freeze(opt)
+    opt.step()
+    ops.refresh()
+    after = _dense_weights(layers, mesh)
+    for name, layer in layers.items():
+        cuts, j = offsets(layer.out_sizes), position[1]
+        change = (after[name] - before[name]).abs()[:, cuts[j] : cuts[j] + layer.out_sizes[j]]
+        dropped = complement(old[name], sum(layer.in_sizes))
+        assert not change[dropped].any(), name  # frozen on every rank of the column
+        scores = change.sum(1)
+        scores[dropped] = 1.0  # stale: the initial score
+        count = old[name].numel()
+        expected = torch.sort(-scores, stable=True).indices[:count].sort().values
+        assert layer.resize.kept[position].tolist() == expected.tolist(), name
+    ops.clear()
+    assert all(layer.resize is None for layer in layers.values()) and ops.plan.empty
+
+
 def _check_errors(mesh):
     layer = Linear2D(mesh, IN, OUT, dtype=DT)
     bad = {
-        "mesh position": ((2, 0), {"": KEPT}),
-        "sorted": ((0, 0), {"": torch.tensor([3, 1])}),
-        r"lie in \[0, 8\)": ((0, 0), {"": torch.tensor([0, 8])}),
-        "no Linear2D": ((0, 0), {"fc": KEPT}),
+        "mesh position": {(2, 0): {"": KEPT}},
+        "sorted": {(0, 0): {"": torch.tensor([3, 1])}},
+        r"lie in \[0, 8\)": {(0, 0): {"": KEPT}, (1, 0): {"": torch.tensor([0, 8])}},
+        "no Linear2D": {(0, 0): {"fc": KEPT}},
     }
-    for match, (straggler, kept) in bad.items():
+    for match, kept in bad.items():
         with pytest.raises(ValueError, match=match):
-            attach_resize_2d(layer, straggler, kept)
+            attach_resize_2d(layer, kept)
     assert layer.resize is None
 
 
 def _resize_suite(rank, world_size, device):
     for placement in (None, PERMUTED):
         mesh = Mesh2D.build([[0, 1, 2, 3]], placement)
-        for straggler in ((1, 0), (0, 1)):
-            _check_exact(mesh, straggler)
+        for kept in ({(1, 0): KEPT}, {(0, 1): KEPT}, {(0, 0): KEPT, (1, 0): KEPT2}):
+            _check_exact(mesh, kept)
     _check_untouched(mesh)
     _check_impute(mesh)
     _check_bf16(mesh)
     _check_errors(mesh)
     _check_model_api(mesh)
+    _check_layer_ops(mesh)
 
 
 @pytest.mark.dist
