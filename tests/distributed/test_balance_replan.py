@@ -22,6 +22,9 @@ step SLOW_UNTIL. Checks, grouped in one spawn:
 
 Assertions use the interceptor's accounting and the emulated factor (4x on the CPU-time
 compute, far above the 1.15 threshold and the 0.25 stability tolerance); none bounds a time.
+The interceptor's clock reads CPU time plus its requested sleeps
+(tests/distributed/accounted_clock.py), so the compute the detector reads does not move with
+machine load.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from colossal_hetero.models import build_model, loss_from_outputs
 from colossal_hetero.plugin import HeteroParallelPlugin
 from colossal_hetero.policies import resizable_policy
 from tests.dist_utils import run_distributed
+from tests.distributed.accounted_clock import account_in_cpu_time
 from tests.tiny_models import GPT2 as TINY
 
 # Wider than the tiny model, so that the compute the widths split is a good part of a step.
@@ -83,6 +87,7 @@ def _run(
 ) -> tuple[list, Any]:
     """Train STEPS steps; ``moves``: step -> widths to resize to after that step's update."""
     plugin = HeteroParallelPlugin(config, metrics_dir=folder, workload=(4, 16), policy=policy)
+    account_in_cpu_time(plugin.timer)
     try:
         torch.manual_seed(0)
         model = build_model(GPT2)
