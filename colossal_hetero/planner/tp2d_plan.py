@@ -28,6 +28,7 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -333,6 +334,7 @@ def plan_tp2d(
     vocab: int,
     *,
     overhead: float = 0.0,
+    head_unit: int = 1,
 ) -> Tp2dPlan:
     """The 2D plan for a world whose rank r has speed ``speeds_by_rank[r]``.
 
@@ -341,6 +343,8 @@ def plan_tp2d(
     device at each TP index over the replicas. ``batch``: samples per data-parallel batch, or
     None when unknown (rows stay even, ``batch_sizes`` empty). ValueError naming the field on a
     non-square group or a rank without a speed. ``overhead``: see ``plan_resizable_2d``.
+    ``head_unit``: every column's head count is a multiple of it (``dims_2d``: Llama's query
+    heads per key/value head); planned in units of that many heads.
     """
     lists = [sorted(int(r) for r in ranks) for ranks in tp_rank_lists]
     if not lists:
@@ -352,19 +356,21 @@ def plan_tp2d(
         )
     size = len(lists[0])
     speeds = tuple(min(speeds_by_rank[ranks[k]] for ranks in lists) for k in range(size))
+    if head_unit < 1 or heads % head_unit:
+        raise ValueError(f"model.hf: {heads} heads are not whole groups of {head_unit}")
     planned = plan_resizable_2d(
         speeds,
         batch or math.isqrt(size),
-        heads,
+        heads // head_unit,  # (o + b a) / s = unit (o / unit + b groups) / s: same optimum
         ffn,
         vocab,
         even_rows=batch is None,
-        overhead=overhead,
+        overhead=overhead / head_unit,
     )
     q = planned.q
     return Tp2dPlan(
         batch_sizes=planned.batch_sizes if batch is not None else (),
-        head_counts=planned.head_counts,
+        head_counts=tuple(a * head_unit for a in planned.head_counts),
         ffn_sizes=planned.ffn_sizes,
         vocab_sizes=planned.vocab_sizes,
         index_positions=tuple(divmod(planned.positions.index(k), q) for k in range(size)),
@@ -372,3 +378,23 @@ def plan_tp2d(
         predicted_speedup=planned.predicted_speedup,
         exact=planned.exact,
     )
+
+
+def dims_2d(hf_config: Any) -> tuple[int, int, int, int]:
+    """(heads, MLP width, vocabulary or classes, head unit) that ``plan_tp2d`` sizes for a
+    model 2D converts (GPT-2, Llama, ViT; ``tp2d.convert.SUPPORTED_2D``). Head unit: Llama's
+    query heads per key/value head (mesh column j holds a_j kv / heads key/value heads, so
+    a_j must be a multiple of heads / gcd(heads, kv)), else 1. ViT's columns split its
+    classes. ValueError naming ``model.arch`` for another model."""
+    kind = getattr(hf_config, "model_type", None)
+    if kind == "gpt2":
+        ffn = hf_config.n_inner or 4 * hf_config.n_embd
+        return hf_config.n_head, ffn, hf_config.vocab_size, 1
+    if kind in ("llama", "vit"):
+        heads = hf_config.num_attention_heads
+        ffn = hf_config.intermediate_size
+        if kind == "vit":
+            return heads, ffn, hf_config.num_labels, 1
+        kv = getattr(hf_config, "num_key_value_heads", None) or heads
+        return heads, ffn, hf_config.vocab_size, heads // math.gcd(heads, kv)
+    raise ValueError(f"model.arch: resizable 2D plans gpt2, llama and vit, got {kind!r}")

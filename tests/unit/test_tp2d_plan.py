@@ -292,3 +292,60 @@ def test_affine_blocks_against_brute_force_and_by_hand():
     assert sorted(plan.head_counts) == [3, 9] and plan.batch_sizes == (6, 6)
     i, j = plan.placement()[3]
     assert plan.head_counts[j] == 3
+
+
+def test_resizable_plan_for_llama_and_vit():
+    """dims_2d reads each supported model. Llama: every column holds whole key/value groups,
+    the plan's slowest block equals a brute force over every placement, batch split and
+    split of the groups, and the 2D conversion's checks accept the plan. ViT: the columns
+    split the classes, and the checks accept it too."""
+    from transformers import BertConfig, GPT2Config, LlamaConfig, ViTConfig
+
+    from colossal_hetero.planner.tp2d_plan import dims_2d, plan_tp2d
+    from colossal_hetero.tp2d.convert import check_model_2d
+
+    speeds, group = [1.0, 1.0, 1.0, 0.5], [(0, 1, 2, 3)]
+    llama = LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=96,
+        num_hidden_layers=1,
+    )
+    assert dims_2d(llama) == (8, 128, 96, 4)
+    heads, ffn, vocab, unit = dims_2d(llama)
+    plan = plan_tp2d(speeds, group, 8, heads, ffn, vocab, head_unit=unit)
+    assert sum(plan.head_counts) == 8 and all(a % 4 == 0 for a in plan.head_counts)
+    best = min(
+        max(b[i] * a[j] / speeds[perm[i * 2 + j]] for i in range(2) for j in range(2))
+        for perm in itertools.permutations(range(4))
+        for b in [(k, 8 - k) for k in range(9)]
+        for a in ((0, 8), (4, 4), (8, 0))
+    )
+    got = max(
+        plan.batch_sizes[i] * plan.head_counts[j] / plan.speeds[k]
+        for k, (i, j) in enumerate(plan.index_positions)
+    )
+    assert got == pytest.approx(best) and best == pytest.approx(24.0)  # even: 4 * 4 / 0.5
+    shares = check_model_2d(llama, 2, plan)
+    assert shares.head_counts == plan.head_counts and shares.ffn_sizes == plan.ffn_sizes
+    vit = ViTConfig(
+        hidden_size=48,
+        num_attention_heads=6,
+        intermediate_size=96,
+        num_labels=10,
+        image_size=8,
+        patch_size=4,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    assert dims_2d(vit) == (6, 96, 10, 1)
+    plan = plan_tp2d(speeds, group, 8, *dims_2d(vit)[:3])
+    assert sum(plan.vocab_sizes) == 10 and sum(plan.head_counts) == 6
+    assert check_model_2d(vit, 2, plan).vocab_sizes == plan.vocab_sizes
+    assert dims_2d(GPT2Config(n_embd=32, n_head=4)) == (4, 128, 50257, 1)
+    with pytest.raises(ValueError, match="model.arch"):
+        dims_2d(BertConfig())
+    with pytest.raises(ValueError, match="whole groups of 3"):
+        plan_tp2d(speeds, group, 8, 8, 128, 96, head_unit=3)
