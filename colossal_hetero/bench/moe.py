@@ -195,13 +195,12 @@ def a2a_split(
 
 
 def moe_worker(rank: int, world_size: int, device: torch.device, *, quick: bool) -> dict:
-    """One rank of the benchmark (see the module); returns the rounds' JSON on every rank."""
+    """One rank of the benchmark (module doc; 3 warm-ups: all on picks its pipelining)."""
     from colossal_hetero.bench.rounds import RoundsPolicy, rank0_decides, run_rounds
     from colossal_hetero.utils.quiet import quiet_third_party_warnings
 
     quiet_third_party_warnings()
-    torch.set_num_threads(1)
-    # Ours first: our plugin installs the CPU fixes Colossal-AI needs (compat/) for both.
+    torch.set_num_threads(1)  # ours first: our plugin installs Colossal-AI's CPU fixes (compat/)
     chunk_kib, profiles = _profiled_chunk_kib()
     ours = {name: _build_ours(chunk_kib, *setting) for name, setting in VARIANTS.items()}
     logs: dict[str, list[tuple[float, list]]] = {name: [] for name in ours}
@@ -226,7 +225,7 @@ def moe_worker(rank: int, world_size: int, device: torch.device, *, quick: bool)
 
         return run
 
-    policy = RoundsPolicy(warmup=2, min_rounds=8 if quick else 12, budget_s=50 if quick else 300)
+    policy = RoundsPolicy(warmup=3, min_rounds=8 if quick else 12, budget_s=50 if quick else 300)
     result = run_rounds(
         {
             "stock": _stock_variant(rank, stock, batch, agreed),

@@ -13,8 +13,8 @@ The reducers then run on the step seam:
   before the update (and before clipping);
 - :class:`MoeStepLog`, a seam controller, starts each step's event log and, with a metrics
   folder, writes it as one record per step to ``moe_rank{r}.jsonl`` (with the placement in
-  the first record); with ``moe.pipeline_auto`` it runs the pipelining choice
-  (moe/pipeline_choice.py) after the first training step and logs it in that record.
+  the first record); with ``moe.pipeline_auto`` it feeds the pipelining choice
+  (moe/pipeline_choice.py) the first steps' logs and logs the decision in that step's record.
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ class MoeStepLog:
     def on_step_end(self, step: int, timing: Any) -> None:
         self.last = self.comm.step_log()
         record: dict[str, Any] = {"step": step, "controller": "moe", "events": self.last}
-        decided = self.comm.chooser.on_step_end(step) if self.comm.chooser else None
+        decided = self.comm.chooser.on_step_end(step, self.last) if self.comm.chooser else None
         if decided is not None:  # collective: every rank at the same step
             record["pipeline"] = decided
         if step == 0:

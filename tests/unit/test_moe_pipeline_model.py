@@ -10,6 +10,7 @@ from colossal_hetero.moe.pipeline_model import (
     choose_ranges,
     exchange_time,
     pass_time,
+    step_measurements,
 )
 
 MS = 1e-3
@@ -103,3 +104,48 @@ def test_bad_counts_raise() -> None:
     inputs = ExchangeInputs(alpha=0, beta=1, rows=1, row_bytes=1, fwd_row_s=0, bwd_row_s=0)
     with pytest.raises(ValueError, match="most must be >= 1"):
         choose_ranges(inputs, 0)
+
+
+def _step_log(a2a: list[tuple[float, float, int]]) -> list[tuple]:
+    rows: list[tuple] = [("pending", "ep", 99, 0.0, 50.0, 0), ("chunk", "dense", 0, 40.0, 45.0, 8)]
+    rows += [("a2a", "ep", i, t0, t1, n) for i, (t0, t1, n) in enumerate(a2a)]
+    return sorted(rows, key=lambda row: row[3])
+
+
+def test_step_measurements_by_hand() -> None:
+    # Two layers (ms): forward triples (counts, dispatch, combine), backward pairs.
+    log = _step_log(
+        [
+            (0.0, 1.0, 32),  # counts, 1 ms
+            (1.0, 3.0, 1000),  # dispatch 2 ms; experts 3 -> 4
+            (4.0, 6.0, 1000),  # combine 2 ms
+            (7.0, 10.0, 32),  # counts, 3 ms
+            (10.0, 12.0, 1000),  # experts 12 -> 15
+            (15.0, 17.0, 1000),
+            (20.0, 22.0, 1000),  # backward layer 1: experts 22 -> 24
+            (24.0, 26.0, 1000),
+            (30.0, 32.0, 1000),  # backward layer 0: experts 32 -> 36
+            (36.0, 38.0, 1000),
+        ]
+    )
+    got = step_measurements([(k, g, i, a * MS, b * MS, n) for k, g, i, a, b, n in log], 2)
+    assert got is not None
+    alpha, per_byte, fwd, bwd = got
+    assert alpha == pytest.approx(2 * MS)  # median of 1 and 3 ms
+    # 8 data calls of 2 ms = 16 ms, less 8 alphas = 0 ms beyond latency: 0 s per byte
+    assert per_byte == pytest.approx(0.0, abs=1e-15)
+    assert fwd == pytest.approx(2 * MS)  # mean of 1 and 3 ms
+    assert bwd == pytest.approx(3 * MS)  # mean of 2 and 4 ms
+
+
+def test_step_measurements_per_byte_and_wrong_counts() -> None:
+    # One layer: counts 1 ms; data calls 3 ms each for 1e5 bytes: 4 x (3 - 1) ms = 8 ms over
+    # 4e5 bytes = 2e-8 s per byte.
+    calls = [(0.0, 1.0, 32), (1.0, 4.0, 100000), (5.0, 8.0, 100000)]
+    calls += [(10.0, 13.0, 100000), (14.0, 17.0, 100000)]
+    log = [(k, g, i, a * MS, b * MS, n) for k, g, i, a, b, n in _step_log(calls)]
+    alpha, per_byte, fwd, bwd = step_measurements(log, 1) or [0.0] * 4
+    assert alpha == pytest.approx(MS) and per_byte == pytest.approx(2e-8)
+    assert fwd == pytest.approx(MS) and bwd == pytest.approx(MS)
+    assert step_measurements(log, 2) is None  # 5 calls, not 10: pipelined or partial step
+    assert step_measurements([row for row in log if row[2] != 4], 1) is None  # one a2a short
