@@ -12,7 +12,11 @@ One spawned world of 4 CPU ranks holds five models of the same GPT-2 (same seed 
   block sizes (``planner.tp2d_plan.plan_resizable_2d``, proportional blocks). Each rank's
   fixed work per step is measured too (``measure_overhead``: the even 2D model's CPU time at
   two batch sizes, an affine fit) and recorded with the plan it would give
-  (``resized_plan.calibration``), not run: it measured slower (docs/tp2d.md).
+  (``resized_plan.calibration``), not run: it measured slower (docs/tp2d.md);
+- ``2d_zero_slow``: even 2D blocks, the slow rank ZERO-resized inside the SUMMA steps
+  (``tp2d.resize``: every Linear2D's GEMMs over ``kept_fraction(slowdown)`` of the reduction
+  entries, the first ones; every collective unchanged): the in-layer alternative to resizing
+  the blocks, at the cost of an approximate gradient.
 
 Measured per rank, once: activation bytes of one forward at the benchmark batch
 (``bench.tp2d_measure``: every storage the autograd graph keeps, parameters excluded), and,
@@ -48,7 +52,7 @@ from colossal_hetero.planner.tp2d_plan import plan_resizable_2d
 
 MIB = 2**20
 UNSLOWED = ("1d", "1d_sp", "2d")
-VARIANTS = (*UNSLOWED, "2d_even_slow", "2d_resized_slow")
+VARIANTS = (*UNSLOWED, "2d_even_slow", "2d_resized_slow", "2d_zero_slow")
 
 
 @dataclass(frozen=True)
@@ -138,6 +142,25 @@ def resized_shares(
     return shares, plan.placement(), record
 
 
+def zero_resize_slowest(case: Tp2dCase, runner: Any) -> dict[str, Any]:
+    """ZERO-resize the slowest device's GEMMs in every Linear2D of ``runner``'s model: it keeps
+    ``kept_fraction(fastest / its speed)`` of each reduction dimension (the accuracy budget's
+    default floor 0.5). Returns a JSON record."""
+    from colossal_hetero.balance.ops.selection import kept_fraction
+    from colossal_hetero.tp2d.resize import attach_resize_2d, kept_for_slowdown
+
+    slow = min(range(len(case.speeds)), key=lambda r: (case.speeds[r], r))
+    slowdown = max(case.speeds) / case.speeds[slow]
+    position = runner.model.mesh.layout.position(slow)  # the world is the mesh: rank = device
+    attach_resize_2d(runner.model, {position: kept_for_slowdown(runner.model, position, slowdown)})
+    return {
+        "rank": slow,
+        "position": list(position),
+        "slowdown": slowdown,
+        "kept_fraction": kept_fraction(slowdown),
+    }
+
+
 def _slowdowns(case: Tp2dCase) -> EmulationConfig:
     """Rank r computes ``device_slowdown * fastest / speed_r`` times slower than the host.
 
@@ -184,7 +207,9 @@ def run_case(rank: int, world_size: int, device: torch.device, case: Tp2dCase) -
             "predicted_speedup": calibrated["predicted_speedup"],
         }
         runners["2d_resized_slow"] = TwoDRunner(model, device, shares, placement)
+        runners["2d_zero_slow"] = TwoDRunner(model, device, even_shares(case, case.batch_size))
         result: dict[str, Any] = {"resized_plan": planned}
+        result["zero_resize"] = zero_resize_slowest(case, runners["2d_zero_slow"])
         result["memory"] = _memory(case, runners, device)
         timer = build_interceptor(EmulationConfig(), rank, world_size, device).install()
         slow = build_dedicated(_slowdowns(case), rank, world_size, device).install()
@@ -311,4 +336,5 @@ def figures() -> dict[str, Figure]:
         "step_1d_over_2d": lambda v: v["1d.step"] / v["2d.step"],
         "step_1d_sp_over_2d": lambda v: v["1d_sp.step"] / v["2d.step"],
         "resizable_vs_even_2d": lambda v: v["2d_even_slow.step"] / v["2d_resized_slow.step"],
+        "zero_resize_vs_even_2d": lambda v: v["2d_even_slow.step"] / v["2d_zero_slow.step"],
     }

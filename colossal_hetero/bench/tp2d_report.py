@@ -50,7 +50,8 @@ def summary(case: Tp2dCase, result: dict[str, Any]) -> dict[str, Any]:
     Activation ratios: the worst rank's bytes of each variant at the benchmark batch.
     ``max_batch_2d_over_1d``: the largest batches found under the same budget.
     ``resizable_vs_even_2d``: median per-round step-time ratio, even over resized, one device
-    at half speed. ``cost_model_bytes_max_error``: the largest relative error of the
+    at half speed; ``zero_resize_vs_even_2d`` the same for the slow rank ZERO-resized inside
+    the SUMMA steps (even blocks). ``cost_model_bytes_max_error``: the largest relative error of the
     planner's activation bytes against the measured ones over the three unslowed variants.
     """
     memory, figures = result["memory"], result["rounds"]["figures"]
@@ -69,7 +70,9 @@ def summary(case: Tp2dCase, result: dict[str, Any]) -> dict[str, Any]:
         "cost_model_bytes_error": errors,
         "cost_model_bytes": predicted,
     }
-    for key in ("step_1d_over_2d", "step_1d_sp_over_2d"):
+    for key in ("step_1d_over_2d", "step_1d_sp_over_2d", "zero_resize_vs_even_2d"):
+        if key not in figures:  # a result from before the ZERO-resized variant
+            continue
         out[key] = figures[key]["value"]
         out[f"{key}_ci"] = figures[key]["ci"]
     out["converged"] = result["rounds"]["converged"]

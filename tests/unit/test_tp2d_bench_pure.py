@@ -78,6 +78,7 @@ def test_summary_ratios_from_a_hand_made_result():
         "resizable_vs_even_2d": _median(1.4),
         "step_1d_over_2d": _median(0.8),
         "step_1d_sp_over_2d": _median(0.7),
+        "zero_resize_vs_even_2d": _median(1.2),
     }
     result = {
         "memory": memory,
@@ -89,6 +90,7 @@ def test_summary_ratios_from_a_hand_made_result():
     assert out["activation_bytes_2d_over_1d_sp"] == pytest.approx(0.75)
     assert out["max_batch_2d_over_1d"] == pytest.approx(2.5)
     assert out["resizable_vs_even_2d"] == 1.4
+    assert out["zero_resize_vs_even_2d"] == 1.2
     worst = max(abs(model[k] - measured[k]) / measured[k] for k in measured)
     assert out["cost_model_bytes_max_error"] == pytest.approx(worst)
 
