@@ -408,13 +408,28 @@ def compute_fraction(
     return statistics.median(c / s for c, s in pairs if s > 0)
 
 
-def agreement_cost(variant: Mapping[str, Any]) -> float | None:
-    """The balancer's median agreement seconds over the variant's median step seconds (the
-    detector's overhead at one agreement per step; None where none was recorded)."""
+def agreement_cost(variant: Mapping[str, Any]) -> dict[str, float] | None:
+    """The balancer's agreement seconds against the variant's median step seconds (None
+    where none was recorded):
+
+    - ``rank0_per_agreement``: rank 0's median gather over a step. It includes waiting for
+      the last rank to finish its step, which the next step's first collective would
+      otherwise spend;
+    - ``per_agreement``: the median over agreements of the least time any rank spent in the
+      gather (the last to arrive waits for the exchange alone), over a step;
+    - ``per_step``: that, times agreements per step (the detector's overhead per step).
+    """
     seconds = variant.get("agree_s") or []
     if not seconds:
         return None
-    return statistics.median(seconds) / statistics.median(max(r[0::4]) for r in variant["rows"])
+    step = statistics.median(max(r[0::4]) for r in variant["rows"])
+    last = variant.get("agree_last_s") or seconds
+    per_agreement = statistics.median(last) / step
+    return {
+        "rank0_per_agreement": statistics.median(seconds) / step,
+        "per_agreement": per_agreement,
+        "per_step": per_agreement * len(last) / len(variant["rows"]),
+    }
 
 
 def _delays_of(

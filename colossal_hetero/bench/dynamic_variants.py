@@ -72,7 +72,9 @@ def run_variants(
     point-to-point call); ``evals``: ``[step, loss, accuracy]`` at each phase end;
     ``records``: the balancer's decision records (agreed, so rank 0's stand for all);
     ``op_bytes``: what in-layer ops' own counters (``bytes_sent``) hold at the end;
-    ``agree_s``: the seconds of each balancer agreement on rank 0 (empty without one).
+    ``agree_s``: the seconds of each balancer agreement on rank 0 (empty without one);
+    ``agree_last_s``: per agreement, the least seconds any rank spent in it (the last rank to
+    arrive waits for the gather alone: its time is what the agreement adds to a step).
     """
     started = time.perf_counter()
     runners, plugins = _build(world, stock, hetero, device)
@@ -96,6 +98,7 @@ def run_variants(
                 "widths": _widths(plugins.get(name)),
                 "op_bytes": _sum_over_ranks([_op_bytes(runner.model)], device)[0],
                 "agree_s": _agree_seconds(plugins.get(name)),
+                "agree_last_s": _min_over_ranks(_agree_seconds(plugins.get(name)), device),
             }
             for name, runner in runners.items()
         }
@@ -289,6 +292,16 @@ def _evaluate(
 def _sum_over_ranks(values: list[float], device: torch.device) -> list[float]:
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(tensor)
+    return [float(v) for v in tensor.tolist()]
+
+
+def _min_over_ranks(values: list[float], device: torch.device) -> list[float]:
+    """Elementwise minimum over ranks (every rank holds as many values: agreements follow the
+    step number alone); no collective when there are none (then none anywhere)."""
+    if not values:
+        return []
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
     return [float(v) for v in tensor.tolist()]
 
 
