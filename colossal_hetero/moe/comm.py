@@ -169,16 +169,29 @@ class MoeComm:
     def flush(self) -> None:
         """Flush every reducer (before the optimizer step), unless no backward ran since the
         last flush: a rank whose experts got no tokens flushes its expert reducer all the
-        same, because its dense gradients arrived (every data-parallel rank runs backward)."""
+        same, because its dense gradients arrived (every data-parallel rank runs backward).
+
+        Chunks are waited oldest launch first across the groups, each wait refilling its
+        group's window at once (waiting one group to the end first left the other's queued
+        chunks unlaunched meanwhile: 12.7 ms in a measured step). No cycle of waits: a rank
+        waits only on a chunk it launched, and along a would-be cycle each rank's awaited chunk
+        would have to be launched strictly before the previous rank's, which cannot close."""
         if self._open:
             raise RuntimeError("flush with an a2a still pending: a MoE block's span never closed")
         if not any(reducer.touched for reducer in self.reducers.values()):
             return
         self.gaps.record(self._calls)
         self._calls = []
-        for reducer in self.reducers.values():  # every group's chunks on the wire together
+        reducers = list(self.reducers.values())
+        for reducer in reducers:  # every group's chunks on the wire together
             reducer.launch_rest()
-        for reducer in self.reducers.values():
+        while True:  # the oldest chunk of any group first, refilling its group's window
+            waiting = [(r.oldest_launch(), i) for i, r in enumerate(reducers)]
+            pending = [(t, i) for t, i in waiting if t is not None]
+            if not pending:
+                break
+            reducers[min(pending)[1]].wait_oldest()
+        for reducer in reducers:
             reducer.wait_all()
 
     def clear(self) -> None:

@@ -337,6 +337,21 @@ class ChunkedGradReducer:
         self.window_until = None
         self._pump()
 
+    def oldest_launch(self) -> float | None:
+        """Launch time of this reducer's oldest chunk on the wire; None when none is."""
+        return self._inflight[0].event.t_launch if self._inflight else None
+
+    def wait_oldest(self) -> None:
+        """One step of a flush shared by several reducers (after :meth:`launch_rest`): wait
+        for the oldest chunk on the wire, then launch the next ones up to ``max_inflight``."""
+        if self._inflight:
+            self._finish(self._inflight.popleft())
+        while self._next < len(self.chunks) and (
+            self._max_inflight is None or len(self._inflight) < self._max_inflight
+        ):
+            self._launch(self.chunks[self._next])
+            self._next += 1
+
     def wait_all(self) -> None:
         """The second half of :meth:`flush`: launch what the window held, wait for every chunk."""
         while self._next < len(self.chunks):
