@@ -48,6 +48,9 @@ class LinkLog:
     returned, ``NOT_BLOCKED`` when the wait did not block (a receiver); ``time.time()``."""
     posted: list[float] = field(default_factory=list)
     """A receiver's: per message, when its tensors' receives were posted."""
+    asked: list[float] = field(default_factory=list)
+    """A receiver's: per message, when it asked for it (``get`` began): a wait that returns
+    much later than that really waited for the data."""
     nbytes: int = 0
     """Bytes of the tensors moved, headers and metadata included."""
     wait_s: float = 0.0
@@ -147,6 +150,7 @@ class Inbox:
     def get(self) -> Any:
         """The next object, waiting only for what has not landed yet."""
         assert self._taken < self._count, "more receives than the step announced"
+        asked = time.time()
         start = time.perf_counter()
         if self._header is not None:
             self._read_metadata()
@@ -159,6 +163,7 @@ class Inbox:
         self.log.nbytes += sum(_nbytes(b) for b in posted.buffers)
         self.log.times.append(time.time() if waited > BLOCKED_S else NOT_BLOCKED)
         self.log.posted.append(posted.at)
+        self.log.asked.append(asked)
         meta = self._metadata
         self._taken += 1
         if meta.non_tensor_obj_idx and self._posted < self._count:

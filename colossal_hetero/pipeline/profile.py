@@ -31,14 +31,22 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from colossal_hetero.pipeline.simulator import Trace, simulate
-from colossal_hetero.pipeline.tuner import PipelineProfile
+from colossal_hetero.pipeline.tuner import PipelineProfile, simulate_profile
 
 NOT_BLOCKED = -1.0
 """The arrival time recorded for a receive whose ``wait()`` found the data already there."""
 
 _SCALARS = ("forward_s", "backward_s", "step_s", "activation_bytes", "message_bytes")
-_LISTS = ("sent_next", "arrived_prev", "posted_prev", "sent_prev", "arrived_next", "posted_next")
+_LISTS = (
+    "sent_next",
+    "arrived_prev",
+    "posted_prev",
+    "sent_prev",
+    "arrived_next",
+    "posted_next",
+    "asked_prev",
+    "asked_next",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +58,8 @@ class RankRecord:
     next_rank: int | None
     """Global rank of this rank's peer on the next stage (None on the last stage)."""
     forward_s: float
-    """Mean seconds of one forward pass, its sends issued (compute as the stage really ran)."""
+    """Median seconds of one forward pass, its sends issued (compute as the stage really ran;
+    the median leaves out a pass that also waited for a later tensor-parallel peer)."""
     backward_s: float
     step_s: float
     """Wall seconds of the whole step's schedule on this rank."""
@@ -67,6 +76,9 @@ class RankRecord:
     sent_prev: tuple[float, ...] = ()
     arrived_next: tuple[float, ...] = ()
     posted_next: tuple[float, ...] = ()
+    asked_prev: tuple[float, ...] = ()
+    """Per message from the previous stage: when this rank asked for it (empty: not known)."""
+    asked_next: tuple[float, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-safe dict (lists for the timestamp tuples)."""
@@ -81,7 +93,7 @@ class RankRecord:
         return cls(**values)
 
     def to_vector(self, num_microbatches: int) -> list[float]:
-        """Fixed-width floats for an all-gather: the scalars, then the six timestamp lists
+        """Fixed-width floats for an all-gather: the scalars, then the eight timestamp lists
         padded to ``num_microbatches`` with ``NOT_BLOCKED`` (see :func:`record_from_vector`)."""
         m = num_microbatches
         lists = [getattr(self, name) for name in _LISTS]
@@ -117,60 +129,155 @@ def record_from_vector(vector: Sequence[float], num_microbatches: int) -> RankRe
     return RankRecord(next_rank=None if nxt < 0 else nxt, **values)
 
 
-def direction_seconds(
-    sent: Sequence[float], posted: Sequence[float], arrived: Sequence[float]
-) -> float:
-    """Link seconds of one boundary direction from its sender's and receiver's timestamps (see
-    the module doc): median over the blocked receives of ``arrived_j - max(sent_j, posted_j)``,
-    0 when none blocked."""
-    samples = []
-    for j, arrival in enumerate(arrived):
-        if arrival != NOT_BLOCKED and j < len(sent) and j < len(posted):
-            # FIFO on one link: message j also waits for message j - 1 to land (known only
-            # when its receive blocked; receives posted far ahead make that wait the rule).
-            before = arrived[j - 1] if j > 0 else NOT_BLOCKED
-            samples.append(max(0.0, arrival - max(sent[j], posted[j], before)))
-    return statistics.median(samples) if samples else 0.0
+@dataclass(frozen=True, slots=True)
+class _Message:
+    """One message of a step as its two ends saw it (clock times; see the module doc)."""
+
+    release: float
+    """When it could move: sent, and its receive posted."""
+    src: int
+    dst: int
+    kind: tuple[str, int, int]
+    """(``"F"`` or ``"B"``, boundary, the sending stage's rank of that pipeline column)."""
+    arrived: float
+    asked: float
+    sent: float
+    index: int
+    """Its place in its direction's messages of the step (0: the first, which carries the
+    step's metadata and moves only once its receiver asks for it)."""
 
 
-def boundary_seconds(sender: RankRecord, receiver: RankRecord) -> float:
-    """Seconds one message holds the link between ``sender`` (stage s) and ``receiver`` (its
-    next-stage peer): the slower of activations going down and gradients coming up."""
-    down = direction_seconds(sender.sent_next, receiver.posted_prev, receiver.arrived_prev)
-    up = direction_seconds(receiver.sent_prev, sender.posted_next, sender.arrived_next)
-    return max(down, up)
+def _messages(records: Sequence[RankRecord]) -> list[_Message]:
+    """Every message between pipeline neighbours, in the order they could move."""
+    by_rank = {r.rank: r for r in records}
+    out = []
+    for r in records:
+        if r.next_rank is None:
+            continue
+        if r.next_rank not in by_rank:
+            raise ValueError(f"records: rank {r.rank}'s next-stage peer has no record")
+        nxt = by_rank[r.next_rank]
+        for op, src, dst, ends in (
+            ("F", r, nxt, (r.sent_next, nxt.posted_prev, nxt.arrived_prev, nxt.asked_prev)),
+            ("B", nxt, r, (nxt.sent_prev, r.posted_next, r.arrived_next, r.asked_next)),
+        ):
+            sent, posted, arrived, asked = ends
+            for j in range(min(len(sent), len(posted), len(arrived))):
+                when = asked[j] if j < len(asked) else NOT_BLOCKED
+                kind = (op, r.stage, r.rank)
+                release = max(sent[j], posted[j])
+                out.append(
+                    _Message(release, src.rank, dst.rank, kind, arrived[j], when, sent[j], j)
+                )
+    return sorted(out, key=lambda m: (m.release, m.src, m.dst, m.kind))
+
+
+def _seconds(msg: _Message, history: Sequence[tuple[float, float]], seen: float) -> float:
+    """Link seconds of one message that landed at ``msg.arrived``: the least of the upper
+    bounds a first-in first-out link of constant time per message gives. ``history`` holds the
+    earlier messages of its direction, ``(release, landing seen or NOT_BLOCKED)`` in order:
+    messages ``i .. j`` all moved after ``release_i``, one at a time, and after a landing seen
+    on message ``i`` the rest did. ``seen``: the last landing seen on the ports it shares with
+    other directions (it moved after that, too)."""
+    best = msg.arrived - max(msg.release, seen)
+    for n, (release, landed) in enumerate(reversed(history), start=2):
+        if landed != NOT_BLOCKED:
+            best = min(best, (msg.arrived - landed) / (n - 1))
+            break
+        best = min(best, (msg.arrived - release) / n)
+    return max(0.0, best)
+
+
+def _waited(msg: _Message, seconds: float) -> bool:
+    """Whether the receiver really waited for the message: its wait blocked for at least half
+    of the message's link time. A wait that blocked only briefly at the end of a long interval
+    is the receiver descheduled after the data had landed (a loaded host), not a slow link."""
+    if msg.arrived == NOT_BLOCKED:
+        return False
+    return msg.asked == NOT_BLOCKED or msg.arrived - msg.asked >= 0.5 * seconds
+
+
+def link_seconds(
+    records: Sequence[RankRecord], num_stages: int, shared_ports: bool = True
+) -> dict[str, tuple[float, ...]]:
+    """Seconds one message holds each boundary's link, activations and gradients apart, and
+    the seconds of each direction's first message of the step.
+
+    Each later message that the receiver really waited for (:func:`_waited`) gives one sample
+    (:func:`_seconds`): its direction is a first-in first-out link and, with ``shared_ports``,
+    it also queued behind the other direction's messages through the sender's upload or the
+    receiver's download (a rank's one network interface). Only landings that were seen
+    (waited-for arrivals) count. A direction's time is the median sample of each pipeline
+    column, its slowest column; 0 when no receive waited (the transfers were hidden). The first
+    message is timed from when it was both sent and asked for to its arrival: its tensors'
+    receives are posted only then, after its metadata (``pipeline/p2p.py``). Keys: ``F``,
+    ``B`` (per message), ``F0``, ``B0`` (first messages), one value per boundary. Identical for
+    any order of the records.
+    """
+    history: dict[tuple[str, int, int], list[tuple[float, float]]] = {}
+    seen: dict[tuple[str, int], float] = {}
+    samples: dict[tuple[str, int, int], list[float]] = {}
+    for msg in _messages(records):
+        ports = [("up", msg.src), ("down", msg.dst)] if shared_ports else []
+        earlier = history.setdefault(msg.kind, [])
+        op, boundary, column = msg.kind
+        landed = NOT_BLOCKED
+        if msg.index == 0:  # it landed before it was asked for if its wait did not block
+            landed = msg.arrived
+            first = 0.0 if landed == NOT_BLOCKED else max(0.0, landed - max(msg.sent, msg.asked))
+            samples.setdefault((f"{op}0", boundary, column), []).append(first)
+        else:
+            seconds = _seconds(msg, earlier, max([NOT_BLOCKED, *(seen.get(q, -1) for q in ports)]))
+            if _waited(msg, seconds):
+                samples.setdefault(msg.kind, []).append(seconds)
+                landed = msg.arrived
+        earlier.append((msg.release, landed))
+        if landed != NOT_BLOCKED:
+            for port in ports:
+                seen[port] = max(seen.get(port, landed), landed)
+
+    def per_boundary(key: str) -> tuple[float, ...]:
+        return tuple(
+            max(
+                [statistics.median(v) for (o, b, _), v in samples.items() if (o, b) == (key, s)],
+                default=0.0,
+            )
+            for s in range(num_stages - 1)
+        )
+
+    return {key: per_boundary(key) for key in ("F", "B", "F0", "B0")}
 
 
 def profile_from_records(
     records: Sequence[RankRecord],
     num_stages: int,
     memory_budget_bytes: Sequence[float] | None = None,
+    shared_ports: bool = True,
 ) -> PipelineProfile:
     """The stage profile a step's records imply, identical for any order of the records.
 
     A stage takes its slowest rank's compute and largest activations (its tensor- and
-    data-parallel peers move in lockstep), a boundary the slowest of the links that cross it
-    (one per pipeline column). ``memory_budget_bytes`` defaults to no limit.
+    data-parallel peers move in lockstep); link times per boundary and direction are
+    :func:`link_seconds`. ``memory_budget_bytes`` defaults to no limit. ``shared_ports``
+    (default: each rank has one network interface) goes into the profile for the simulator.
     """
-    by_rank = {r.rank: r for r in records}
-    if len(by_rank) != len(records):
+    if len({r.rank for r in records}) != len(records):
         raise ValueError("records: one record per rank")
     members = [[r for r in records if r.stage == s] for s in range(num_stages)]
     if any(not m for m in members):
         raise ValueError(f"records: every stage 0..{num_stages - 1} needs a record")
-    links = [0.0] * (num_stages - 1)
-    for r in records:
-        if r.stage < num_stages - 1:
-            if r.next_rank not in by_rank:
-                raise ValueError(f"records: rank {r.rank}'s next-stage peer has no record")
-            links[r.stage] = max(links[r.stage], boundary_seconds(r, by_rank[r.next_rank]))
+    links = link_seconds(records, num_stages, shared_ports)
     budgets = memory_budget_bytes or [math.inf] * num_stages
     return PipelineProfile(
         forward_s=tuple(max(r.forward_s for r in m) for m in members),
         backward_s=tuple(max(r.backward_s for r in m) for m in members),
-        transfer_s=tuple(links),
+        transfer_s=links["F"],
         activation_bytes=tuple(max(r.activation_bytes for r in m) for m in members),
         memory_budget_bytes=tuple(budgets),
+        transfer_up_s=links["B"],
+        shared_ports=shared_ports,
+        first_transfer_s=links["F0"],
+        first_transfer_up_s=links["B0"],
     )
 
 
@@ -204,11 +311,5 @@ def predict_from_records(
         raise ValueError("records: need at least one")
     num_stages = max(r.stage for r in recs) + 1
     profile = profile_from_records(recs, num_stages)
-    result = simulate(
-        profile.forward_s,
-        profile.backward_s,
-        [Trace.constant(c) for c in profile.transfer_s],
-        num_microbatches,
-        k,
-    )
+    result = simulate_profile(profile, num_microbatches, k)
     return Prediction(result.step_time, max(r.step_s for r in recs), profile)

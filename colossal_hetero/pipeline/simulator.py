@@ -12,9 +12,19 @@ Model (the contract the tuner and the planner rely on):
 - Boundary ``b`` (between stages ``b`` and ``b + 1``) carries one transfer at a time per
   direction, first in, first out. How long one micro-batch's transfer holds the link is a
   :class:`Trace`: piecewise constant in time, so a transfer that straddles a change speeds up or
-  slows down part-way (it progresses at ``1 / seconds`` of a transfer per second). An optional
-  per-boundary latency is added after the transfer leaves the link: latency overlaps with the
-  next transfer, link time does not (alpha and bytes / bandwidth of the alpha-beta model).
+  slows down part-way (it progresses at ``1 / seconds`` of a transfer per second). Activations
+  and gradients may have their own traces (a tenant that loads one stage's download slows the
+  messages into that stage only). An optional per-boundary latency is added after the transfer
+  leaves the link: latency overlaps with the next transfer, link time does not (alpha and
+  bytes / bandwidth of the alpha-beta model).
+- ``shared_ports``: each stage has one network port, an upload and a download, as a rank with
+  one network interface. A middle stage's upload carries both its activations (to ``s + 1``)
+  and its gradients (to ``s - 1``), first in, first out in the order they were sent; its
+  download both kinds it receives. A message holds its sender's upload for its transfer time,
+  and streams into the receiver's download as it leaves the upload (packets are forwarded as
+  they come): it lands at ``max(off the upload, start on the download + transfer time)``,
+  the download starting no earlier than the upload. Two stages (``p = 2``) give the same
+  times as separate links: each port then carries one kind of message.
 - Memory: a micro-batch's activations live on stage ``s`` from its forward to its backward;
   peak memory is ``activation_bytes[s]`` times the peak number alive.
 """
@@ -22,6 +32,8 @@ Model (the contract the tuner and the planner rely on):
 from __future__ import annotations
 
 import bisect
+import heapq
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -114,38 +126,41 @@ def simulate(
     activation_bytes: Sequence[float] | None = None,
     start_time: float = 0.0,
     latency_s: Sequence[float] | None = None,
+    up_transfers: Sequence[Trace] | None = None,
+    shared_ports: bool = False,
+    first_s: Sequence[float] | None = None,
+    first_up_s: Sequence[float] | None = None,
 ) -> SimResult:
     """Simulate one step of kFkB with ``k`` over ``p = len(forward_s)`` stages.
 
-    ``transfers[b]`` is boundary ``b``'s trace, evaluated at ``start_time`` plus the simulated
-    time (so successive steps can walk along one trace). Both directions of a boundary follow the
-    same trace (activations and their gradients have the same size) on separate queues.
+    ``transfers[b]`` is boundary ``b``'s trace for activations (stage ``b`` to ``b + 1``),
+    ``up_transfers[b]`` for gradients (default: the same traces), each evaluated at
+    ``start_time`` plus the simulated time (so successive steps can walk along one trace).
     ``latency_s[b]`` (default 0) is added to every landing time on boundary ``b``.
+    ``shared_ports``: see the module doc (default: one link per boundary and direction).
+    ``first_s[b]`` / ``first_up_s[b]`` (default: none): seconds the step's first activation /
+    gradient on boundary ``b`` takes, counted from when its receiver asks for it; no message
+    of that kind moves before (see the module doc); ``first_up_s`` defaults to ``first_s``.
     """
     p = len(forward_s)
     act = [0.0] * p if activation_bytes is None else list(activation_bytes)
     lat = [0.0] * (p - 1) if latency_s is None else list(latency_s)
     _check_lengths(p, forward_s, backward_s, transfers, act)
+    up = list(transfers) if up_transfers is None else list(up_transfers)
+    if len(up) != p - 1:
+        raise ValueError(f"simulate: {p} stages need {p - 1} up_transfers, got {len(up)}")
     if len(lat) != p - 1 or any(not (math.isfinite(x) and x >= 0) for x in lat):
         raise ValueError(f"simulate: latency_s needs {p - 1} finite values >= 0, got {lat}")
     orders = [kfkb_order(p, s, num_microbatches, k) for s in range(p)]
-    arrival: dict[tuple[int, str, int], float] = {}  # (stage, op, mb) -> input ready
-    link_free = {(b, d): start_time for b in range(p - 1) for d in "FB"}
-    stage_free = [start_time] * p
-    pos = [0] * p
-    events: list[Event] = []
-    while any(pos[s] < len(orders[s]) for s in range(p)):
-        progressed = False
-        for s in range(p):
-            while pos[s] < len(orders[s]) and _ready(orders[s][pos[s]], s, p, arrival):
-                op, mb = orders[s][pos[s]]
-                start = max(stage_free[s], arrival.get((s, op, mb), start_time))
-                end = start + (forward_s[s] if op == "F" else backward_s[s])
-                events.append(Event(s, op, mb, start - start_time, end - start_time))
-                stage_free[s], pos[s], progressed = end, pos[s] + 1, True
-                _send(op, mb, s, p, end, transfers, lat, link_free, arrival)
-        assert progressed, f"simulated pipeline deadlocked at positions {pos}"
-    step = max(stage_free) - start_time
+    first: dict[tuple[str, int], float] = {}
+    for op, times in (("F", first_s), ("B", first_s if first_up_s is None else first_up_s)):
+        if times is not None:
+            if len(times) != p - 1 or any(not (math.isfinite(x) and x >= 0) for x in times):
+                raise ValueError(f"simulate: first_s needs {p - 1} finite values >= 0")
+            first.update({(op, b): float(x) for b, x in enumerate(times)})
+    links = _Links(transfers, up, lat, shared_ports, start_time, first)
+    events = _run(orders, forward_s, backward_s, links, start_time)
+    step = max(e.end for e in events) if events else 0.0
     busy = tuple(sum(e.end - e.start for e in events if e.stage == s) for s in range(p))
     peaks = tuple(peak_in_flight(o) for o in orders)
     return SimResult(
@@ -158,31 +173,104 @@ def simulate(
     )
 
 
-def _ready(step: Step, s: int, p: int, arrival: dict[tuple[int, str, int], float]) -> bool:
-    op, mb = step
-    needs_input = (op == "F" and s > 0) or (op == "B" and s < p - 1)
-    return not needs_input or (s, op, mb) in arrival
+class _Links:
+    """When each sent message lands: per-direction FIFO links, or shared stage ports."""
+
+    def __init__(
+        self,
+        down: Sequence[Trace],
+        up: Sequence[Trace],
+        latency: Sequence[float],
+        shared_ports: bool,
+        start_time: float,
+        first: dict[tuple[str, int], float],
+    ) -> None:
+        self.traces = {"F": list(down), "B": list(up)}
+        self.first = first
+        """Seconds of each (kind, boundary)'s first message, which moves when asked for."""
+        self.latency, self.shared = list(latency), shared_ports
+        p = len(down) + 1
+        self.free: dict[tuple[str, int], float] = {}
+        for s in range(p):
+            self.free[("up", s)] = self.free[("down", s)] = start_time
+        for b in range(p - 1):
+            self.free[("F", b)] = self.free[("B", b)] = start_time
+
+    def land(self, op: str, src: int, dst: int, ready: float, first: bool = False) -> float:
+        """Book the message ``src -> dst`` of kind ``op`` sent at ``ready``; its landing time.
+        Calls must come in order of ``ready`` (the FIFO order of every link and port).
+        ``first``: the step's first message of its kind and boundary (``self.first``)."""
+        boundary = min(src, dst)
+        if first:
+            trace = Trace.constant(self.first[(op, boundary)])
+        else:
+            trace = self.traces[op][boundary]
+        if not self.shared:
+            leaves = trace.finish(max(ready, self.free[(op, boundary)]))
+            self.free[(op, boundary)] = leaves
+        else:
+            begin = max(ready, self.free[("up", src)])
+            sent = trace.finish(begin)  # off the sender's port
+            leaves = max(sent, trace.finish(max(begin, self.free[("down", dst)])))
+            self.free[("up", src)], self.free[("down", dst)] = sent, leaves
+        return leaves + self.latency[boundary]
 
 
-def _send(
-    op: str,
-    mb: int,
-    s: int,
-    p: int,
-    end: float,
-    transfers: Sequence[Trace],
-    latency: Sequence[float],
-    link_free: dict[tuple[int, str], float],
-    arrival: dict[tuple[int, str, int], float],
-) -> None:
-    """Queue the output of pass (op, mb) on stage s on its link; record when it lands."""
-    if op == "F" and s < p - 1:
-        boundary, dest = s, s + 1
-    elif op == "B" and s > 0:
-        boundary, dest = s - 1, s - 1
-    else:
-        return
-    begin = max(end, link_free[(boundary, op)])
-    leaves = transfers[boundary].finish(begin)
-    link_free[(boundary, op)] = leaves
-    arrival[(dest, op, mb)] = leaves + latency[boundary]
+def _run(
+    orders: list[list[Step]],
+    forward_s: Sequence[float],
+    backward_s: Sequence[float],
+    links: _Links,
+    start_time: float,
+) -> list[Event]:
+    """Discrete-event loop in time order: a pass ends, its output is booked on the links (so
+    every link sees its messages in the order they were sent), a landing may start a pass."""
+    p = len(orders)
+    arrival: dict[tuple[int, str, int], float] = {}
+    held: dict[tuple[int, str], list[int]] = {}  # sent before their receiver asked: mbs
+    asked: set[tuple[int, str]] = set()
+    pos, busy = [0] * p, [False] * p
+    heap: list[tuple[float, int, int, str, int]] = []  # (time, seq, stage, op or "", mb)
+    events: list[Event] = []
+
+    def try_start(s: int, now: float) -> None:
+        if busy[s] or pos[s] == len(orders[s]):
+            return
+        op, mb = orders[s][pos[s]]
+        needs_input = (op == "F" and s > 0) or (op == "B" and s < p - 1)
+        if needs_input and arrival.get((s, op, mb), math.inf) > now:
+            if (s, op) not in asked and links.first:  # the step's first message: ask for it
+                asked.add((s, op))
+                for sent_mb in held.pop((s, op), []):
+                    book(op, s + 1 if op == "B" else s - 1, s, now, sent_mb)
+            return
+        end = now + (forward_s[s] if op == "F" else backward_s[s])
+        events.append(Event(s, op, mb, now - start_time, end - start_time))
+        busy[s], pos[s] = True, pos[s] + 1
+        heapq.heappush(heap, (end, next(seq), s, op, mb))
+
+    def book(op: str, src: int, dest: int, now: float, mb: int) -> None:
+        # No message of a kind moves before its receiver asks for the first (mb 0: passes run
+        # in micro-batch order): the receives are posted only then.
+        if links.first and (dest, op) not in asked:
+            held.setdefault((dest, op), []).append(mb)
+            return
+        first = bool(links.first) and mb == 0
+        arrival[(dest, op, mb)] = landed = links.land(op, src, dest, now, first)
+        heapq.heappush(heap, (landed, next(seq), dest, "", mb))
+
+    seq = itertools.count()  # ties in time go in the order they were booked
+    for s in range(p):
+        try_start(s, start_time)
+    while heap:
+        now, _, s, op, mb = heapq.heappop(heap)
+        if op:  # a pass ended on stage s ("": a message landed there)
+            busy[s] = False
+            dest = s + 1 if op == "F" else s - 1
+            if 0 <= dest < p:
+                book(op, s, dest, now, mb)
+        try_start(s, now)
+    assert all(pos[s] == len(orders[s]) for s in range(p)), (
+        f"simulated pipeline deadlocked at {pos}"
+    )
+    return events

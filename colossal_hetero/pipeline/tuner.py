@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import astuple, dataclass, fields, replace
 
 from colossal_hetero.pipeline.order import check_pipeline_args, expected_peak_in_flight
-from colossal_hetero.pipeline.simulator import Trace, simulate
+from colossal_hetero.pipeline.simulator import SimResult, Trace, simulate
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +35,17 @@ class PipelineProfile:
     latency_s: tuple[float, ...] = ()
     """Seconds each boundary adds after a transfer leaves its link (overlaps the next transfer);
     empty means 0 on every boundary."""
+    transfer_up_s: tuple[float, ...] = ()
+    """Seconds one gradient takes over boundary ``b`` (stage ``b + 1`` to ``b``), when it differs
+    from ``transfer_s`` (then that is the activations'); empty: both directions alike."""
+    shared_ports: bool = False
+    """Whether a stage's sends to both neighbours share one upload, and its receives one
+    download (a rank with one network interface; see the simulator)."""
+    first_transfer_s: tuple[float, ...] = ()
+    """Seconds of each boundary's first activation of a step, from when it is both sent and
+    asked for (its metadata exchange included); empty: no such first message."""
+    first_transfer_up_s: tuple[float, ...] = ()
+    """The same for gradients (empty: as ``first_transfer_s``)."""
 
     @property
     def num_stages(self) -> int:
@@ -68,6 +79,9 @@ def _check_profile(profile: PipelineProfile) -> None:
         raise ValueError("profile: every per-stage field needs one value per stage")
     if len(profile.transfer_s) != p - 1:
         raise ValueError(f"profile.transfer_s: {p} stages need {p - 1} boundary times")
+    for name in ("transfer_up_s", "first_transfer_s", "first_transfer_up_s"):
+        if getattr(profile, name) and len(getattr(profile, name)) != p - 1:
+            raise ValueError(f"profile.{name}: {p} stages need {p - 1} boundary times")
     if profile.latency_s and len(profile.latency_s) != p - 1:
         raise ValueError(f"profile.latency_s: {p} stages need {p - 1} boundary latencies")
     pairs = zip(profile.activation_bytes, profile.memory_budget_bytes, strict=True)
@@ -96,14 +110,10 @@ def choose_k(
     ks = sorted(set(range(1, m + 1) if candidates is None else candidates))
     for k in ks:
         check_pipeline_args(profile.num_stages, m, k)
-    traces = [Trace.constant(c) for c in profile.transfer_s]
-    latency = profile.latency_s or None
     times: dict[int, float] = {}
     for k in ks:
         if fits_memory(profile, m, k):
-            times[k] = simulate(
-                profile.forward_s, profile.backward_s, traces, m, k, latency_s=latency
-            ).step_time
+            times[k] = simulate_profile(profile, m, k).step_time
     if not times:
         raise ValueError(
             f"memory_budget_bytes: no k in {ks} keeps the in-flight activations of "
@@ -234,8 +244,23 @@ def choose_k_over_window(
 
 def _step_time(profile: PipelineProfile, num_microbatches: int, k: int) -> float:
     """The simulated step time of ``profile`` under ``k`` (memory not checked)."""
-    traces = [Trace.constant(c) for c in profile.transfer_s]
-    latency = profile.latency_s or None
+    return simulate_profile(profile, num_microbatches, k).step_time
+
+
+def simulate_profile(profile: PipelineProfile, num_microbatches: int, k: int) -> SimResult:
+    """One simulated step of ``profile`` under ``k``: constant link times, each direction's
+    own when ``transfer_up_s`` is given, shared stage ports when ``shared_ports``."""
+    up = profile.transfer_up_s or profile.transfer_s
     return simulate(
-        profile.forward_s, profile.backward_s, traces, num_microbatches, k, latency_s=latency
-    ).step_time
+        profile.forward_s,
+        profile.backward_s,
+        [Trace.constant(c) for c in profile.transfer_s],
+        num_microbatches,
+        k,
+        activation_bytes=profile.activation_bytes,
+        latency_s=profile.latency_s or None,
+        up_transfers=[Trace.constant(c) for c in up],
+        shared_ports=profile.shared_ports,
+        first_s=profile.first_transfer_s or None,
+        first_up_s=profile.first_transfer_up_s or None,
+    )

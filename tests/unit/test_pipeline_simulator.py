@@ -143,3 +143,53 @@ def test_bad_lengths():
         simulate([1.0, 1.0], [1.0, 1.0], [], 2, 1)
     with pytest.raises(ValueError, match="latency_s"):
         simulate([1.0, 1.0], [1.0, 1.0], [Trace()], 2, 1, latency_s=[-1.0])
+
+
+def test_shared_ports_queue_a_middle_stage_sends_in_both_directions():
+    # p=3, m=3, k=1, f=b=1, every message 3 s. Separate links (by hand): s1 sends F0 at 5
+    # (lands 8), F1 at 8 (11), B0 at 14 (s0 at 17), F2 at 15 (lands 18), B1 at 17 (s0 at 20);
+    # s2 B2 ends at 20 (s1 at 23), s1 B2 [23,24] lands 27, s0 B2 [27,28]: step 28.
+    # Shared ports: s1's upload carries B0 [14,17] before F2, so F2 leaves it at 20 and lands
+    # at 20; s1's B1 (ends 17) waits for the upload until 20 and lands 23 on s0; s2 F2 [20,21]
+    # B2 [21,22] lands 25 on s1; s1 B2 [25,26] lands 29; s0 B2 [29,30]: step 30.
+    f, b, c = uniform(3, 1.0, 1.0, 3.0)
+    assert simulate(f, b, c, 3, 1).step_time == 28.0
+    shared = simulate(f, b, c, 3, 1, shared_ports=True)
+    assert shared.step_time == 30.0
+    spans = {(e.stage, e.op, e.mb): (e.start, e.end) for e in shared.events}
+    assert spans[(2, "F", 2)] == (20.0, 21.0) and spans[(0, "B", 1)] == (23.0, 24.0)
+    # Two stages: each port carries one kind of message, so sharing changes nothing.
+    for k in (1, 2, 4):
+        two = uniform(2, 1.0, 2.0, 1.5)
+        assert simulate(*two, 4, k, shared_ports=True) == simulate(*two, 4, k)
+
+
+def test_up_transfers_slow_only_the_gradients():
+    # p=2, m=1: F0 [0,1] lands at 1.5 (activation 0.5); stage 1 F0 [1.5,2.5] B0 [2.5,3.5], its
+    # gradient takes 4 s (lands 7.5); B0 on stage 0 [7.5,8.5].
+    slow_up = [Trace.constant(4.0)]
+    r = simulate([1.0, 1.0], [1.0, 1.0], [Trace.constant(0.5)], 1, 1, up_transfers=slow_up)
+    assert r.step_time == 8.5
+    with pytest.raises(ValueError, match="up_transfers"):
+        simulate([1.0, 1.0], [1.0, 1.0], [Trace()], 1, 1, up_transfers=[])
+
+
+def test_first_message_moves_once_asked_for():
+    free = [Trace.constant(0.0)]
+    # p=2, m=2, k=1, f=b=1, free links, the first message 3 s from when it is asked for.
+    # s1 asks for F0 at 0; s0 sends it at 1: lands 4; F1 (sent 2) queues behind it: lands 4.
+    # s1 F0 [4,5] B0 [5,6]; s0 asked for B0 at 2 (after F1): lands 9. s1 F1 [6,7] B1 [7,8]
+    # lands 9 behind B0. s0 B0 [9,10] B1 [10,11].
+    assert simulate([1.0, 1.0], [1.0, 1.0], free, 2, 1, first_s=[3.0]).step_time == 11.0
+    # Sent before it is asked for: s0 F0 [0,5] F1 [5,10]; F0 lands 8, s1 F0 [8,9] B0 [9,9.5]
+    # sends B0 at 9.5, but s0 asks for it only at 10 (after F1): it lands 13. F1 lands 10,
+    # s1 F1 [10,11] B1 [11,11.5], B1 lands 13 behind B0; s0 B0 [13,14] B1 [14,15].
+    r = simulate([5.0, 1.0], [1.0, 0.5], free, 2, 1, first_s=[3.0])
+    assert r.step_time == 15.0
+    assert {(e.stage, e.op, e.mb): e.start for e in r.events}[(0, "B", 0)] == 13.0
+    # The gradients' own first time, 0: as the first case until s1's B0 ends at 6, which lands
+    # at once (s0 asked at 2); s1 F1 [6,7] B1 [7,8]; s0 B0 [6,7] B1 [8,9].
+    own = simulate([1.0] * 2, [1.0] * 2, free, 2, 1, first_s=[3.0], first_up_s=[0.0])
+    assert own.step_time == 9.0
+    with pytest.raises(ValueError, match="first_s"):
+        simulate([1.0, 1.0], [1.0, 1.0], free, 2, 1, first_s=[-1.0])
