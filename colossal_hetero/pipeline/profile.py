@@ -188,13 +188,21 @@ def _seconds(msg: _Message, history: Sequence[tuple[float, float]], seen: float)
     return max(0.0, best)
 
 
+DESCHEDULED_S = 0.01
+"""Longest wait a receiver descheduled by the OS can show (about the kernel scheduler's latency
+period: 12 ms on 2 cores by default); a longer wait really waited for data."""
+
+
 def _waited(msg: _Message, seconds: float) -> bool:
     """Whether the receiver really waited for the message: its wait blocked for at least half
-    of the message's link time. A wait that blocked only briefly at the end of a long interval
-    is the receiver descheduled after the data had landed (a loaded host), not a slow link."""
+    of the message's link time, or longer than :data:`DESCHEDULED_S`. A short wait at the end
+    of a long interval is the receiver descheduled after the data had landed (a loaded host),
+    not a slow link."""
     if msg.arrived == NOT_BLOCKED:
         return False
-    return msg.asked == NOT_BLOCKED or msg.arrived - msg.asked >= 0.5 * seconds
+    if msg.asked == NOT_BLOCKED:
+        return True
+    return msg.arrived - msg.asked >= min(0.5 * seconds, DESCHEDULED_S)
 
 
 def link_seconds(
