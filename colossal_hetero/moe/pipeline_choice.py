@@ -15,8 +15,9 @@ the first step is a warm-up and not used. After step ``DECIDE_AFTER`` every rank
 
 The decision, its inputs and each candidate's prediction go into that step's ``moe`` log
 record (``pipeline``). Collective: every rank calls :meth:`PipelineChooser.on_step_end` at
-the same step boundaries. Without a measurement anywhere (no training forward yet) it stays
-at one range and tries again after the next step.
+the same step boundaries. Without a measurement anywhere (no training forward yet, or steps
+of several forwards) it stays at one range and tries again after the next step, until step
+``GIVE_UP_AFTER``, where it records one range for good.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ from colossal_hetero.moe.pipeline_model import ExchangeInputs, choose_ranges, st
 
 DECIDE_AFTER = 2
 """The step after which the choice is made (steps 1..DECIDE_AFTER are measured)."""
+
+GIVE_UP_AFTER = 10
+"""The step after which, with no measured step anywhere, one range is kept for good."""
 
 
 class PipelineChooser:
@@ -59,7 +63,10 @@ class PipelineChooser:
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
         alpha, per_byte, fwd, bwd, rows_max, any_sample = agreed.tolist()
         if not any_sample or rows_max == 0:
-            return None
+            if step < GIVE_UP_AFTER:
+                return None
+            self.record = {"step": step, "ranges": 1, "reason": "no unpipelined step measured"}
+            return self.record
         block = self.blocks[0]
         row_bytes = block.hidden_dim * next(block.experts[block.held[0]].parameters()).itemsize
         beta = 1.0 / per_byte if per_byte > 0 else float("inf")

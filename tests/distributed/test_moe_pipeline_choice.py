@@ -7,6 +7,8 @@ Four training steps of a tiny Mixtral with ``pipeline_chunks: 3`` and the choice
   and the agreed rows are what a block dispatches (tokens x top-k of one rank's shard);
 - the steps up to the decision ran one range (1 + 4 a2a's per layer) and the next the chosen
   number (1 + 4n per layer), on every rank, and every block holds it.
+A second test, on a one-rank gloo world with fake blocks and hand-built logs, checks the
+give-up (one range for good when no step was measured) and a compute-bound case by hand.
 """
 
 from __future__ import annotations
@@ -70,3 +72,51 @@ def _check(rank: int, world_size: int, device: torch.device) -> None:
 @pytest.mark.timeout(300)
 def test_pipeline_choice_is_agreed_logged_and_applied() -> None:
     run_distributed(_check, 2, force_cpu=True)
+
+
+class _FakeBlock:
+    """What the chooser reads of a block: rows dispatched, hidden size, a held expert's dtype."""
+
+    def __init__(self, rows: int) -> None:
+        self.dispatched_rows, self.hidden_dim, self.held = rows, 8, (0,)
+        self.experts = [torch.nn.Linear(8, 8)]
+        self.pipeline_chunks = 1
+
+
+def _single_rank_choices() -> None:
+    from colossal_hetero.moe.pipeline_choice import DECIDE_AFTER, GIVE_UP_AFTER, PipelineChooser
+    from colossal_hetero.moe.pipeline_model import ExchangeInputs, choose_ranges
+
+    # No forward ever dispatched: one range for good at GIVE_UP_AFTER, nothing before.
+    idle = PipelineChooser([_FakeBlock(0)], 3)
+    got = [idle.on_step_end(step, []) for step in range(GIVE_UP_AFTER + 1)]
+    assert got[:-1] == [None] * GIVE_UP_AFTER and got[-1] is not None
+    assert got[-1]["ranges"] == 1 and "reason" in got[-1]
+    # One layer by hand (ms): counts 0.1 (alpha); data a2a's 1.1 each for 1024 B, 1 ms beyond
+    # alpha (so 2048 B, 64 rows of 8 fp32, take 2 ms); expert gaps 5 ms forward, 10 backward.
+    # n=1: (2 * 2.1 + 5) + (2 * 2.1 + 10) = 23.4 ms; n=3: a = 0.1 + 2/3 <= c, so 2a + C per
+    # pass: 6.53 + 11.53 = 18.07 ms (n=2: 19.4 ms): 3 ranges.
+    calls = [(0.0, 0.1, 8), (0.1, 1.2, 1024), (6.2, 7.3, 1024), (8.0, 9.1, 1024)]
+    calls.append((19.1, 20.2, 1024))
+    log = [("a2a", "ep", i, a / 1e3, b / 1e3, n) for i, (a, b, n) in enumerate(calls)]
+    blocks = [_FakeBlock(64)]
+    chooser = PipelineChooser(blocks, 3)
+    records = [chooser.on_step_end(step, log) for step in range(DECIDE_AFTER + 2)]
+    record = records[DECIDE_AFTER]
+    assert records[:DECIDE_AFTER] == [None] * DECIDE_AFTER and records[-1] is None
+    assert record is not None and record["measured_steps"] == DECIDE_AFTER  # step 0: warm-up
+    inputs = ExchangeInputs(**record["inputs"])
+    assert inputs.rows == 64 and inputs.row_bytes == 8 * 4
+    assert abs(inputs.alpha - 1e-4) < 1e-9 and abs(inputs.fwd_row_s * 64 - 5e-3) < 1e-9
+    assert abs(record["predicted_s"][1] - 23.4e-3) < 1e-9
+    assert abs(record["predicted_s"][3] - (2 * (0.1 + 2 / 3) * 2 + 15) * 1e-3) < 1e-9
+    assert record["ranges"] == choose_ranges(inputs, 3)[0] == 3 == blocks[0].pipeline_chunks
+
+
+def test_chooser_gives_up_and_decides_by_hand(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        _single_rank_choices()
+    finally:
+        dist.destroy_process_group()
