@@ -204,9 +204,11 @@ def effective_slowdown(
     meet, whatever the model.
     A rank whose cut is at its cap and still lags keeps ``s_planned`` (nothing more to do);
     one that is ahead takes the lower of ``s'`` and the detector's value (a recovery shows
-    at once where the work model holds). It stays a straggler while ``s' >= 1 + release``;
-    the other ranks keep the detector's value and flags. Where the ops' overheads keep a
-    recovered rank behind, only a probe (the controller's ``probe_steps``) shows it.
+    at once where the work model holds). It stays a straggler while ``s' >= 1 + release``
+    and the detector still flags it: the detector reads its time per unit of work under the
+    ops (with the controller's fitted ``ops_fraction``), so its release is a recovery even
+    where the ops' overheads keep the rank behind the others; then the rank takes the lower
+    of ``s'`` and the detector's value. The other ranks keep the detector's value and flags.
     """
     out, stragglers = list(slowdown), {r for r in flagged if plan.of(r) is None}
     free = [r for r in range(len(times)) if plan.of(r) is None]
@@ -219,7 +221,9 @@ def effective_slowdown(
             value = o.slowdown if capped else o.slowdown * ratio
         else:  # ahead: recovering; the detector's value is taken when it is lower
             value = min(o.slowdown * ratio, slowdown[o.rank])
+        if o.rank not in flagged:  # the detector released it: recovered
+            value = min(value, slowdown[o.rank])
         out[o.rank] = max(value, 1.0)
-        if value >= 1 + release:
+        if value >= 1 + release and o.rank in flagged:
             stragglers.add(o.rank)
     return tuple(out), tuple(sorted(stragglers))

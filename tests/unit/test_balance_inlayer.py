@@ -133,3 +133,14 @@ def test_effective_slowdown_reference_is_no_new_straggler():
     assert out == ((1.0, 2.0, 4.0), (1, 2))
     # with every other rank flagged, the slowest without an offload is the reference
     assert effective_slowdown(plan, (1.0, 2.0), (0, 1), (1.0, 1.0), **kw)[0] == (1.0, 2.0)
+
+
+def test_effective_slowdown_follows_the_detectors_release():
+    """Rank 1 resized at the cap (s = 4) lags the others by 10% (the ops' own overheads), but
+    the detector, reading its time per unit of work under the ops, has released it (1.05):
+    it is recovered, whatever the lag (it used to keep s = 4 and its ops)."""
+    plan = InLayerPlan((Offload(1, "resize", 0.5, 0.0, 4.0),))
+    kw = {"release": 0.1, "budget": 0.5}
+    assert effective_slowdown(plan, (1.0, 1.05), (), (1.0, 1.1), **kw) == ((1.0, 1.05), ())
+    # still flagged by the detector: the capped, lagging rank keeps its planned slowdown
+    assert effective_slowdown(plan, (1.0, 1.2), (1,), (1.0, 1.1), **kw) == ((1.0, 4.0), (1,))
