@@ -48,6 +48,9 @@ class AdaKController:
             last few steps rides out a link that flips between steps; 1 uses the last step.
         sticky: on a tie keep the running ``k`` rather than the smallest (``current_k`` of
             ``choose_k_over_window``): transfers a grouped ``k`` hides measure as free.
+        overlap: decide a retuning step's gather after the next step (see :meth:`after_step`);
+            ``group`` should then be one the steps do not use, or the gather waits for their
+            collectives on it.
     """
 
     def __init__(
@@ -61,6 +64,7 @@ class AdaKController:
         min_gain: float = 0.01,
         window: int = 1,
         sticky: bool = False,
+        overlap: bool = False,
     ) -> None:
         if period < 1:
             raise ValueError(f"period: retune every >= 1 steps, got {period}")
@@ -72,7 +76,9 @@ class AdaKController:
         self.schedule, self.stage_of_rank, self.period = schedule, stage_of_rank, period
         self.memory_budget_bytes = memory_budget_bytes
         self.latency_s, self.group, self.min_gain = latency_s, group, min_gain
-        self.sticky = sticky
+        self.sticky, self.overlap = sticky, overlap
+        self._pending: tuple[dist.Work, list[torch.Tensor], torch.Tensor, int] | None = None
+        """With ``overlap``: the gather in flight, its rows, its row and the step it measured."""
 
     def local_row(self, num_microbatches: int) -> list[float]:
         """This rank's row: its last step's record, then its budget and outgoing latency."""
@@ -85,16 +91,35 @@ class AdaKController:
         """At retuning steps: gather, decide, ``set_k``; returns the decision record, else None.
 
         Collective: one ``all_gather`` of a float64 row per rank over ``group`` (the record's
-        ``4 m + 8`` values, budget, latency).
+        ``8 m + 8`` values, budget, latency). With ``overlap`` the gather runs in the
+        background through the next step and is decided after it (``k`` changes one step
+        later; the record names the step measured): on a preempted link the gather costs as
+        much as a transfer, which a blocking one adds to every retuning step.
         """
+        record = None
+        if self._pending is not None:
+            work, rows, _, measured = self._pending
+            self._pending = None
+            work.wait()
+            record = self._decide(rows, measured)
         if (step + 1) % self.period:
-            return None
+            return record
         m = self.schedule.num_microbatches
         assert m is not None
         mine = torch.tensor(self.local_row(m), dtype=torch.float64)
-        size = dist.get_world_size(self.group)
-        rows = [torch.empty_like(mine) for _ in range(size)]
-        dist.all_gather(rows, mine, group=self.group)
+        rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
+        work = dist.all_gather(rows, mine, group=self.group, async_op=True)
+        assert work is not None
+        if self.overlap:
+            self._pending = (work, rows, mine, step)
+            return record
+        work.wait()
+        return self._decide(rows, step)
+
+    def _decide(self, rows: list[torch.Tensor], step: int) -> dict[str, Any]:
+        """Agree on the profile from the gathered rows, choose and set ``k``; the record."""
+        m = self.schedule.num_microbatches
+        assert m is not None
         num_stages = self.schedule.stage_manager.num_stages
         profile = agreed_profile([r.tolist() for r in rows], self.stage_of_rank, num_stages, m)
         self._profiles.append(profile)  # identical on every rank: so is the window

@@ -3,7 +3,8 @@
 :func:`install_schedule` replaces the engine's 1F1B with :class:`KFKBSchedule` (kfkb and
 ada_kfkb) and, for ada_kfkb, returns an :class:`AdaKSeamController` for the plugin's step seam:
 after every step it calls :meth:`AdaKController.after_step` (one ``all_gather`` every
-``parallel.pp_retune_every`` steps, on every rank) and writes each decision record.
+``parallel.pp_retune_every`` steps, on every rank, over a group of its own; it runs in the
+background through the next step and is decided after it) and writes each decision record.
 
 Link time is measured online (``KFKBSchedule.last_record``'s per-message timestamps; see
 ``pipeline/profile.py``), not taken from the config.
@@ -109,6 +110,10 @@ def install_schedule(engine: Any, config: HeteroConfig, rank: int) -> AdaKSeamCo
         min_gain=MIN_GAIN,
         window=WINDOW,
         sticky=True,
+        # A group of its own, so the gather overlaps the next step: no step's collective
+        # queues behind it (every rank creates it here, in the same order).
+        group=dist.new_group(backend="gloo"),
+        overlap=True,
     )
     return AdaKSeamController(controller, config)
 
