@@ -20,7 +20,7 @@ from colossal_hetero.balance import controller as module
 from colossal_hetero.balance.controller import Actuator, BalanceController
 from colossal_hetero.balance.detector import shares_of, work_units
 from colossal_hetero.balance.inlayer import InLayerPlan, plan_units
-from colossal_hetero.balance.window import Report, pack
+from colossal_hetero.balance.window import HEADER, Report, pack
 from colossal_hetero.config.schema import BalancerConfig
 from colossal_hetero.emulation import StepTiming
 from colossal_hetero.metrics.decisions import DecisionWriter
@@ -243,6 +243,44 @@ def test_recovery_under_ops_that_save_less_than_modelled(monkeypatch, mode: str)
     removals = [step for step, offloads in _in_layer(controller) if not offloads]
     assert removals == [32] and cluster.ops.plan.empty
     assert all(step in (8, 11, 14, 32) for step, _ in _in_layer(controller))  # no flapping
+
+
+class _SpikyWeakOps(_WeakOps):
+    """``_WeakOps`` with one 30% spike on rank 1 at step 9, the first step recorded after the
+    attach at 7 (under ``every: 2`` step 8 is the skipped warm-up step)."""
+
+    def times(self, step: int) -> list[float]:
+        t0, t1 = super().times(step)
+        return [t0, t1 * (1.3 if step == 9 else 1.0)]
+
+
+def test_ops_fraction_waits_for_a_window_of_two_steps(monkeypatch):
+    """``every: 2`` (the benchmark's): the agreement at 9 holds one step after the attach at
+    7 (the spiked one), so the refit waits for the agreement at 11, whose median over steps
+    9..11 is clean: phi 0.7 exactly. From step 9 alone: 0.85 units x 4 x 1.3 = 4.42 ms
+    against 4 ms before, ratio 1.105 for half the GEMM units: phi 1.21, clipped to 0.9."""
+    cluster = _SpikyWeakOps()
+    controller = _controller(cluster, "resize", monkeypatch)
+    controller.settings = replace(controller.settings, every=2)
+    history: Any = controller.history  # type: ignore[attr-defined]
+
+    def gather(row: Any, group: Any, device: Any) -> list[list[float]]:
+        count = sum(1 for v in row[HEADER:] if v == v)  # this rank's recorded steps
+        rows = []
+        for rank in (0, 1):
+            times = history[str(rank)][-count:] if count else []
+            report = Report(rank, 0, tuple(times), 2 * max(times, default=0.0), 1e9, 0, 1e6, 1e5)
+            rows.append(pack(report, 3))
+        return rows
+
+    monkeypatch.setattr(module, "all_gather_rows", gather)
+    _drive(controller, cluster, 12)
+    assert _in_layer(controller)[0][0] == 7
+    assert controller.ops_fraction == pytest.approx(0.7)
+    at_nine = next(
+        r for r in controller.log.records if r["step"] == 9 and "slowdown" in r["inputs"]
+    )
+    assert at_nine["inputs"]["ops_fraction"] == PHI  # one step: not refitted yet
 
 
 def test_migrate_balances_straggler_and_helper(monkeypatch):
