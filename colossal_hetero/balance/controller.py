@@ -213,6 +213,8 @@ class BalanceController:
         if not Agreed.complete(rows, self.tp_size):
             return  # a position reported no step yet (warm-up after a move): decide later
         agreed = Agreed.of(rows, self.tp_size)
+        if min(len(w) for w in agreed.windows) < min(self.settings.window, 2):
+            return  # one step since the start or a change is no median: decide later
         self._move_s = 0.0
         if agreed.move_s > 0:  # the last move, as measured (slowest rank)
             self.move_cost_s = agreed.move_s
@@ -455,17 +457,16 @@ class BalanceController:
         self._moved = (kind, self._scaling(), agreed.times)
 
     def _refine_fixed_fraction(self, agreed: Agreed) -> None:
-        """At the first agreement after a move or a change of the in-layer plan whose windows
-        hold two steps or more, estimate the fixed fraction from the times before and after
-        it (the devices' speeds are taken as unchanged). A move keeps the mean of the old
+        """At the first agreement after a move or a change of the in-layer plan (its windows
+        hold two steps or more: ``_agree_and_act`` decides nothing from one), estimate the
+        fixed fraction from the times before and after it (the devices' speeds are taken as
+        unchanged). A move keeps the mean of the old
         ``fixed_fraction`` and the estimate (one noisy window moves it half-way); an
         in-layer change sets ``ops_fraction`` to the median of every estimate so far (the
         config's value is only a guess: on small models the ops save far less than their
         share of the GEMMs)."""
         if self._moved is None:
             return
-        if min(len(w) for w in agreed.windows) < min(self.settings.window, 2):
-            return  # one step after the change: wait for a median of two or more
         kind, old_scaling, before = self._moved
         self._moved = None
         estimate = fixed_fraction_from_move(before, old_scaling, agreed.times, self._scaling())
