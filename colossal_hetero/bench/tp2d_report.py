@@ -122,6 +122,7 @@ def run_tp2d_benchmark(*, quick: bool, json_path: str = "") -> int:
         "summary": summary(case, result),
         "variants": variant_rows(result),
         "resized_plan": result["resized_plan"],
+        "zero_resize": result.get("zero_resize"),
         "memory": result["memory"],
         "rounds": result["rounds"],
         "wall_time_s": time.perf_counter() - started,
