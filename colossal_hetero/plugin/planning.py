@@ -215,28 +215,31 @@ def plan_2d_at_configure(
 ) -> Any:
     """The planner's ``Tp2dPlan`` for a ``tp_mode: 2d`` run on unequal devices, or None.
 
-    None (even blocks) unless ``plan.mode`` is auto, the listed devices differ and the model is
-    GPT-2. The batch per data-parallel group comes from ``workload`` or ``dataloader``
-    (``workload_of``); unknown, the rows stay even. Collective over the world (one
-    all_gather_object learns every TP group; the plan is then the same pure computation on
+    None (even blocks) unless ``plan.mode`` is auto and the listed devices differ. GPT-2, Llama
+    (heads in whole key/value groups) and ViT (its classes split over the columns) are planned
+    (``planner.tp2d_plan.dims_2d``; another model gets the conversion's ValueError). The batch
+    per data-parallel group comes from ``workload`` or ``dataloader`` (``workload_of``);
+    unknown, the rows stay even. Collective over the world (one all_gather_object learns every
+    TP group; the plan is then the same pure computation on
     every rank). Rank 0 prints the plan and writes ``run_dir/plan_2d.json``.
     """
     from colossal_hetero.planner.resolve import is_heterogeneous
-    from colossal_hetero.planner.tp2d_plan import plan_tp2d
+    from colossal_hetero.planner.tp2d_plan import dims_2d, plan_tp2d
     from colossal_hetero.tp2d.mesh import tp_rank_lists
 
     hf: Any = getattr(model, "config", None)
     if config.plan.mode != "auto" or not is_heterogeneous(config.cluster):
         return None
-    if getattr(hf, "model_type", None) != "gpt2":
-        return None
+    if getattr(hf, "model_type", None) not in ("gpt2", "llama", "vit"):
+        return None  # convert_to_2d names the unsupported model
     lists = tp_rank_lists(tp_group)
     dp = world_size // config.parallel.tp
     if workload is None and dataloader is not None:
         workload = workload_of(dataloader, dp)
     batch = workload[0] // dp if workload is not None else None
     speeds = config.cluster.speeds(world_size)
-    plan = plan_tp2d(speeds, lists, batch, hf.n_head, hf.n_inner or 4 * hf.n_embd, hf.vocab_size)
+    heads, ffn, vocab, head_unit = dims_2d(hf)
+    plan = plan_tp2d(speeds, lists, batch, heads, ffn, vocab, head_unit=head_unit)
     if rank == 0:
         print(f"colossal-hetero: {plan.summary()}")
         if run_dir is not None:

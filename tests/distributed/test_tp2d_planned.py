@@ -19,7 +19,7 @@ from colossalai.booster import Booster
 
 from colossal_hetero.config import ClusterConfig, DeviceSpec, HeteroConfig, ParallelConfig
 from colossal_hetero.models import loss_from_outputs
-from colossal_hetero.planner.tp2d_plan import plan_tp2d
+from colossal_hetero.planner.tp2d_plan import dims_2d, plan_tp2d
 from colossal_hetero.plugin import HeteroParallelPlugin
 from colossal_hetero.tp2d.state import spec_of
 from tests.dist_utils import run_distributed
@@ -32,6 +32,8 @@ from tests.distributed.test_tp2d_plugin import (
     _batch,
     _dense_loss,
     _gpt2,
+    _llama,
+    _llama_reference,
 )
 
 BATCH = 6  # per data-parallel group: lets the planner split the rows unevenly
@@ -76,6 +78,42 @@ def check_planned_2d(rank: int, world_size: int) -> None:
     ref_loss.backward()
     own = _dense_loss(_gpt2(), mine)
     torch.testing.assert_close(loss.detach(), own.detach(), rtol=0, atol=ATOL)
+    grads = {n: p.grad for n, p in reference.named_parameters()}
+    for name, param in model.unwrap().named_parameters():
+        full = spec_of(param).gather(param.grad)
+        torch.testing.assert_close(full, grads[name], rtol=0, atol=ATOL, msg=name)
+    plugin.close()
+
+
+def check_planned_llama_2d(rank: int) -> None:
+    """Llama (grouped-query attention) planned the same way on 4 ranks: the plugin's plan is
+    ``plan_tp2d`` with Llama's dimensions and head unit (whole key/value groups per column),
+    the rows are uneven, and the loss and every gradient equal the dense float64 model's."""
+    speeds = _speeds(4)
+    config = HeteroConfig(
+        parallel=ParallelConfig(tp=4, tp_mode="2d"),
+        cluster=ClusterConfig(device="cpu", devices=[DeviceSpec(speed=s) for s in speeds]),
+    )
+    reference = _llama_reference()
+    plugin = HeteroParallelPlugin(config, workload=(BATCH, SEQ))
+    booster = Booster(plugin=plugin)
+    dense = _llama()
+    optimizer = torch.optim.SGD(dense.parameters(), lr=0.1)
+    model, optimizer, criterion, _, _ = booster.boost(dense, optimizer, loss_from_outputs)
+    heads, ffn, vocab, unit = dims_2d(dense.config)
+    assert unit == 2  # 4 query heads over 2 key/value heads
+    expected = plan_tp2d(speeds, [(0, 1, 2, 3)], BATCH, heads, ffn, vocab, head_unit=unit)
+    assert plugin.plan_2d == expected
+    assert len(set(expected.batch_sizes)) > 1
+    assert all(a % unit == 0 for a in expected.head_counts)
+    mesh = model.unwrap().mesh
+    assert (mesh.i, mesh.j) == expected.index_positions[rank]
+    batch = _batch(7, batch=BATCH)
+    loss = criterion(model(**batch), batch)
+    booster.backward(loss, optimizer)
+    ref_loss = _dense_loss(reference, batch)
+    ref_loss.backward()
+    torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=0, atol=ATOL)
     grads = {n: p.grad for n, p in reference.named_parameters()}
     for name, param in model.unwrap().named_parameters():
         full = spec_of(param).gather(param.grad)

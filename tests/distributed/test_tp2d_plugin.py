@@ -355,9 +355,10 @@ def _run(rank: int, world_size: int, device: torch.device, folder: str, full: bo
         _check_hf_loads(path, trained)
     dist.barrier()
     _check_reload_2d(path, trained, states)
-    from tests.distributed.test_tp2d_planned import check_planned_2d
+    from tests.distributed.test_tp2d_planned import check_planned_2d, check_planned_llama_2d
 
     check_planned_2d(rank, world_size)  # plan.tp2d from the planner (unequal devices)
+    check_planned_llama_2d(rank)  # the same for Llama (heads in whole key/value groups)
     if full:
         _check_reload_1d(path, loss, dense)
         _check_dp_around_meshes(rank)
