@@ -52,7 +52,13 @@ from colossal_hetero.balance.inlayer import (
     predicted_times,
 )
 from colossal_hetero.balance.replan import ReplanDecision, decide_replan
-from colossal_hetero.balance.semi import SemiInputs, SemiSettings, comm_time, decide
+from colossal_hetero.balance.semi import (
+    SemiInputs,
+    SemiSettings,
+    comm_time,
+    decide,
+    gains_nothing,
+)
 from colossal_hetero.balance.window import Agreed, Report, pack
 from colossal_hetero.config.schema import BalancerConfig
 from colossal_hetero.emulation import StepTiming
@@ -301,7 +307,7 @@ class BalanceController:
         picks = {c.rank: c.action for c in semi.choices}
         # A straggler whose best in-layer action gains nothing net of its accuracy cost (or
         # of migration's messages) gets none: semi then waits for the re-plan.
-        worthless = {c.rank for c in semi.choices if c.gain <= 0}
+        worthless = {c.rank for c in semi.choices if gains_nothing(c, times)}
         current = self.plan.actions()
         actions = {}
         for rank in view.stragglers:  # the detector's hysteresis decides who

@@ -103,6 +103,17 @@ class SemiDecision:
     """Per straggler, the fraction of its work resized plus migrated."""
 
 
+GAIN_TOLERANCE = 1e-9
+"""Relative to the slowest rank's time: a straggler's predicted net gain at or below this
+is none. Resizing at ``accuracy_weight`` 1 with uniform priorities nets exactly 0, which
+floating point can leave at +7e-18 s."""
+
+
+def gains_nothing(choice: Choice, times: Sequence[float]) -> bool:
+    """Whether ``choice``'s net gain is not positive beyond rounding (``GAIN_TOLERANCE``)."""
+    return choice.gain <= GAIN_TOLERANCE * max(times)
+
+
 def dropped_mass(fraction: float, scores: Sequence[float] | None) -> float:
     """Priority mass dropped when the lowest-scored ``fraction`` of columns go: uniform ->
     ``fraction``; else the smallest ``floor(fraction * K)`` scores over the total."""
