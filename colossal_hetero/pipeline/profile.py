@@ -36,7 +36,7 @@ from colossal_hetero.pipeline.tuner import PipelineProfile, simulate_profile
 NOT_BLOCKED = -1.0
 """The arrival time recorded for a receive whose ``wait()`` found the data already there."""
 
-_SCALARS = ("forward_s", "backward_s", "step_s", "activation_bytes", "message_bytes")
+_SCALARS = ("forward_s", "backward_s", "step_s", "activation_bytes", "message_bytes", "overhead_s")
 _LISTS = (
     "sent_next",
     "arrived_prev",
@@ -79,6 +79,10 @@ class RankRecord:
     asked_prev: tuple[float, ...] = ()
     """Per message from the previous stage: when this rank asked for it (empty: not known)."""
     asked_next: tuple[float, ...] = ()
+    overhead_s: float = 0.0
+    """Seconds of the step in no pass and not blocked for a message: the schedule's own work
+    between passes (taking inputs, keeping outputs, posting receives), spread over the passes
+    by :func:`profile_from_records`."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-safe dict (lists for the timestamp tuples)."""
@@ -264,8 +268,9 @@ def profile_from_records(
 ) -> PipelineProfile:
     """The stage profile a step's records imply, identical for any order of the records.
 
-    A stage takes its slowest rank's compute and largest activations (its tensor- and
-    data-parallel peers move in lockstep); link times per boundary and direction are
+    A stage takes its slowest rank's pass (compute plus its share of the rank's
+    ``overhead_s``) and largest activations (its tensor- and data-parallel peers move in
+    lockstep); link times per boundary and direction are
     :func:`link_seconds`. ``memory_budget_bytes`` defaults to no limit. ``shared_ports``
     (default: each rank has one network interface) goes into the profile for the simulator.
     """
@@ -276,9 +281,14 @@ def profile_from_records(
         raise ValueError(f"records: every stage 0..{num_stages - 1} needs a record")
     links = link_seconds(records, num_stages, shared_ports)
     budgets = memory_budget_bytes or [math.inf] * num_stages
+
+    def per_pass(r: RankRecord) -> float:  # a rank runs m forwards and m backwards
+        lists = (r.sent_next, r.sent_prev, r.arrived_prev, r.arrived_next)
+        return r.overhead_s / (2 * max(1, *(len(t) for t in lists)))
+
     return PipelineProfile(
-        forward_s=tuple(max(r.forward_s for r in m) for m in members),
-        backward_s=tuple(max(r.backward_s for r in m) for m in members),
+        forward_s=tuple(max(r.forward_s + per_pass(r) for r in m) for m in members),
+        backward_s=tuple(max(r.backward_s + per_pass(r) for r in m) for m in members),
         transfer_s=links["F"],
         activation_bytes=tuple(max(r.activation_bytes for r in m) for m in members),
         memory_budget_bytes=tuple(budgets),

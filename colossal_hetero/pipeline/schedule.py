@@ -47,7 +47,7 @@ from torch.nn import Module
 from colossal_hetero.emulation.router import flush_compute
 from colossal_hetero.pipeline.order import Step, check_pipeline_args, kfkb_order
 from colossal_hetero.pipeline.p2p import Inbox, LinkLog, Outbox
-from colossal_hetero.pipeline.profile import RankRecord
+from colossal_hetero.pipeline.profile import NOT_BLOCKED, RankRecord
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,4 +286,19 @@ class KFKBSchedule(OneForwardOneBackwardSchedule):
             posted_next=tuple(logs["from_next"].posted),
             asked_prev=tuple(logs["from_prev"].asked),
             asked_next=tuple(logs["from_next"].asked),
+            overhead_s=_overhead_s(stats, step_s, logs),
         )
+
+
+def _overhead_s(stats: _StatsBuilder, step_s: float, logs: dict[str, LinkLog]) -> float:
+    """Seconds of the step in no pass and not blocked for data: ``step_s`` less the passes,
+    the receives' blocked waits (arrival minus when asked) and the final wait for sends."""
+    blocked = sum(
+        t - a
+        for name in ("from_prev", "from_next")
+        for t, a in zip(logs[name].times, logs[name].asked, strict=True)
+        if t != NOT_BLOCKED
+    )
+    sends = sum(logs[name].wait_s for name in ("to_next", "to_prev"))
+    passes = stats.seconds["forward"] + stats.seconds["backward"]
+    return max(0.0, step_s - passes - blocked - sends)

@@ -196,3 +196,17 @@ def test_vector_round_trip_and_errors():
         record_from_vector(vector[:-1], m)
     with pytest.raises(ValueError, match="every stage"):
         profile_from_records([record], 2)
+
+
+def test_overhead_is_spread_over_the_passes():
+    # Two stages, m = 2 messages each way; stage 1 spent 0.4 s of its step outside passes and
+    # waits: 0.1 s more per pass (2 forwards, 2 backwards). Stage 0 none.
+    nb = NOT_BLOCKED
+    r0 = RankRecord(0, 0, 1, 1.0, 2.0, 9.0, 8.0, 4.0, (0.0, 1.0), posted_next=(0.0, 0.0),
+                    arrived_next=(nb, nb), asked_next=(5.0, 6.0))  # fmt: skip
+    r1 = RankRecord(1, 1, None, 1.0, 2.0, 9.0, 8.0, 0.0, arrived_prev=(nb, nb),
+                    posted_prev=(0.0, 0.0), sent_prev=(3.0, 4.0), asked_prev=(1.0, 2.0),
+                    overhead_s=0.4)  # fmt: skip
+    profile = profile_from_records([r0, r1], 2)
+    assert profile.forward_s == (1.0, pytest.approx(1.1)) and profile.backward_s[1] == 2.1
+    assert record_from_vector(r1.to_vector(2), 2).overhead_s == 0.4
