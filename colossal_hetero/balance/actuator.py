@@ -19,7 +19,6 @@ mixed precision), see :meth:`LayerOps.install_freeze`.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -29,9 +28,10 @@ from colossal_hetero.balance.inlayer import InLayerPlan, Offload
 from colossal_hetero.balance.ops.migrate import Migration
 from colossal_hetero.balance.ops.multi import MultiMigration
 from colossal_hetero.balance.ops.resize import (
+    FreezeTargets,
     ZeroResize,
     complement,
-    frozen_columns,
+    freeze_on_step,
     reduction_dim,
     reduction_width,
 )
@@ -137,18 +137,11 @@ class LayerOps:
     def install_freeze(self, optimizer: Any) -> None:
         """Run the inner optimizer's ``step`` with the dropped columns frozen (parameter and
         state restored: no momentum or weight-decay drift). Wraps the instance's method."""
-        inner = getattr(optimizer, "optim", optimizer)
-        original = inner.step
 
-        @functools.wraps(original)
-        def step(*args: Any, **kwargs: Any) -> Any:
-            targets = self.freeze_targets(optimizer) if not self.plan.empty else []
-            if not targets:
-                return original(*args, **kwargs)
-            with frozen_columns(inner, targets):
-                return original(*args, **kwargs)
+        def targets() -> FreezeTargets:
+            return self.freeze_targets(optimizer) if not self.plan.empty else []
 
-        inner.step = step
+        freeze_on_step(optimizer, targets)
 
     # -- building the ops --------------------------------------------------------------------
 

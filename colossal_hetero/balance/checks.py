@@ -24,7 +24,8 @@ def check_balancer(config: HeteroConfig) -> None:
     and re-run the planner, so they also need what those support: ``parallel.pp == 1`` (the
     planner does not plan pipeline stages), ``parallel.zero_stage == 0`` (resize does not
     move ZeRO partitions) and ``plan.model_spec: hf`` (the re-plan reads the transformers
-    config of the sharded model; an fx trace of it would see the shards).
+    config of the sharded model; an fx trace of it would see the shards). Under
+    ``parallel.tp_mode`` 2d only detect and resize (ZERO-resizing inside the SUMMA steps).
     """
     balancer, parallel = config.balancer, config.parallel
     mode = balancer.mode
@@ -34,6 +35,11 @@ def check_balancer(config: HeteroConfig) -> None:
         raise ConfigError(
             f"balancer.mode: {mode} balances inside tensor-parallel groups and needs "
             f"parallel.tp > 1, got {parallel.tp}"
+        )
+    if parallel.tp_mode == "2d" and mode not in ("detect", "resize"):
+        raise ConfigError(
+            f"balancer.mode: {mode} is not available with parallel.tp_mode 2d, whose SUMMA "
+            "layers have ZERO-resizing but no migration or width re-planning; use detect or resize"
         )
     if mode not in MOVING_MODES:
         return

@@ -6,6 +6,7 @@ and adds the result to its step seam.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,11 @@ from colossal_hetero.planner.resolve import calibrated, needs_calibration
 
 
 def build_balancer(
-    plugin: Any, model: Any, optimizer: Any, metrics_dir: str | Path | None
+    plugin: Any,
+    model: Any,
+    optimizer: Any,
+    metrics_dir: str | Path | None,
+    layer_ops: Callable[[Any], Any] = LayerOps,
 ) -> BalanceController:
     """The controller of ``plugin.config.balancer`` for the booster's ``model``/``optimizer``.
 
@@ -35,7 +40,10 @@ def build_balancer(
     Decisions go to ``balance_rank{r}.jsonl`` in ``metrics_dir`` (kept in memory only when
     None). With resize, migrate or semi the in-layer actuator (balance/actuator.py) gets the
     model's resizable layers and, with ``balancer.freeze_dropped``, wraps the optimizer's
-    inner ``step`` to freeze the dropped columns.
+    inner ``step`` to freeze the dropped columns. ``layer_ops`` builds that actuator from the
+    unwrapped model: ``LayerOps``, or the plugin's choice with LayerOps' interface (2D SUMMA
+    layers: ``tp2d.resize.LayerOps2D``, whose ``apply``/``refresh`` gather priority scores over
+    the mesh, so every rank calls them at the same step, as the controller does).
     """
     config = plugin.config
     settings = config.balancer
@@ -45,19 +53,16 @@ def build_balancer(
         from colossal_hetero.utils.probe import probe_world
 
         config = calibrated(config, probe_world(plugin.device))
-    plan = plugin.plan
+    plan, hf_model = plugin.plan, model.unwrap()
     workload = (plan.batch_size, plan.seq_len) if plan is not None else plugin.workload
-    hf_model = model.unwrap()
 
     def current() -> Widths:
         widths = getattr(plugin.engine.custom_policy, "widths", None) or {}
         return {key: tuple(counts) for key, counts in widths.items()}
 
-    ops = None
-    if settings.mode in IN_LAYER_MODES:
-        ops = LayerOps(hf_model)
-        if settings.freeze_dropped and optimizer is not None:
-            ops.install_freeze(optimizer)
+    ops = layer_ops(hf_model) if settings.mode in IN_LAYER_MODES else None
+    if ops is not None and settings.freeze_dropped and optimizer is not None:
+        ops.install_freeze(optimizer)
     actuator = Actuator(
         widths=current,
         plan=lambda speeds: plan_widths(config, hf_model, world, workload, speeds),

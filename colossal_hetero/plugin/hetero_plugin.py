@@ -33,6 +33,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
+from colossal_hetero.balance.actuator import LayerOps
 from colossal_hetero.balance.checks import check_balancer, needs_resizable
 from colossal_hetero.balance.wiring import build_balancer
 from colossal_hetero.checkpoint import HeteroCheckpointIO
@@ -65,6 +66,7 @@ from colossal_hetero.policies import ResizablePolicy, resizable_policy
 from colossal_hetero.preflight import validate_layout
 from colossal_hetero.tp2d.convert import convert_to_2d
 from colossal_hetero.tp2d.policy import Converted2DPolicy
+from colossal_hetero.tp2d.resize import LayerOps2D
 from colossal_hetero.utils.device import SUPPORTED_DEVICE_TYPES, backend_for, resolve_device
 from colossal_hetero.utils.quiet import quiet_third_party_warnings
 
@@ -290,7 +292,8 @@ class HeteroParallelPlugin(PipelinePluginBase):
                 )
                 self.moe_replacer = self.seam.add(replacer)
         if self.config.balancer.mode != "none":  # after the metrics writer: it logs first
-            balancer = build_balancer(self, boosted[0], boosted[1], self._run_dir)
+            ops = LayerOps2D if self.config.parallel.tp_mode == "2d" else LayerOps
+            balancer = build_balancer(self, boosted[0], boosted[1], self._run_dir, ops)
             self.balancer = self.seam.add(balancer)
 
     def resize(self, model: nn.Module, optimizer: Any, widths: dict[str, list[int]]) -> None:

@@ -26,7 +26,6 @@ is identical on every rank, so is P. Freezing: ``freeze_targets_2d`` gives the r
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +34,12 @@ import torch
 from torch import nn
 
 from colossal_hetero.balance.inlayer import InLayerPlan
-from colossal_hetero.balance.ops.resize import check_columns, complement, frozen_columns
+from colossal_hetero.balance.ops.resize import (
+    FreezeTargets,
+    check_columns,
+    complement,
+    freeze_on_step,
+)
 from colossal_hetero.balance.ops.selection import PriorityTracker, kept_fraction, select_kept
 from colossal_hetero.tp2d.layers import Linear2D, gather_matrix
 from colossal_hetero.tp2d.layout import offsets
@@ -299,15 +303,8 @@ class LayerOps2D:
 
     def install_freeze(self, optimizer: Any) -> None:
         """Run the inner optimizer's ``step`` with the dropped rows frozen (as ``LayerOps``)."""
-        inner = getattr(optimizer, "optim", optimizer)
-        original = inner.step
 
-        @functools.wraps(original)
-        def step(*args: Any, **kwargs: Any) -> Any:
-            targets = self.freeze_targets(optimizer) if not self.plan.empty else []
-            if not targets:
-                return original(*args, **kwargs)
-            with frozen_columns(inner, targets):
-                return original(*args, **kwargs)
+        def targets() -> FreezeTargets:
+            return self.freeze_targets(optimizer) if not self.plan.empty else []
 
-        inner.step = step
+        freeze_on_step(optimizer, targets)

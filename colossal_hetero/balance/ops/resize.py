@@ -35,7 +35,8 @@ Every other rank runs the plain ``F.linear``; the op is inactive in eval and und
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -275,3 +276,24 @@ def frozen_columns(
                         value.index_copy_(dim, cols, old[key])
                     else:
                         value.index_fill_(dim, cols, 0)
+
+
+FreezeTargets = list[tuple[nn.Parameter, int, torch.Tensor]]
+
+
+def freeze_on_step(optimizer: Any, targets: Callable[[], FreezeTargets]) -> None:
+    """Wrap the inner optimizer's ``step`` (``optimizer.optim`` under a booster's wrapper,
+    else ``optimizer``; the instance's method) so that each step runs under
+    ``frozen_columns(targets())``: no momentum or weight-decay drift in dropped columns."""
+    inner = getattr(optimizer, "optim", optimizer)
+    original = inner.step
+
+    @functools.wraps(original)
+    def step(*args: Any, **kwargs: Any) -> Any:
+        frozen = targets()
+        if not frozen:
+            return original(*args, **kwargs)
+        with frozen_columns(inner, frozen):
+            return original(*args, **kwargs)
+
+    inner.step = step
