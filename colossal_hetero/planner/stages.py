@@ -96,6 +96,65 @@ def split_layers(
     return layers
 
 
+@dataclass(frozen=True, slots=True)
+class StageTimes:
+    """Measured seconds of one micro-batch's forward + backward on each pipeline stage.
+
+    ``block_s[s]``: one transformer block on stage ``s``'s devices, at their speed;
+    ``fixed_s[s]``: the rest of that stage's pass, the same whatever its block count
+    (embeddings, LM head and loss, the schedule's Python, per-pass launches). A stage with
+    ``n`` blocks then takes ``fixed_s[s] + n * block_s[s]`` (an affine model in ``n``).
+    """
+
+    block_s: tuple[float, ...]
+    fixed_s: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.block_s) != len(self.fixed_s) or not self.block_s:
+            raise ValueError("stage times: need one block and one fixed time per stage")
+        if any(not (math.isfinite(b) and b > 0) for b in self.block_s):
+            raise ValueError(f"stage times: block seconds must be > 0, got {self.block_s}")
+        if any(not (math.isfinite(f) and f >= 0) for f in self.fixed_s):
+            raise ValueError(f"stage times: fixed seconds must be >= 0, got {self.fixed_s}")
+
+    def stage_seconds(self, layers: Sequence[int]) -> list[float]:
+        """Each stage's predicted seconds per micro-batch with ``layers`` blocks."""
+        pairs = zip(layers, self.block_s, self.fixed_s, strict=True)
+        return [f + n * b for n, b, f in pairs]
+
+
+def affine_block_seconds(
+    fixed_s: float, compute_s: float, speeds: Sequence[float]
+) -> tuple[float, ...]:
+    """Per stage, one block's seconds when ``fixed_s`` of it does not scale with the device
+    (Python, autograd, collectives' latency) and ``compute_s`` (at speed 1) does."""
+    if fixed_s < 0 or compute_s < 0 or any(v <= 0 for v in speeds):
+        raise ValueError("affine block time: need fixed_s, compute_s >= 0 and speeds > 0")
+    return tuple(fixed_s + compute_s / v for v in speeds)
+
+
+def split_from_times(
+    num_layers: int,
+    times: StageTimes,
+    *,
+    memory_bytes: Sequence[float] | None = None,
+    layer_bytes: float = 0.0,
+    extra_bytes: Sequence[float] | None = None,
+) -> list[int]:
+    """Layers per stage minimising the slowest stage's measured time (``times``), within the
+    same memory caps and with the same tie rule as :func:`split_layers` (equal times give
+    Colossal-AI's even split). A stage's block time plays the inverse of its speed."""
+    return split_layers(
+        num_layers,
+        [1.0 / b for b in times.block_s],
+        layer_seconds=1.0,
+        extra_seconds=times.fixed_s,
+        memory_bytes=memory_bytes,
+        layer_bytes=layer_bytes,
+        extra_bytes=extra_bytes,
+    )
+
+
 def stage_speeds(device_speeds: Sequence[float], pp: int, tp: int, dp: int) -> list[float]:
     """Speed of each pipeline stage from per-rank speeds in Colossal-AI's dp-outer layout.
 

@@ -12,8 +12,11 @@ from colossal_hetero.pipeline.simulator import Trace, simulate
 from colossal_hetero.pipeline.validate import check_layers_per_stage
 from colossal_hetero.planner.stages import (
     PipelineCosts,
+    StageTimes,
+    affine_block_seconds,
     choose_microbatches,
     remainder_priority,
+    split_from_times,
     split_layers,
     stage_speeds,
 )
@@ -175,3 +178,55 @@ def test_microbatch_choice_extremes():
     assert choice.num_microbatches == 4 and choice.decision.k == 1
     with pytest.raises(ValueError, match="^data.global_batch_size:"):
         choose_microbatches(PipelineCosts(**dict(base, memory_budget_bytes=(0.5, 0.5))), 16)
+
+
+def test_measured_times_match_brute_force():
+    """The split from measured affine stage times against every composition; the relative
+    slack 1e-12 covers the two roundings of 1 / (1 / b) (a few ulps)."""
+    rng = random.Random(11)
+    for _ in range(200):
+        p = rng.randint(1, 5)
+        layers = rng.randint(p, 13)
+        block = tuple(rng.choice([0.011, 0.0145, 0.02, 0.007]) for _ in range(p))
+        fixed = tuple(rng.choice([0.0, 0.002, 0.009]) for _ in range(p))
+        times = StageTimes(block, fixed)
+        best = min(max(times.stage_seconds(c)) for c in compositions(layers, p, [layers] * p))
+        got = split_from_times(layers, times)
+        assert sum(got) == layers and min(got) >= 1
+        assert max(times.stage_seconds(got)) <= best * (1 + 1e-12)
+
+
+def test_measured_equal_times_give_even_split():
+    for p in range(1, 9):
+        for layers in range(p, 30):
+            times = StageTimes((0.01,) * p, (0.003,) * p)
+            assert split_from_times(layers, times) == colossalai_even_split(layers, p)
+
+
+def test_fixed_block_part_moves_split_toward_even():
+    """12 blocks, stage 0 at half speed. Pure compute (block 1 s / 2 s): 4 + 8 blocks, both
+    8 s. With 2 s of each block fixed (4 s / 3 s a block): 5 + 7 (20 s, 21 s) beats
+    4 + 8 (16 s, 24 s) and 6 + 6 (24 s, 18 s)."""
+    speeds = [0.5, 1.0]
+    compute_only = StageTimes(affine_block_seconds(0.0, 1.0, speeds), (0.0, 0.0))
+    assert split_from_times(12, compute_only) == [4, 8]
+    with_fixed = StageTimes(affine_block_seconds(2.0, 1.0, speeds), (0.0, 0.0))
+    assert with_fixed.block_s == (4.0, 3.0)
+    assert split_from_times(12, with_fixed) == [5, 7]
+    # Mostly fixed work: the split approaches the even one.
+    assert split_from_times(12, StageTimes(affine_block_seconds(50.0, 1.0, speeds), (0, 0))) == [
+        6,
+        6,
+    ]
+
+
+def test_measured_times_respect_memory_and_reject_bad_input():
+    times = StageTimes((0.01, 0.02), (0.0, 0.0))
+    assert split_from_times(12, times) == [8, 4]
+    assert split_from_times(12, times, memory_bytes=[7.0, 100.0], layer_bytes=1.0) == [7, 5]
+    with pytest.raises(ValueError, match="block seconds"):
+        StageTimes((0.0, 0.01), (0.0, 0.0))
+    with pytest.raises(ValueError, match="one block and one fixed"):
+        StageTimes((0.01,), (0.0, 0.0))
+    with pytest.raises(ValueError, match="fixed seconds"):
+        StageTimes((0.01,), (-1.0,))
