@@ -28,7 +28,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -88,6 +88,9 @@ class Actuator:
     ops: Any = None
     """The in-layer actuator (``balance.actuator.LayerOps``: ``plan``, ``apply(plan)``,
     ``clear()``, ``refresh()``); None where no in-layer op runs (detect, replan)."""
+    compute: Mapping[str, float] | None = None
+    """Per width key, the compute of the layers it sizes (``detector.width_key_compute``): how
+    much each key's share weighs in a rank's share of the work (None: every key the same)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,7 +228,7 @@ class BalanceController:
         if agreed.move_s > 0:  # the last move, as measured (slowest rank)
             self.move_cost_s = agreed.move_s
         widths = self.actuator.widths()
-        shares = shares_of(widths, self.tp_size)
+        shares = self._shares(widths)
         self._refine_fixed_fraction(agreed)
         work = plan_units(self.plan, shares, self.phi)
         detection = self.detector.update(step, agreed.windows, work)
@@ -424,6 +427,7 @@ class BalanceController:
             horizon_steps=settings.horizon_steps,
             move_cost_s=self.move_cost_s,
             fixed_fraction=self.fixed_fraction,
+            compute=self.actuator.compute,
         )
         # The planner keeping these widths, or a move made: the widths now stand for these
         # speeds. A move that did not pay yet is considered again at the next agreement.
@@ -432,6 +436,10 @@ class BalanceController:
         if decision.action == "resize":  # a move's cost is the planner's time and the resize
             self._move_s += planning_s
         return decision
+
+    def _shares(self, widths: Mapping[str, tuple[int, ...]]) -> tuple[float, ...]:
+        """Per position, its share of the work at ``widths``, keys weighted by compute."""
+        return shares_of(widths, self.tp_size, self.actuator.compute)
 
     def _restart_window(self) -> None:
         """Forget the recent steps (they ran another layout) and skip the next (warm-up)."""
@@ -454,7 +462,7 @@ class BalanceController:
     def _scaling(self) -> tuple[float, ...]:
         """Per position, its scaling work as a share: its GEMM units under the attached plan
         (what it drops or migrates off, what it takes on as a helper) over the group size."""
-        shares = shares_of(self.actuator.widths(), self.tp_size)
+        shares = self._shares(self.actuator.widths())
         return tuple(u / self.tp_size for u in plan_units(self.plan, shares, 0.0))
 
     def _mark_change(self, kind: str, agreed: Agreed) -> None:
@@ -512,7 +520,7 @@ class BalanceController:
         positions = agreed.positions
         return SemiInputs(
             times=times,
-            shares=shares_of(widths, self.tp_size),
+            shares=self._shares(widths),
             bandwidth=agreed.bandwidth,
             weight_bytes=tuple(r.weight_bytes for r in positions),
             activation_bytes=max(r.allreduce_bytes for r in positions),

@@ -20,7 +20,7 @@ any ``s_i`` moved by more than ``stable_tolerance`` (relative) from the vector h
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 MIN_SHARE = 1e-3
@@ -145,13 +145,53 @@ def work_units(shares: Sequence[float], fixed_fraction: float) -> tuple[float, .
     return tuple(fixed_fraction + (1 - fixed_fraction) * n * share for share in shares)
 
 
-def shares_of(widths: Mapping[str, Sequence[int]], size: int) -> tuple[float, ...]:
-    """Per rank, its share of the work: the mean over width keys of its fraction of the key's
-    total (keys whose total is 0 are skipped; no keys: even shares)."""
-    fractions = [[w / sum(counts) for w in counts] for counts in widths.values() if sum(counts) > 0]
-    if not fractions:
+def shares_of(
+    widths: Mapping[str, Sequence[int]],
+    size: int,
+    compute: Mapping[str, float] | None = None,
+) -> tuple[float, ...]:
+    """Per rank, its share of the work: its fraction of each width key's total, weighted by
+    the key's compute (``compute[key]``: FLOPs of every layer the key sizes, any common scale,
+    e.g. :func:`width_key_compute`; a key missing from it weighs 0). Without ``compute`` every
+    key weighs the same. Keys whose total is 0 are skipped; nothing left: even shares."""
+    weighted = [
+        (1.0 if compute is None else compute.get(key, 0.0), [w / sum(counts) for w in counts])
+        for key, counts in widths.items()
+        if sum(counts) > 0
+    ]
+    total = sum(weight for weight, _ in weighted)
+    if total <= 0:
         return tuple(1.0 / size for _ in range(size))
-    return tuple(sum(f[i] for f in fractions) / len(fractions) for i in range(size))
+    return tuple(sum(weight * f[i] for weight, f in weighted) / total for i in range(size))
+
+
+WIDTH_KEY_OF_KIND = {
+    "attention_qkv": "heads",
+    "attention_core": "heads",
+    "attention_out": "heads",
+    "mlp_up": "ffn",
+    "mlp_down": "ffn",
+    "embedding": "vocab",
+    "lm_head": "vocab",
+    "loss": "vocab",
+}
+"""The width key that sizes each planner layer kind (``planner.spec.LayerKind`` values)."""
+
+
+def width_key_compute(layers: Iterable[tuple[str, float]]) -> dict[str, float]:
+    """Per width key, the forward FLOPs per sample of the layers it sizes.
+
+    Args:
+        layers: per layer, its kind (a ``LayerKind`` value) and its forward FLOPs per sample
+            (``flops_per_token * tokens`` of ``planner.spec.LayerSpec``); kinds no width key
+            sizes (norms, replicated linears) are left out.
+    """
+    out: dict[str, float] = {}
+    for kind, flops in layers:
+        key = WIDTH_KEY_OF_KIND.get(kind)
+        if key is not None:
+            out[key] = out.get(key, 0.0) + flops
+    return out
 
 
 MIN_SHARE_CHANGE = 0.25

@@ -74,11 +74,13 @@ def predicted_saving(
     old: Mapping[str, Sequence[int]],
     new: Mapping[str, Sequence[int]],
     fixed_fraction: float = 0.0,
+    compute: Mapping[str, float] | None = None,
 ) -> float:
-    """Seconds per step saved moving from widths ``old`` to ``new`` (module docstring)."""
+    """Seconds per step saved moving from widths ``old`` to ``new`` (module docstring; width
+    keys weighted by ``compute``, see ``detector.shares_of``)."""
     size = len(times)
-    before = work_units(shares_of(old, size), fixed_fraction)
-    after = work_units(shares_of(new, size), fixed_fraction)
+    before = work_units(shares_of(old, size, compute), fixed_fraction)
+    after = work_units(shares_of(new, size, compute), fixed_fraction)
     scaled = [t * b / max(a, MIN_SHARE) for t, a, b in zip(times, before, after, strict=True)]
     return max(times) - max(scaled)
 
@@ -91,6 +93,7 @@ def decide_replan(
     horizon_steps: int,
     move_cost_s: float,
     fixed_fraction: float = 0.0,
+    compute: Mapping[str, float] | None = None,
 ) -> ReplanDecision:
     """Move to ``planned`` when ``saving * horizon_steps > move_cost_s``.
 
@@ -102,7 +105,7 @@ def decide_replan(
     target = {k: tuple(v) for k, v in planned.items()}
     if {k: target.get(k, now[k]) for k in now} == now and set(target) <= set(now):
         return ReplanDecision("none", now, 0.0, "the planner keeps the current widths")
-    saving = predicted_saving(times, now, {**now, **target}, fixed_fraction)
+    saving = predicted_saving(times, now, {**now, **target}, fixed_fraction, compute)
     if saving * horizon_steps > move_cost_s:
         reason = f"{saving:.4g} s/step x {horizon_steps} steps > move cost {move_cost_s:.3g} s"
         return ReplanDecision("resize", {**now, **target}, saving, reason)

@@ -19,6 +19,7 @@ from colossal_hetero.balance.controller import (
     BalanceController,
     Widths,
 )
+from colossal_hetero.balance.detector import width_key_compute
 from colossal_hetero.balance.replan import plan_widths
 from colossal_hetero.layers import layout_of
 from colossal_hetero.metrics.decisions import DecisionWriter
@@ -68,6 +69,7 @@ def build_balancer(
         plan=lambda speeds: plan_widths(config, hf_model, world, workload, speeds),
         resize=lambda widths: plugin.resize(model, optimizer, widths),
         ops=ops,
+        compute=key_compute(hf_model, workload, world // plugin.tp_size),
     )
     weight_bytes = sum(
         p.numel() * p.element_size() for p in hf_model.parameters() if layout_of(p) is not None
@@ -92,4 +94,27 @@ def declared_speeds(speeds: list[float], tp_size: int) -> tuple[float, ...]:
     fastest = max(speeds)
     return tuple(
         min(s for d, s in enumerate(speeds) if d % tp_size == p) / fastest for p in range(tp_size)
+    )
+
+
+def key_compute(
+    model: Any, workload: tuple[int, int] | None, dp_size: int
+) -> dict[str, float] | None:
+    """Per width key, the forward FLOPs per sample of the layers it sizes, read from the
+    model's dimensions by the planner's transformers reader at the planned sequence length
+    (the planner's default workload when None); None for a model it cannot read (every
+    width key then weighs the same)."""
+    from colossal_hetero.planner.hf import model_spec_from_hf
+
+    hf_config = getattr(model, "config", None)
+    seq_len = workload[1] if workload else getattr(hf_config, "max_position_embeddings", 512)
+    try:
+        spec = model_spec_from_hf(hf_config, 8 * dp_size, seq_len)
+    except (ValueError, AttributeError, TypeError):
+        return None
+    return (
+        width_key_compute(
+            (layer.kind.value, layer.flops_per_token * layer.tokens) for layer in spec.layers
+        )
+        or None
     )

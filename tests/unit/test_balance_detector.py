@@ -67,7 +67,7 @@ def test_hysteresis_a_rank_near_the_threshold_flips_at_most_once(seed: int):
 
 
 def test_flag_rule_thresholds():
-    on, none = frozenset({0}), frozenset()
+    on, none = frozenset({0}), frozenset[int]()
     assert flag_stragglers([1.16, 1.0], none, SETTINGS) == [0]
     assert flag_stragglers([1.15, 1.0], none, SETTINGS) == []  # strictly above to flag
     assert flag_stragglers([1.06, 1.0], on, SETTINGS) == [0]  # still above release
@@ -125,6 +125,53 @@ def test_fixed_fraction_from_a_move_needs_a_real_share_change():
 def test_shares_of_widths():
     assert shares_of({"heads": (3, 1), "ffn": (48, 48)}, 2) == pytest.approx((0.625, 0.375))
     assert shares_of({}, 4) == EVEN
+
+
+def test_shares_of_weights_width_keys_by_their_compute():
+    """Hand-computed: heads (3, 1) weighs 1, ffn (48, 48) weighs 3, vocab (absent from
+    ``compute``) weighs 0: rank 0 holds (0.75 * 1 + 0.5 * 3) / 4 = 0.5625 of the work."""
+    widths = {"heads": (3, 1), "ffn": (48, 48), "vocab": (90, 10)}
+    compute = {"heads": 1.0, "ffn": 3.0}
+    assert shares_of(widths, 2, compute) == pytest.approx((0.5625, 0.4375))
+    assert shares_of(widths, 2, {}) == (0.5, 0.5)  # nothing weighs: even
+
+
+def test_weighted_shares_read_equal_devices_as_equal_after_an_uneven_replan():
+    """After a re-plan whose coarse heads rounded away from the fine ffn split, two equally
+    fast devices take times in proportion to their FLOPs (ffn 9x the heads' compute). The
+    compute-weighted shares read both as 1.0x; equal key weights invent a 1.5x straggler."""
+    widths, compute = {"heads": (3, 1), "ffn": (64, 64)}, {"heads": 1.0, "ffn": 9.0}
+    flops = [0.75 * 1.0 + 0.5 * 9.0, 0.25 * 1.0 + 0.5 * 9.0]  # 5.25 and 4.75 of 10
+    window = [[0.01 * f] * 3 for f in flops]
+    weighted = StragglerDetector(2, SETTINGS).update(3, window, shares_of(widths, 2, compute))
+    assert weighted.slowdown == pytest.approx((1.0, 1.0))
+    equal = StragglerDetector(2, SETTINGS).update(3, window, shares_of(widths, 2))
+    # unit times 5.25 / 0.625 = 8.4 and 4.75 / 0.375 = 12.667: rank 1 reads 1.508x slow
+    assert equal.slowdown == pytest.approx((1.0, (4.75 / 0.375) / (5.25 / 0.625)))
+    assert equal.stragglers == (1,) and weighted.stragglers == ()
+
+
+def test_width_key_compute_of_a_gpt2_by_hand():
+    """GPT-2, hidden h = 16, 2 heads, 3 layers, 8 tokens, vocab V = 100, per sample: heads size
+    QKV (6 h^2), the output (2 h^2) and the core (4 * 8 * h) per token and layer; ffn the
+    MLP (16 h^2); vocab the embedding copy (h), the head (2 h V) and the loss (4 V)."""
+    from types import SimpleNamespace
+
+    from transformers import GPT2Config
+
+    from colossal_hetero.balance.wiring import key_compute
+
+    h, layers, seq, vocab = 16, 3, 8, 100
+    config = GPT2Config(n_embd=h, n_head=2, n_layer=layers, n_positions=seq, vocab_size=vocab)
+    got = key_compute(SimpleNamespace(config=config), (4, seq), 1)
+    assert got == pytest.approx(
+        {
+            "heads": layers * seq * (6 * h * h + 2 * h * h + 4 * seq * h),
+            "ffn": layers * seq * 16 * h * h,
+            "vocab": seq * (h + 2 * h * vocab + 4 * vocab),
+        }
+    )
+    assert key_compute(SimpleNamespace(config=None), None, 1) is None
 
 
 def test_rows_pack_unpack_and_the_slowest_copy_per_position():
