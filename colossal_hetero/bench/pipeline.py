@@ -10,7 +10,9 @@ interleaved round by round on the rounds helper, through three phases:
   80-90% of its link, for stretches of rounds (``kind: tenant`` preemptions, applied by the
   shaped launcher at the round numbers the ranks report);
 - (c) one stage's devices at half speed (``bench.pipeline_stretch``), no preemption; the
-  planned variants use the split planned for that (``planner.stages.split_layers``).
+  planned variants use the split planned from each stage's measured per-block and fixed
+  seconds at those speeds (``pipeline_worker.measure_stage_times``, then
+  ``planner.stages.split_from_times``), taken at the start of the run on Colossal-AI's 1F1B.
 
 Every figure is a median of per-round ratios of the slowest rank's step times (paired: one
 round's variants saw the same load and network state) with a bootstrap 95% interval
@@ -135,7 +137,11 @@ def preemptions(shares: list[float], target_rank: int) -> list[PreemptionSpec]:
 
 
 def planned_splits(layers: int, pp: int, tp: int, slow_stage: int, factor: float) -> dict:
-    """Colossal-AI's even split and the planner's splits for equal stages and the slow one."""
+    """Colossal-AI's even split and the planner's splits for equal stages and the slow one.
+
+    ``slow`` here counts device speed alone (every second of a block stretched); the ranks
+    replace it with the split planned from measured stage times (``measure_stage_times``),
+    which the result records as ``measured_split``."""
     equal = split_layers(layers, stage_speeds([1.0] * (pp * tp), pp, tp, 1))
     speeds = [1.0 / factor if (r // tp) == slow_stage else 1.0 for r in range(pp * tp)]
     slow = split_layers(layers, stage_speeds(speeds, pp, tp, 1))
@@ -221,6 +227,7 @@ def layout_figures(spec: dict[str, Any], result: dict[str, Any]) -> dict[str, An
         ),
         # What preemption costs 1F1B (median step, preempted rounds over phase a): a schedule
         # that hides every transfer gains about this much, and no more, over 1F1B in (b).
+        "planned_split_slow_stage": result.get("measured_split", {}).get("split"),
         "stock_preemption_cost": statistics.median(pick(b["stock.step"], hit))
         / statistics.median(a["stock.step"]),
     }

@@ -78,6 +78,13 @@ def print_report(console: Any, report: dict[str, Any]) -> None:
                 f"{max(sim):.0%}" if sim else "-",
             )
         console.print(table)
+        split = layout["result"].get("measured_split")
+        if split:  # case (c): the split planned from the stages' measured times
+            console.print(
+                f"(c) planned split {split['split']} from block ms "
+                f"{[round(b * 1e3, 2) for b in split['block_s']]}, fixed ms "
+                f"{[round(f * 1e3, 2) for f in split['fixed_s']]}"
+            )
     console.print(" ".join(f"{k}={_show(v)}" for k, v in report["summary"].items()))
     console.print(f"total {report['wall_time_s']:.0f} s")
 

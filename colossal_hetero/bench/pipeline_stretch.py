@@ -60,6 +60,11 @@ class Stretch:
         self.enabled = False
         self.slept_s = 0.0
         """Seconds slept so far (the emulated extra compute)."""
+        self.passes_s = 0.0
+        """Wall seconds of the stretched block passes so far, forward and backward, sleeps
+        included: what the stage's blocks cost at its emulated speed."""
+        self.passes = 0
+        """Stretched block passes so far (a block's forward and its backward count one each)."""
         self.backward_t0 = (0.0, 0.0)
         """Wall and CPU clocks when the running block's backward started."""
         self._handles: list[Any] = []
@@ -80,6 +85,8 @@ class Stretch:
         if extra > 0.0:
             self.slept_s += extra
             self._sleep(extra)
+        self.passes_s += time.perf_counter() - start[0]
+        self.passes += 1
 
     def attach(self, blocks: Iterable[nn.Module]) -> None:
         """Stretch every block in ``blocks`` (its first positional input is the hidden state)."""

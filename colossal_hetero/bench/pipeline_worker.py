@@ -29,6 +29,7 @@ forward/backward times and message bytes at the round's link rate.
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any
 
@@ -57,6 +58,7 @@ from colossal_hetero.pipeline.profile import (
 )
 from colossal_hetero.pipeline.schedule import KFKBSchedule
 from colossal_hetero.pipeline.tuner import stage_of_rank
+from colossal_hetero.planner.stages import StageTimes, split_from_times
 
 WARM_SEED = 10**6
 """Batch seed of each variant's unrecorded first step (rounds use their global number)."""
@@ -71,11 +73,14 @@ class InFlightMeter:
         self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self.live: list[int] = []
         self.peak_bytes = 0
+        self.busy_s = 0.0
+        """Wall seconds in forward_step and backward_step so far: the stage's own passes."""
         forward, backward = schedule.forward_step, schedule.backward_step
 
         def forward_step(*args: Any, **kwargs: Any) -> Any:
             seen: set[int] = set()
             total = 0
+            started = time.perf_counter()
 
             def pack(t: torch.Tensor) -> torch.Tensor:
                 nonlocal total
@@ -87,12 +92,15 @@ class InFlightMeter:
 
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = forward(*args, **kwargs)
+            self.busy_s += time.perf_counter() - started
             self.live.append(total)
             self.peak_bytes = max(self.peak_bytes, sum(self.live))
             return out
 
         def backward_step(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
             out = backward(*args, **kwargs)
+            self.busy_s += time.perf_counter() - started
             if self.live:
                 self.live.pop(0)
             return out
@@ -277,16 +285,22 @@ def run_pipeline_worker(
     started = time.perf_counter()
     phases = Phases(spec, rank)
     equal = _build_set(spec, "equal", device, {})
-    slow = _build_set(spec, "slow", device, {"stock": equal["stock"]})
     # Phase (c) runs every rank on an emulated device of its own (``dedicated``: no neighbour's
     # sleep speeds it up), the slowed stage's at half speed (bench/pipeline_stretch.py).
     slowed = phases.layout[rank] == spec["slow_stage"]
     stretch = Stretch(spec["slow_factor"] if slowed else 1.0, mode="dedicated")
+    stock = equal["stock"]
+    stretch.attach(stock.blocks)
+    stock.stretch = stretch
+    measured = measure_stage_times(stock, stretch, phases.layout, spec)
+    slow_spec = {**spec, "splits": {**spec["splits"], "slow": measured["split"]}}
+    slow = _build_set(slow_spec, "slow", device, {"stock": stock})
     for runner in slow.values():
-        stretch.attach(runner.blocks)
-        runner.stretch = stretch
+        if runner is not stock:
+            stretch.attach(runner.blocks)
+            runner.stretch = stretch
     setup_s = time.perf_counter() - started
-    out: dict[str, Any] = {"setup_s": setup_s, "phases": {}}
+    out: dict[str, Any] = {"setup_s": setup_s, "phases": {}, "measured_split": measured}
     for name, runners in (("a", equal), ("b", equal), ("c", slow)):
         phase = spec["phases"][name]
         stretch.enabled = name == "c"
@@ -307,6 +321,44 @@ def run_pipeline_worker(
         if close is not None:
             close()
     return out
+
+
+def measure_stage_times(
+    stock: Runner, stretch: Stretch, layout: list[int], spec: dict[str, Any], steps: int = 3
+) -> dict[str, Any]:
+    """Phase (c)'s split, planned from each stage's measured per-block and fixed seconds.
+
+    ``stock`` (Colossal-AI's 1F1B, even split) runs ``steps`` steps (after one unrecorded)
+    with ``stretch`` on, every rank at its phase (c) speed. Per rank and step: one block's
+    forward + backward per micro-batch (the stretch's timed block passes, over the passes
+    run, times two) and the rest of the stage's own passes per micro-batch (forward_step +
+    backward_step, ``InFlightMeter.busy_s``, less its blocks): embeddings, head and loss,
+    Python. Per stage the median over steps of its slowest rank; the planner
+    (``planner.stages.split_from_times``) then balances ``fixed + n * block``. Collective.
+    """
+    assert stock.meter is not None
+    m, pp = spec["m"], spec["pp"]
+    stretch.enabled = True
+    stock.step(seed=WARM_SEED + 1)
+    rows = []
+    for i in range(steps):
+        seconds, passes, busy = stretch.passes_s, stretch.passes, stock.meter.busy_s
+        stock.step(seed=WARM_SEED + 2 + i)
+        blocks_run = (stretch.passes - passes) / 2  # forward + backward: one block, one batch
+        block_s = (stretch.passes_s - seconds) / max(blocks_run, 1.0)
+        fixed_s = max(0.0, (stock.meter.busy_s - busy - blocks_run * block_s) / m)
+        rows.append(_gather([block_s, fixed_s]))
+    stretch.enabled = False
+
+    def stage_median(stage: int, column: int) -> float:
+        ranks = [r for r, s in enumerate(layout) if s == stage]
+        return statistics.median(max(row[r][column] for r in ranks) for row in rows)
+
+    times = StageTimes(
+        tuple(stage_median(s, 0) for s in range(pp)), tuple(stage_median(s, 1) for s in range(pp))
+    )
+    split = split_from_times(spec["layers"], times)
+    return {"block_s": list(times.block_s), "fixed_s": list(times.fixed_s), "split": split}
 
 
 def _decisions(runner: Runner) -> list[dict[str, Any]]:
