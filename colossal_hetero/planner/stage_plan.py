@@ -31,12 +31,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from colossal_hetero.pipeline.tuner import choose_k
+from colossal_hetero.planner.cost import BACKWARD_FLOPS_FACTOR
 from colossal_hetero.planner.spec import ClusterSpec, LayerSpec, ModelSpec
 from colossal_hetero.planner.stages import (
+    MicrobatchChoice,
     PipelineCosts,
+    StageTimes,
     choose_microbatches,
     remainder_priority,
-    split_layers,
+    split_from_times,
     stage_speeds,
 )
 
@@ -62,6 +65,8 @@ class BlockCosts:
     """Activation bytes one block keeps per sample for its backward."""
     message_bytes: float
     """Bytes per sample of the hidden states passed between stages."""
+    block_layers: int = 1
+    """Layers in one block: each pays the fixed per-layer overhead once per micro-batch."""
 
 
 def _flops(layers: list[LayerSpec]) -> float:
@@ -103,6 +108,7 @@ def block_costs(spec: ModelSpec) -> BlockCosts:
         tail_state_bytes=_state(tail, spec.state_bytes_per_param),
         block_activation_bytes=float(activations * dtype),
         message_bytes=float(first[0].tokens * first[0].in_features * dtype),
+        block_layers=len(first),
     )
 
 
@@ -187,13 +193,21 @@ def plan_stages(
     room[0] -= costs.head_state_bytes
     room[-1] -= costs.tail_state_bytes
     link = boundary_bandwidths(cluster.bandwidths, pp, tp, dp)
-    layers = list(layers_per_stage) or _split(costs, flops, room, balance_ends)
-    choice = choose_microbatches(
-        _costs(costs, layers, flops, room, link),
-        pipeline_batch,
-        num_microbatches=num_microbatches,
-        k=k,
-    )
+    # The fixed per-layer work (Python, launches) measured on the fastest device: it does
+    # not scale with a device's FLOP/s, so it pulls the split toward even.
+    overhead = cluster.layer_overhead_flops / max(cluster.speeds)
+
+    def choose(layers: list[int]) -> MicrobatchChoice:
+        split_costs = _costs(costs, layers, flops, room, link)
+        return choose_microbatches(split_costs, pipeline_batch, num_microbatches=m_fixed, k=k)
+
+    m_fixed = num_microbatches
+    layers = list(layers_per_stage) or _split(costs, flops, room, balance_ends, 1, 0.0)
+    choice = choose(layers)
+    if overhead > 0 and not layers_per_stage:  # per micro-batch: needs its size, so resplit
+        size = pipeline_batch // choice.num_microbatches
+        layers = _split(costs, flops, room, balance_ends, size, overhead)
+        choice = choose(layers)
     even = even_split(costs.num_blocks, pp)
     m = choice.num_microbatches
     even_costs = _costs(costs, even, flops, room, link)
@@ -214,18 +228,28 @@ def _configured(layers: Sequence[int], m: int, k: int) -> tuple[str, ...]:
     return tuple(name for name, fixed in pairs if fixed)
 
 
-def _split(costs: BlockCosts, flops: list[float], room: list[float], ends: bool) -> list[int]:
-    """``split_layers`` of the blocks over stages of ``flops`` with ``room`` bytes for states
-    (``ends``: count the embeddings' and head's time on the first and last stage)."""
-    extra = [0.0] * len(flops)
+def _split(
+    costs: BlockCosts,
+    flops: list[float],
+    room: list[float],
+    ends: bool,
+    microbatch: int,
+    overhead_s: float,
+) -> list[int]:
+    """The blocks over stages of ``flops`` with ``room`` bytes for states, balancing each
+    stage's affine time per micro-batch of ``microbatch`` samples (``stages.StageTimes``): a
+    block costs its forward and backward FLOPs at the stage's rate plus ``overhead_s`` per
+    layer whatever the rate (``ends``: the embeddings and head count on the first and last
+    stage). With no overhead the micro-batch size only scales every time."""
+    work = microbatch * (1.0 + BACKWARD_FLOPS_FACTOR)
+    block = tuple(work * costs.block_flops / f + costs.block_layers * overhead_s for f in flops)
+    fixed = [0.0] * len(flops)
     if ends:
-        extra[0] += costs.head_flops / flops[0]
-        extra[-1] += costs.tail_flops / flops[-1]
-    return split_layers(
+        fixed[0] += work * costs.head_flops / flops[0]
+        fixed[-1] += work * costs.tail_flops / flops[-1]
+    return split_from_times(
         costs.num_blocks,
-        flops,
-        layer_seconds=costs.block_flops,
-        extra_seconds=extra,
+        StageTimes(block, tuple(fixed)),
         memory_bytes=room,
         layer_bytes=costs.block_state_bytes,
     )

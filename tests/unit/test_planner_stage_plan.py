@@ -16,7 +16,7 @@ from colossal_hetero.config.loader import ConfigError
 from colossal_hetero.config.schema import DeviceSpec
 from colossal_hetero.planner.hf import model_spec_from_hf
 from colossal_hetero.planner.resolve import stage_plan_for, unplanned_notice, wants_stage_plan
-from colossal_hetero.planner.spec import ClusterSpec
+from colossal_hetero.planner.spec import REFERENCE_FLOPS, ClusterSpec
 from colossal_hetero.planner.stage_plan import (
     block_costs,
     even_split,
@@ -94,6 +94,35 @@ def test_slow_stage_gets_fewer_layers_and_a_faster_predicted_step():
     assert 1 <= plan.k <= plan.num_microbatches and 16 % plan.num_microbatches == 0
     text = format_stage_plan(plan)
     assert "layers per stage" in text and "kFkB group size k" in text
+
+
+def test_fixed_layer_overhead_moves_split_toward_even_as_brute_force():
+    """Blocks cost FLOPs at the stage's rate plus a fixed per-layer overhead (measured on the
+    fastest device, the same on every device). Oracle: brute force over the affine stage times
+    built here by hand; the hand case mirrors the measured PP=2 one (half of a full-speed
+    block fixed): 12 blocks on speeds [0.5, 1] go [4, 8] without overhead, [5, 7] with it."""
+    spec = _spec(12, batch=16)
+    costs = block_costs(spec)
+    layers_in_block = sum(1 for la in spec.layers if ".0." in la.name)
+    micro = 4  # 16 samples in 4 micro-batches
+    compute = micro * 3 * costs.block_flops / REFERENCE_FLOPS  # one block, fwd + 2x bwd, speed 1
+
+    def planned(overhead_s: float) -> tuple[int, ...]:
+        cluster = ClusterSpec.from_relative([0.5, 1.0], layer_overhead_s=overhead_s)
+        return plan_stages(spec, cluster, 2, 1, 16, balance_ends=False, num_microbatches=4)
+
+    assert planned(0.0).layers_per_stage == (4, 8)
+    assert planned(compute / layers_in_block).layers_per_stage == (5, 7)
+    rng = random.Random(3)
+    for _ in range(10):
+        per_layer = rng.uniform(0.0, 3.0) * compute / layers_in_block
+        block = [compute / v + layers_in_block * per_layer for v in (0.5, 1.0)]
+
+        def slowest(split, block=block):
+            return max(n * b for n, b in zip(split, block, strict=True))
+
+        best = min(slowest(c) for c in compositions(12, 2, [12, 12]))
+        assert slowest(planned(per_layer).layers_per_stage) == pytest.approx(best, rel=1e-9)
 
 
 def test_resolution_for_configs():
