@@ -140,6 +140,8 @@ class AdaKController:
                 "backward_s": profile.backward_s,
                 "transfer_s": profile.transfer_s,
                 "latency_s": profile.latency_s,
+                "transfer_up_s": profile.transfer_up_s,
+                "latency_up_s": profile.latency_up_s,
                 "activation_bytes": profile.activation_bytes,
                 "memory_budget_bytes": profile.memory_budget_bytes,
             },
@@ -153,8 +155,8 @@ def agreed_profile(
     rows: list[list[float]], stage_of_rank: list[int], num_stages: int, num_microbatches: int
 ) -> PipelineProfile:
     """The profile every rank derives from the gathered rows (pure; order of rows irrelevant):
-    measured compute, activations and link times, each stage's smallest budget, each
-    boundary's largest configured latency."""
+    measured compute, activations, link times and latencies, each stage's smallest budget,
+    each boundary's largest configured latency added to its measured ones."""
     width = vector_width(num_microbatches)
     records = [record_from_vector(r[:width], num_microbatches) for r in rows]
     budgets = [
@@ -166,4 +168,6 @@ def agreed_profile(
         for b in range(num_stages - 1)
     ]
     profile = profile_from_records(records, num_stages, budgets)
-    return replace(profile, latency_s=tuple(latency))
+    measured = (profile.latency_s, profile.latency_up_s)
+    down, up = (tuple(a + b for a, b in zip(m, latency, strict=True)) for m in measured)
+    return replace(profile, latency_s=down, latency_up_s=up)

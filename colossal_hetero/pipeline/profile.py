@@ -176,20 +176,29 @@ def _messages(records: Sequence[RankRecord]) -> list[_Message]:
     return sorted(out, key=lambda m: (m.release, m.src, m.dst, m.kind))
 
 
-def _seconds(msg: _Message, history: Sequence[tuple[float, float]], seen: float) -> float:
+def _seconds(
+    msg: _Message, history: Sequence[tuple[float, float]], seen: float
+) -> tuple[float, str]:
     """Link seconds of one message that landed at ``msg.arrived``: the least of the upper
     bounds a first-in first-out link of constant time per message gives. ``history`` holds the
     earlier messages of its direction, ``(release, landing seen or NOT_BLOCKED)`` in order:
     messages ``i .. j`` all moved after ``release_i``, one at a time, and after a landing seen
     on message ``i`` the rest did. ``seen``: the last landing seen on the ports it shares with
-    other directions (it moved after that, too)."""
+    other directions (it moved after that, too). Also which bound it is: ``"queued"`` (after a
+    landing seen: the link's time per message alone), ``"alone"`` (its own release, no message
+    ahead: its time per message plus any latency) or ``"burst"`` (an earlier release)."""
     best = msg.arrived - max(msg.release, seen)
+    how = "alone" if msg.release >= seen else "queued"
     for n, (release, landed) in enumerate(reversed(history), start=2):
         if landed != NOT_BLOCKED:
-            best = min(best, (msg.arrived - landed) / (n - 1))
+            bound, kind = (msg.arrived - landed) / (n - 1), "queued"
+        else:
+            bound, kind = (msg.arrived - release) / n, "burst"
+        if bound < best:
+            best, how = bound, kind
+        if landed != NOT_BLOCKED:
             break
-        best = min(best, (msg.arrived - release) / n)
-    return max(0.0, best)
+    return max(0.0, best), how
 
 
 DESCHEDULED_S = 0.01
@@ -212,23 +221,24 @@ def _waited(msg: _Message, seconds: float) -> bool:
 def link_seconds(
     records: Sequence[RankRecord], num_stages: int, shared_ports: bool = True
 ) -> dict[str, tuple[float, ...]]:
-    """Seconds one message holds each boundary's link, activations and gradients apart, and
-    the seconds of each direction's first message of the step.
+    """Seconds one message holds each boundary's link, activations and gradients apart, the
+    latency each direction adds after that, and the seconds of each direction's first message.
 
     Each later message that the receiver really waited for (:func:`_waited`) gives one sample
     (:func:`_seconds`): its direction is a first-in first-out link and, with ``shared_ports``,
     it also queued behind the other direction's messages through the sender's upload or the
     receiver's download (a rank's one network interface). Only landings that were seen
-    (waited-for arrivals) count. A direction's time is the median sample of each pipeline
-    column, its slowest column; 0 when no receive waited (the transfers were hidden). The first
-    message is timed from when it was both sent and asked for to its arrival: its tensors'
-    receives are posted only then, after its metadata (``pipeline/p2p.py``). Keys: ``F``,
-    ``B`` (per message), ``F0``, ``B0`` (first messages), one value per boundary. Identical for
-    any order of the records.
+    (waited-for arrivals) count. A direction splits into link time and latency
+    (:func:`_link_and_latency`); each is its slowest pipeline column's, 0 when no receive
+    waited (the transfers were hidden). The first message is timed from when it was both sent
+    and asked for to its arrival, less its direction's latency (which the simulator adds to
+    every landing): its tensors' receives are posted only then, after its metadata
+    (``pipeline/p2p.py``). Keys: ``F``, ``B`` (per message), ``LF``, ``LB`` (latency), ``F0``,
+    ``B0`` (first messages), one value per boundary. Identical for any order of the records.
     """
     history: dict[tuple[str, int, int], list[tuple[float, float]]] = {}
     seen: dict[tuple[str, int], float] = {}
-    samples: dict[tuple[str, int, int], list[float]] = {}
+    samples: dict[tuple[str, int, int], list[tuple[float, str]]] = {}
     for msg in _messages(records):
         ports = [("up", msg.src), ("down", msg.dst)] if shared_ports else []
         earlier = history.setdefault(msg.kind, [])
@@ -237,27 +247,47 @@ def link_seconds(
         if msg.index == 0:  # it landed before it was asked for if its wait did not block
             landed = msg.arrived
             first = 0.0 if landed == NOT_BLOCKED else max(0.0, landed - max(msg.sent, msg.asked))
-            samples.setdefault((f"{op}0", boundary, column), []).append(first)
+            samples.setdefault((f"{op}0", boundary, column), []).append((first, "first"))
         else:
-            seconds = _seconds(msg, earlier, max([NOT_BLOCKED, *(seen.get(q, -1) for q in ports)]))
+            latest = max([NOT_BLOCKED, *(seen.get(q, -1) for q in ports)])
+            seconds, how = _seconds(msg, earlier, latest)
             if _waited(msg, seconds):
-                samples.setdefault(msg.kind, []).append(seconds)
+                samples.setdefault(msg.kind, []).append((seconds, how))
                 landed = msg.arrived
         earlier.append((msg.release, landed))
         if landed != NOT_BLOCKED:
             for port in ports:
                 seen[port] = max(seen.get(port, landed), landed)
+    split = {(o, b, c): _link_and_latency(v) for (o, b, c), v in samples.items()}
 
-    def per_boundary(key: str) -> tuple[float, ...]:
+    def slowest(key: str, part: int) -> tuple[float, ...]:
         return tuple(
-            max(
-                [statistics.median(v) for (o, b, _), v in samples.items() if (o, b) == (key, s)],
-                default=0.0,
-            )
+            max([v[part] for (o, b, _), v in split.items() if (o, b) == (key, s)], default=0.0)
             for s in range(num_stages - 1)
         )
 
-    return {key: per_boundary(key) for key in ("F", "B", "F0", "B0")}
+    out: dict[str, tuple[float, ...]] = {}
+    for op in ("F", "B"):
+        out[op], out[f"L{op}"] = slowest(op, 0), slowest(op, 1)
+        firsts = zip(slowest(f"{op}0", 0), out[f"L{op}"], strict=True)
+        out[f"{op}0"] = tuple(max(0.0, x - lat) for x, lat in firsts)
+    return out
+
+
+def _link_and_latency(values: Sequence[tuple[float, str]]) -> tuple[float, float]:
+    """(seconds per message, latency) of one direction of one pipeline column from its
+    samples. A message queued behind a landing on its link or port shows the link's time per
+    message alone (the messages in a queue land that far apart); one that moved at once on a
+    free link shows that time plus the latency (say a queue behind other traffic, which
+    messages on their way together wait out at once). With both kinds: their medians' split;
+    otherwise (or when the free ones are no slower) the median of all samples, no latency."""
+    queued = [v for v, how in values if how == "queued"]
+    alone = [v for v, how in values if how == "alone"]
+    if queued and alone:
+        per_message, total = statistics.median(queued), statistics.median(alone)
+        if total > per_message:
+            return per_message, total - per_message
+    return statistics.median(v for v, _ in values), 0.0
 
 
 def profile_from_records(
@@ -268,9 +298,12 @@ def profile_from_records(
 ) -> PipelineProfile:
     """The stage profile a step's records imply, identical for any order of the records.
 
-    A stage takes its slowest rank's pass (compute plus its share of the rank's
-    ``overhead_s``) and largest activations (its tensor- and data-parallel peers move in
-    lockstep); link times per boundary and direction are
+    A rank's pass is its median compute plus its share of its ``overhead_s``. The ranks of one
+    tensor-parallel group finish each pass together (its all-reduces), so the group's pass is
+    its shortest rank's: the others also waited for that rank's input, which is the link's
+    time, counted there (a tenant on one TP rank's link made its peer's median forward 62-76
+    ms against 25-30). A stage takes its slowest group's pass (data-parallel replicas) and its
+    largest activations; link times per boundary and direction are
     :func:`link_seconds`. ``memory_budget_bytes`` defaults to no limit. ``shared_ports``
     (default: each rank has one network interface) goes into the profile for the simulator.
     """
@@ -286,9 +319,18 @@ def profile_from_records(
         lists = (r.sent_next, r.sent_prev, r.arrived_prev, r.arrived_next)
         return r.overhead_s / (2 * max(1, *(len(t) for t in lists)))
 
+    tp = _tp_width(records)
+
+    def stage_pass(ranks: list[RankRecord], backward: bool) -> float:
+        groups: dict[int, list[float]] = {}
+        for r in ranks:
+            seconds = (r.backward_s if backward else r.forward_s) + per_pass(r)
+            groups.setdefault(r.rank // tp, []).append(seconds)
+        return max(min(g) for g in groups.values())
+
     return PipelineProfile(
-        forward_s=tuple(max(r.forward_s + per_pass(r) for r in m) for m in members),
-        backward_s=tuple(max(r.backward_s + per_pass(r) for r in m) for m in members),
+        forward_s=tuple(stage_pass(m, False) for m in members),
+        backward_s=tuple(stage_pass(m, True) for m in members),
         transfer_s=links["F"],
         activation_bytes=tuple(max(r.activation_bytes for r in m) for m in members),
         memory_budget_bytes=tuple(budgets),
@@ -296,7 +338,17 @@ def profile_from_records(
         shared_ports=shared_ports,
         first_transfer_s=links["F0"],
         first_transfer_up_s=links["B0"],
+        latency_s=links["LF"],
+        latency_up_s=links["LB"],
     )
+
+
+def _tp_width(records: Sequence[RankRecord]) -> int:
+    """Ranks per tensor-parallel group: the distance from a rank to its next-stage peer in
+    Colossal-AI's dp-outer layout (``tuner.stage_of_rank``), where ``rank // tp`` names a
+    rank's group; 1 (every rank its own group) when the records disagree on it."""
+    gaps = {r.next_rank - r.rank for r in records if r.next_rank is not None}
+    return gaps.pop() if len(gaps) == 1 and min(gaps) > 0 else 1
 
 
 @dataclass(frozen=True, slots=True)

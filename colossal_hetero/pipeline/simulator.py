@@ -14,9 +14,10 @@ Model (the contract the tuner and the planner rely on):
   :class:`Trace`: piecewise constant in time, so a transfer that straddles a change speeds up or
   slows down part-way (it progresses at ``1 / seconds`` of a transfer per second). Activations
   and gradients may have their own traces (a tenant that loads one stage's download slows the
-  messages into that stage only). An optional per-boundary latency is added after the transfer
-  leaves the link: latency overlaps with the next transfer, link time does not (alpha and
-  bytes / bandwidth of the alpha-beta model).
+  messages into that stage only). An optional latency per boundary and direction is added
+  after the transfer leaves the link (or port): latency overlaps with the next transfer, link
+  time does not (alpha and bytes / bandwidth of the alpha-beta model; also a queue behind other
+  traffic, which messages on their way at the same time wait out together).
 - ``shared_ports``: each stage has one network port, an upload and a download, as a rank with
   one network interface. A middle stage's upload carries both its activations (to ``s + 1``)
   and its gradients (to ``s - 1``), first in, first out in the order they were sent; its
@@ -127,6 +128,7 @@ def simulate(
     start_time: float = 0.0,
     latency_s: Sequence[float] | None = None,
     up_transfers: Sequence[Trace] | None = None,
+    up_latency_s: Sequence[float] | None = None,
     shared_ports: bool = False,
     first_s: Sequence[float] | None = None,
     first_up_s: Sequence[float] | None = None,
@@ -136,7 +138,8 @@ def simulate(
     ``transfers[b]`` is boundary ``b``'s trace for activations (stage ``b`` to ``b + 1``),
     ``up_transfers[b]`` for gradients (default: the same traces), each evaluated at
     ``start_time`` plus the simulated time (so successive steps can walk along one trace).
-    ``latency_s[b]`` (default 0) is added to every landing time on boundary ``b``.
+    ``latency_s[b]`` (default 0) is added to every landing time on boundary ``b``;
+    ``up_latency_s[b]`` (default: ``latency_s``) to the gradients' instead, when given.
     ``shared_ports``: see the module doc (default: one link per boundary and direction).
     ``first_s[b]`` / ``first_up_s[b]`` (default: none): seconds the step's first activation /
     gradient on boundary ``b`` takes, counted from when its receiver asks for it; no message
@@ -149,8 +152,10 @@ def simulate(
     up = list(transfers) if up_transfers is None else list(up_transfers)
     if len(up) != p - 1:
         raise ValueError(f"simulate: {p} stages need {p - 1} up_transfers, got {len(up)}")
-    if len(lat) != p - 1 or any(not (math.isfinite(x) and x >= 0) for x in lat):
-        raise ValueError(f"simulate: latency_s needs {p - 1} finite values >= 0, got {lat}")
+    up_lat = lat if up_latency_s is None else list(up_latency_s)
+    for name, values in (("latency_s", lat), ("up_latency_s", up_lat)):
+        if len(values) != p - 1 or any(not (math.isfinite(x) and x >= 0) for x in values):
+            raise ValueError(f"simulate: {name} needs {p - 1} finite values >= 0, got {values}")
     orders = [kfkb_order(p, s, num_microbatches, k) for s in range(p)]
     first: dict[tuple[str, int], float] = {}
     for op, times in (("F", first_s), ("B", first_s if first_up_s is None else first_up_s)):
@@ -158,7 +163,7 @@ def simulate(
             if len(times) != p - 1 or any(not (math.isfinite(x) and x >= 0) for x in times):
                 raise ValueError(f"simulate: first_s needs {p - 1} finite values >= 0")
             first.update({(op, b): float(x) for b, x in enumerate(times)})
-    links = _Links(transfers, up, lat, shared_ports, start_time, first)
+    links = _Links(transfers, up, (lat, up_lat), shared_ports, start_time, first)
     events = _run(orders, forward_s, backward_s, links, start_time)
     step = max(e.end for e in events) if events else 0.0
     busy = tuple(sum(e.end - e.start for e in events if e.stage == s) for s in range(p))
@@ -180,7 +185,7 @@ class _Links:
         self,
         down: Sequence[Trace],
         up: Sequence[Trace],
-        latency: Sequence[float],
+        latency: tuple[Sequence[float], Sequence[float]],
         shared_ports: bool,
         start_time: float,
         first: dict[tuple[str, int], float],
@@ -188,7 +193,9 @@ class _Links:
         self.traces = {"F": list(down), "B": list(up)}
         self.first = first
         """Seconds of each (kind, boundary)'s first message, which moves when asked for."""
-        self.latency, self.shared = list(latency), shared_ports
+        self.latency = {"F": list(latency[0]), "B": list(latency[1])}
+        """Seconds each kind's messages take after leaving the link, per boundary."""
+        self.shared = shared_ports
         p = len(down) + 1
         self.free: dict[tuple[str, int], float] = {}
         for s in range(p):
@@ -213,7 +220,7 @@ class _Links:
             sent = trace.finish(begin)  # off the sender's port
             leaves = max(sent, trace.finish(max(begin, self.free[("down", dst)])))
             self.free[("up", src)], self.free[("down", dst)] = sent, leaves
-        return leaves + self.latency[boundary]
+        return leaves + self.latency[op][boundary]
 
 
 def _run(

@@ -46,6 +46,9 @@ class PipelineProfile:
     asked for (its metadata exchange included); empty: no such first message."""
     first_transfer_up_s: tuple[float, ...] = ()
     """The same for gradients (empty: as ``first_transfer_s``)."""
+    latency_up_s: tuple[float, ...] = ()
+    """Latency of the gradients on each boundary, when it differs from ``latency_s`` (then that
+    is the activations'); empty: both directions alike."""
 
     @property
     def num_stages(self) -> int:
@@ -79,7 +82,7 @@ def _check_profile(profile: PipelineProfile) -> None:
         raise ValueError("profile: every per-stage field needs one value per stage")
     if len(profile.transfer_s) != p - 1:
         raise ValueError(f"profile.transfer_s: {p} stages need {p - 1} boundary times")
-    for name in ("transfer_up_s", "first_transfer_s", "first_transfer_up_s"):
+    for name in ("transfer_up_s", "first_transfer_s", "first_transfer_up_s", "latency_up_s"):
         if getattr(profile, name) and len(getattr(profile, name)) != p - 1:
             raise ValueError(f"profile.{name}: {p} stages need {p - 1} boundary times")
     if profile.latency_s and len(profile.latency_s) != p - 1:
@@ -248,8 +251,9 @@ def _step_time(profile: PipelineProfile, num_microbatches: int, k: int) -> float
 
 
 def simulate_profile(profile: PipelineProfile, num_microbatches: int, k: int) -> SimResult:
-    """One simulated step of ``profile`` under ``k``: constant link times, each direction's
-    own when ``transfer_up_s`` is given, shared stage ports when ``shared_ports``."""
+    """One simulated step of ``profile`` under ``k``: constant link times and latencies, each
+    direction's own when ``transfer_up_s`` / ``latency_up_s`` is given, shared stage ports
+    when ``shared_ports``."""
     up = profile.transfer_up_s or profile.transfer_s
     return simulate(
         profile.forward_s,
@@ -259,6 +263,7 @@ def simulate_profile(profile: PipelineProfile, num_microbatches: int, k: int) ->
         k,
         activation_bytes=profile.activation_bytes,
         latency_s=profile.latency_s or None,
+        up_latency_s=profile.latency_up_s or None,
         up_transfers=[Trace.constant(c) for c in up],
         shared_ports=profile.shared_ports,
         first_s=profile.first_transfer_s or None,

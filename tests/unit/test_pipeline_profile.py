@@ -210,3 +210,41 @@ def test_overhead_is_spread_over_the_passes():
     profile = profile_from_records([r0, r1], 2)
     assert profile.forward_s == (1.0, pytest.approx(1.1)) and profile.backward_s[1] == 2.1
     assert record_from_vector(r1.to_vector(2), 2).overhead_s == 0.4
+
+
+def test_link_time_and_latency_split_by_hand():
+    # A link holding each activation 0.2 s, then 0.5 s of latency (a queue behind a tenant).
+    # The first message, sent and asked for at 0, lands 0.9: 0.9 - 0.5 = 0.4 s of its own.
+    # Sent at 1.0 (after every landing so far): lands 1.7, alone: 0.7 = 0.2 + 0.5. Sent at 1.1
+    # and 1.2, before 1.7: they queue on the link and land 0.2 apart (1.9, 2.1). Sent at 3.0:
+    # alone again, 3.7. Queued samples 0.2, 0.2; alone 0.7, 0.7: link 0.2, latency 0.5.
+    sent = [0.0, 1.0, 1.1, 1.2, 3.0]
+    arrived, asked = [0.9, 1.7, 1.9, 2.1, 3.7], [0.0, 1.0, 1.75, 2.0, 3.0]
+    links = link_seconds(_pair(sent, [0.0] * 5, arrived, asked), 2)
+    assert links["F"] == (pytest.approx(0.2),) and links["LF"] == (pytest.approx(0.5),)
+    assert links["F0"] == (pytest.approx(0.4),) and links["LB"] == (0.0,)
+    profile = profile_from_records(_pair(sent, [0.0] * 5, arrived, asked), 2)
+    assert profile.latency_s == links["LF"] and profile.latency_up_s == (0.0,)
+    # Only alone messages (no queue): all of it is link time, no latency.
+    spaced = [0.0, 1.0, 2.0, 3.0, 4.0]
+    alone = link_seconds(_pair(spaced, [0.0] * 5, [0.9, 1.7, 2.7, 3.7, 4.7], spaced), 2)
+    assert alone["F"] == (pytest.approx(0.7),) and alone["LF"] == (0.0,)
+
+
+def test_tensor_parallel_group_takes_its_shortest_rank_pass():
+    # PP=2 x TP=2 (ranks 0, 1 on stage 0; 2, 3 on stage 1; next-stage peer 2 ranks ahead).
+    # Rank 3's input came early, so its forwards also waited in the all-reduce for rank 2's
+    # late input (6 s against 2 s): the group's pass is 2 s. Stage 0's group: 1 and 1.5 s.
+    def rank(r, forward):
+        nxt = r + 2 if r < 2 else None
+        return RankRecord(r, r // 2, nxt, forward, 1.0, 9.0, 8.0, 4.0 if nxt else 0.0)
+
+    records = [rank(0, 1.0), rank(1, 1.5), rank(2, 2.0), rank(3, 6.0)]
+    assert profile_from_records(records, 2).forward_s == (1.0, 2.0)
+    # Data parallelism, no tensor parallelism (PP=2 x DP=2: next-stage peer 1 ahead): each
+    # rank is its own group and the stage takes its slowest replica (ranks 1 and 3: 5 s).
+    dp = [RankRecord(0, 0, 1, 1.0, 1.0, 9.0, 8.0, 4.0),
+          RankRecord(1, 1, None, 3.0, 1.0, 9.0, 8.0, 0.0),
+          RankRecord(2, 0, 3, 1.0, 1.0, 9.0, 8.0, 4.0),
+          RankRecord(3, 1, None, 5.0, 1.0, 9.0, 8.0, 0.0)]  # fmt: skip
+    assert profile_from_records(dp, 2).forward_s == (1.0, 5.0)

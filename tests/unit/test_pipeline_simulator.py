@@ -193,3 +193,25 @@ def test_first_message_moves_once_asked_for():
     assert own.step_time == 9.0
     with pytest.raises(ValueError, match="first_s"):
         simulate([1.0, 1.0], [1.0, 1.0], free, 2, 1, first_s=[-1.0])
+
+
+def test_latency_per_direction_overlaps_where_link_time_queues():
+    # p=2, m=2, GPipe (k=2), f=b=1. Activations hold the link 0.5 s and then take 2 s more
+    # (latency: a queue behind other traffic that both activations wait out together). F0 sent
+    # at 1 leaves the link at 1.5, lands 3.5; F1 sent at 2 leaves at 2.5, lands 4.5. s1 F0
+    # [3.5,4.5] F1 [4.5,5.5] B0 [5.5,6.5] B1 [6.5,7.5]; gradients 0.5 s, no latency: B0 lands
+    # 7.0, B1 8.0; s0 B0 [7,8] B1 [8,9].
+    f = [1.0, 1.0]
+    link = [Trace.constant(0.5)]
+    r = simulate(f, f, link, 2, 2, latency_s=[2.0], up_latency_s=[0.0])
+    assert r.step_time == 9.0
+    # The same 2.5 s per activation as link time: F1 moves only after F0 left (3.5), lands 6.
+    # s1 F0 [3.5,4.5] F1 [6,7] B0 [7,8] B1 [8,9]; B0 lands 8.5, B1 9.5; s0 B0 [8.5,9.5]
+    # B1 [9.5,10.5].
+    slow = simulate(f, f, [Trace.constant(2.5)], 2, 2, up_transfers=link)
+    assert slow.step_time == 10.5
+    # The latency on both directions (up_latency_s left out): B0 lands 9.0, B1 (sent 7.5,
+    # off the link 8.0) 10.0; s0 B0 [9,10] B1 [10,11].
+    assert simulate(f, f, link, 2, 2, latency_s=[2.0]).step_time == 11.0
+    with pytest.raises(ValueError, match="up_latency_s"):
+        simulate(f, f, link, 2, 2, up_latency_s=[-1.0])
