@@ -53,6 +53,7 @@ from colossal_hetero.balance.inlayer import (
 )
 from colossal_hetero.balance.replan import ReplanDecision, decide_replan
 from colossal_hetero.balance.semi import (
+    SemiDecision,
     SemiInputs,
     SemiSettings,
     comm_time,
@@ -307,6 +308,9 @@ class BalanceController:
             if act is not None:
                 return {**decision, **extra, "executed": "replan"}, gain, act
             extra["replan_waits"] = decision["reason"]
+            if not self._bridge_pays(view.detection, semi):
+                extra["bridge_skipped"] = "the re-plan comes sooner without it"
+                return {"action": "keep", **extra, "executed": "none"}, 0.0, None
         picks = {c.rank: c.action for c in semi.choices}
         # A straggler whose best in-layer action gains nothing net of its accuracy cost (or
         # of migration's messages) gets none: semi then waits for the re-plan.
@@ -322,6 +326,24 @@ class BalanceController:
             actions = {}
         decision, gain, act = self._in_layer(step, view, actions)
         return {**decision, **extra, "executed": decision["action"]}, gain, act
+
+    def _bridge_pays(self, detection: Detection, semi: SemiDecision) -> bool:
+        """Whether an in-layer bridge pays while a re-plan waits for ``stable_steps``.
+
+        It runs from the next step to the agreement that re-plans, less its warm-up step,
+        saving the in-layer gain per step; attaching it restarts the window, so when the next
+        agreement would hold under two steps (``every - 1``) it decides nothing and the
+        re-plan, and its larger gain, come ``every`` steps later. A re-plan that waits on
+        anything but stability (a move that does not pay, the planner) leaves the bridge."""
+        settings = self.settings
+        wait = settings.stable_steps - detection.stable_for()
+        if wait <= 0 or semi.action != "replan":
+            return True
+        every = settings.every
+        bridged = -(-wait // every) * every - 1
+        delay = every if every - 1 < min(settings.window, 2) else 0
+        in_layer_gain = semi.in_layer_value / max(settings.horizon_steps, 1)
+        return in_layer_gain * bridged > semi.predicted_gain * delay
 
     def _in_layer(self, step: int, view: _View, actions: dict[int, str]) -> Outcome:
         """Attach the in-layer plan for ``actions`` unless it matches the attached one (within

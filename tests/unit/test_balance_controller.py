@@ -395,3 +395,22 @@ def test_semi_attaches_no_op_that_gains_nothing_net(monkeypatch):
     choices = [c for s in semi for c in s["choices"]]
     assert choices and all(c["gain"] is None or c["gain"] <= 0 for c in choices)  # None: -inf
     assert cluster.ops.applied == [] and cluster.moves == []
+
+
+def test_semi_skips_a_bridge_that_would_delay_its_re_plan(monkeypatch):
+    """Agreements every 2 steps over windows of 3, stable_steps 2 (the benchmark's): rank 1
+    is flagged at 7 (window 5..7, median 4x) and the re-plan waits 2 steps. A bridge attached
+    at 7 would run one recorded step and leave step 9 a one-step window that decides nothing
+    (re-plan at 11); it saves less per step than the re-plan, so semi attaches nothing and
+    re-plans at 9. (This test's gather hands over the last 3 steps whatever the controller
+    restarted, so without the check it also re-plans at 9, after attaching the bridge.)"""
+    cluster = _Cluster()
+    controller = _controller(cluster, "semi", monkeypatch)
+    controller.settings = replace(controller.settings, every=2, stable_steps=2)
+    _drive(controller, cluster, 12)
+    assert cluster.moves == [SKEW]
+    replans = [r for r in controller.log.records if r["decision"].get("executed") == "replan"]
+    assert [r["step"] for r in replans] == [9]
+    assert not [p for p in cluster.ops.applied if p.offloads]
+    skipped = next(r for r in controller.log.records if r["step"] == 7)
+    assert "bridge_skipped" in skipped["decision"] and skipped["decision"]["action"] == "keep"
