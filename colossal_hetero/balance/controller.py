@@ -51,7 +51,7 @@ from colossal_hetero.balance.inlayer import (
     plan_units,
     predicted_times,
 )
-from colossal_hetero.balance.replan import ReplanDecision, decide_replan
+from colossal_hetero.balance.replan import ReplanDecision, decide_replan, planning_speeds
 from colossal_hetero.balance.semi import (
     SemiDecision,
     SemiInputs,
@@ -438,7 +438,7 @@ class BalanceController:
             return ReplanDecision("none", widths, 0.0, "widths already planned for these speeds")
         start = time.perf_counter()
         try:
-            planned = self.actuator.plan(speeds)
+            planned = self.actuator.plan(planning_speeds(speeds, self.fixed_fraction))
         except ValueError as error:  # infeasible at these speeds: keep running as is
             return ReplanDecision("none", widths, 0.0, f"planner: {error}")
         planning_s = time.perf_counter() - start

@@ -69,6 +69,41 @@ def plan_widths(
     return {key: tuple(counts) for key, counts in plan.widths.items()}
 
 
+MIN_PLANNING_SPEED = 1e-3
+"""The smallest relative speed handed to the planner (a rank that should get no width)."""
+
+
+def planning_speeds(speeds: Sequence[float], fixed_fraction: float) -> tuple[float, ...]:
+    """The relative speeds to plan widths with so that the work model's times balance.
+
+    The planner splits the widths about in proportion to the speeds it is given, as if all of
+    a rank's work scaled with them. Under the work model a rank's time is
+    ``(phi + (1 - phi) * n * x_i) / v_i`` (``x_i`` its share): its fixed part runs at its own
+    speed too, so a slow rank must take less than its speed's share. Equal times ``T`` over
+    the ranks given work (``A``) mean ``x_i = (T v_i - phi) / (n (1 - phi))`` with
+    ``T = (n (1 - phi) + phi |A|) / sum_A v``; a rank whose ``x_i`` would not be positive
+    gets none and ``T`` is solved again without it. Returns the shares over the largest
+    (``MIN_PLANNING_SPEED`` at least): ``speeds`` themselves when ``phi`` is 0.
+    """
+    n = len(speeds)
+    phi = min(max(fixed_fraction, 0.0), 0.9)
+    active = [i for i in range(n) if speeds[i] > 0]
+    shares = [0.0] * n
+    while active:
+        t = (n * (1 - phi) + phi * len(active)) / sum(speeds[i] for i in active)
+        shares = [0.0] * n
+        for i in active:
+            shares[i] = (t * speeds[i] - phi) / (n * (1 - phi))
+        dropped = [i for i in active if shares[i] <= 0]
+        if not dropped:
+            break
+        active = [i for i in active if shares[i] > 0]
+    top = max(shares)
+    if top <= 0:
+        return tuple(speeds)
+    return tuple(max(x / top, MIN_PLANNING_SPEED) for x in shares)
+
+
 def predicted_saving(
     times: Sequence[float],
     old: Mapping[str, Sequence[int]],

@@ -9,7 +9,14 @@ from dataclasses import replace
 
 import pytest
 
-from colossal_hetero.balance.replan import decide_replan, measured_config, predicted_saving
+from colossal_hetero.balance.detector import work_units
+from colossal_hetero.balance.replan import (
+    MIN_PLANNING_SPEED,
+    decide_replan,
+    measured_config,
+    planning_speeds,
+    predicted_saving,
+)
 from colossal_hetero.balance.semi import (
     SemiInputs,
     SemiSettings,
@@ -152,3 +159,23 @@ def test_a_resize_netting_zero_gains_nothing_despite_rounding():
     assert choice is not None and choice.action == "resize" and 0 < choice.gain < 1e-15
     assert gains_nothing(choice, inputs.times)
     assert not gains_nothing(replace(choice, gain=1e-6), inputs.times)  # a real microsecond
+
+
+def test_planning_speeds_balance_the_fixed_part_by_hand():
+    """Speeds (1, 1/4, 1, 1/2), phi 0.3, n 4: T = (2.8 + 1.2) / 2.75 = 16/11 and
+    x_i = (T v_i - 0.3) / 2.8: 0.41234, 0.022727, 0.41234, 0.152597 (sum 1); over the largest:
+    (1, 0.05512, 1, 0.37008). Under the work model every rank then takes T = 1.4545 units
+    (proportional shares would leave the slow rank at (0.3 + 2.8 / 11) * 4 = 2.22)."""
+    speeds, phi = (1.0, 0.25, 1.0, 0.5), 0.3
+    got = planning_speeds(speeds, phi)
+    assert got == pytest.approx((1.0, 0.022727 / 0.41234, 1.0, 0.152597 / 0.41234), rel=1e-4)
+    shares = [g / sum(got) for g in got]
+    times = [u / v for u, v in zip(work_units(shares, phi), speeds, strict=True)]
+    assert times == pytest.approx([16 / 11] * 4)
+    assert planning_speeds(speeds, 0.0) == pytest.approx(speeds)  # no fixed part: as given
+
+
+def test_planning_speeds_give_a_rank_too_slow_for_its_fixed_part_nothing():
+    """Speeds (1, 0.1), phi 0.5: T = 2 / 1.1 leaves rank 1 (0.1818 - 0.5) / 1 < 0, so it gets
+    no share and rank 0 all: (1, MIN_PLANNING_SPEED)."""
+    assert planning_speeds((1.0, 0.1), 0.5) == (1.0, MIN_PLANNING_SPEED)
