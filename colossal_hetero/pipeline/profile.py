@@ -178,7 +178,7 @@ def _messages(records: Sequence[RankRecord]) -> list[_Message]:
 
 def _seconds(
     msg: _Message, history: Sequence[tuple[float, float]], seen: float
-) -> tuple[float, str]:
+) -> tuple[float, str, float]:
     """Link seconds of one message that landed at ``msg.arrived``: the least of the upper
     bounds a first-in first-out link of constant time per message gives. ``history`` holds the
     earlier messages of its direction, ``(release, landing seen or NOT_BLOCKED)`` in order:
@@ -186,19 +186,20 @@ def _seconds(
     on message ``i`` the rest did. ``seen``: the last landing seen on the ports it shares with
     other directions (it moved after that, too). Also which bound it is: ``"queued"`` (after a
     landing seen: the link's time per message alone), ``"alone"`` (its own release, no message
-    ahead: its time per message plus any latency) or ``"burst"`` (an earlier release)."""
+    ahead: its time per message plus any latency) or ``"burst"`` (an earlier release); and for
+    ``"queued"``, how long before that landing the message was released."""
     best = msg.arrived - max(msg.release, seen)
-    how = "alone" if msg.release >= seen else "queued"
+    how, ahead = ("alone", 0.0) if msg.release >= seen else ("queued", seen - msg.release)
     for n, (release, landed) in enumerate(reversed(history), start=2):
         if landed != NOT_BLOCKED:
             bound, kind = (msg.arrived - landed) / (n - 1), "queued"
         else:
             bound, kind = (msg.arrived - release) / n, "burst"
         if bound < best:
-            best, how = bound, kind
+            best, how, ahead = bound, kind, landed - msg.release
         if landed != NOT_BLOCKED:
             break
-    return max(0.0, best), how
+    return max(0.0, best), how, ahead
 
 
 DESCHEDULED_S = 0.01
@@ -238,7 +239,7 @@ def link_seconds(
     """
     history: dict[tuple[str, int, int], list[tuple[float, float]]] = {}
     seen: dict[tuple[str, int], float] = {}
-    samples: dict[tuple[str, int, int], list[tuple[float, str]]] = {}
+    samples: dict[tuple[str, int, int], list[tuple[float, str, float]]] = {}
     for msg in _messages(records):
         ports = [("up", msg.src), ("down", msg.dst)] if shared_ports else []
         earlier = history.setdefault(msg.kind, [])
@@ -247,12 +248,12 @@ def link_seconds(
         if msg.index == 0:  # it landed before it was asked for if its wait did not block
             landed = msg.arrived
             first = 0.0 if landed == NOT_BLOCKED else max(0.0, landed - max(msg.sent, msg.asked))
-            samples.setdefault((f"{op}0", boundary, column), []).append((first, "first"))
+            samples.setdefault((f"{op}0", boundary, column), []).append((first, "first", 0.0))
         else:
             latest = max([NOT_BLOCKED, *(seen.get(q, -1) for q in ports)])
-            seconds, how = _seconds(msg, earlier, latest)
+            seconds, how, ahead = _seconds(msg, earlier, latest)
             if _waited(msg, seconds):
-                samples.setdefault(msg.kind, []).append((seconds, how))
+                samples.setdefault(msg.kind, []).append((seconds, how, ahead))
                 landed = msg.arrived
         earlier.append((msg.release, landed))
         if landed != NOT_BLOCKED:
@@ -274,20 +275,30 @@ def link_seconds(
     return out
 
 
-def _link_and_latency(values: Sequence[tuple[float, str]]) -> tuple[float, float]:
+def _link_and_latency(values: Sequence[tuple[float, str, float]]) -> tuple[float, float]:
     """(seconds per message, latency) of one direction of one pipeline column from its
-    samples. A message queued behind a landing on its link or port shows the link's time per
-    message alone (the messages in a queue land that far apart); one that moved at once on a
-    free link shows that time plus the latency (say a queue behind other traffic, which
-    messages on their way together wait out at once). With both kinds: their medians' split;
-    otherwise (or when the free ones are no slower) the median of all samples, no latency."""
-    queued = [v for v, how in values if how == "queued"]
-    alone = [v for v, how in values if how == "alone"]
-    if queued and alone:
-        per_message, total = statistics.median(queued), statistics.median(alone)
-        if total > per_message:
-            return per_message, total - per_message
-    return statistics.median(v for v, _ in values), 0.0
+    samples ``(seconds, kind, ahead)`` (:func:`_seconds`). A message that queued behind a
+    landing on its link or port shows the link's time per message alone (queued messages land
+    that far apart); one that moved at once on a free link shows that time plus the latency
+    (say a queue behind other traffic, which messages on their way together wait out at once).
+    With both kinds: their medians' split. A message released less than the latency before the
+    landing it follows did not wait on the link for it (that one had left the link), so with a
+    latency found, only those released earlier count as queued, and the split is redone once.
+    Otherwise (or when the lone ones are no slower) the median of all samples, no latency."""
+    alone = [v for v, how, _ in values if how == "alone"]
+    queued = [(v, ahead) for v, how, ahead in values if how == "queued"]
+    latency = 0.0
+    for _ in range(2):
+        link = [v for v, ahead in queued if ahead > latency]
+        if not (alone and link):
+            break
+        per_message, total = statistics.median(link), statistics.median(alone)
+        if total <= per_message:
+            break
+        latency = total - per_message
+    if latency > 0.0:
+        return total - latency, latency
+    return statistics.median(v for v, _, _ in values), 0.0
 
 
 def profile_from_records(

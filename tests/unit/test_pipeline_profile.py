@@ -10,6 +10,9 @@ same step time.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import operator
 import random
 
 import pytest
@@ -24,6 +27,7 @@ from colossal_hetero.pipeline.profile import (
     vector_width,
 )
 from colossal_hetero.pipeline.simulator import Trace, simulate
+from colossal_hetero.pipeline.tuner import simulate_profile
 
 
 def _pair(sent, posted, arrived, asked, up=None):
@@ -81,14 +85,15 @@ def test_link_seconds_shared_ports_by_hand():
     assert link_seconds([r2, r0, r1], 3) == link_seconds([r0, r1, r2], 3)
 
 
-def _records_from_simulation(f, b, c, m, k, first):
+def _records_from_simulation(f, b, c, m, k, first, latency=0.0):
     """The records each stage of a simulated step would measure (one rank per stage): a
     sender notes when each pass ended; a receiver asks for each input when it is free for
     that pass, notes the arrival of each one it had to wait for, and posts every receive when
     it asks for the first (no message moves before; the first takes ``first`` seconds)."""
     p = len(f)
     firsts = [first] * (p - 1)
-    result = simulate(f, b, [Trace.constant(x) for x in c], m, k, first_s=firsts)
+    lat = [latency] * (p - 1)  # after the link, on both directions
+    result = simulate(f, b, [Trace.constant(x) for x in c], m, k, first_s=firsts, latency_s=lat)
     sent = {(s, op): [0.0] * m for s in range(p) for op in "FB"}
     arrived = {(s, op): [NOT_BLOCKED] * m for s in range(p) for op in "FB"}
     asked = {(s, op): [0.0] * m for s in range(p) for op in "FB"}
@@ -229,6 +234,42 @@ def test_link_time_and_latency_split_by_hand():
     spaced = [0.0, 1.0, 2.0, 3.0, 4.0]
     alone = link_seconds(_pair(spaced, [0.0] * 5, [0.9, 1.7, 2.7, 3.7, 4.7], spaced), 2)
     assert alone["F"] == (pytest.approx(0.7),) and alone["LF"] == (0.0,)
+
+
+def test_latency_read_back_from_simulated_steps():
+    # Steps simulated with link time c and latency L after it (f = 1, b = 2, m = 8, first
+    # messages 0.5 s). Where a direction has both queued and lone messages, c and L read back
+    # exactly; where it has one kind only, c + L reads as link time. The prediction from the
+    # split is never worse than from c + L as link time, and better in most cases.
+    for c, lat in ((1.5, 1.0), (2.0, 3.0)):
+        records, _ = _records_from_simulation([1.0] * 2, [2.0] * 2, [c], 8, 2, 0.5, lat)
+        profile = profile_from_records(records, 2, shared_ports=False)
+        assert profile.transfer_s == pytest.approx((c,)) and profile.latency_s == (
+            pytest.approx(lat),
+        )
+        assert profile.first_transfer_s == pytest.approx((0.5,))
+    better = 0
+    for p, k, (c, lat) in itertools.product((2, 4), (1, 2, 4), ((0.5, 2), (1.5, 1), (2, 3))):
+        records, step = _records_from_simulation(
+            [1.0] * p, [2.0] * p, [c] * (p - 1), 8, k, 0.5, lat
+        )
+        found = predict_from_records(records, 8, k)
+        prof = found.profile
+        lumped = dataclasses.replace(
+            prof,
+            transfer_s=tuple(map(operator.add, prof.transfer_s, prof.latency_s)),
+            transfer_up_s=tuple(map(operator.add, prof.transfer_up_s, prof.latency_up_s)),
+            first_transfer_s=tuple(map(operator.add, prof.first_transfer_s, prof.latency_s)),
+            first_transfer_up_s=tuple(
+                map(operator.add, prof.first_transfer_up_s, prof.latency_up_s)
+            ),
+            latency_s=(),
+            latency_up_s=(),
+        )
+        lumped_error = abs(simulate_profile(lumped, 8, k).step_time - step) / step
+        assert found.relative_error <= lumped_error + 1e-9, (p, k, c, lat)
+        better += found.relative_error < lumped_error - 0.01
+    assert better >= 8
 
 
 def test_tensor_parallel_group_takes_its_shortest_rank_pass():
