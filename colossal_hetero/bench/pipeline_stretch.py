@@ -12,11 +12,16 @@ Two modes (``Stretch(mode=)``):
   machine that sleep hands the rank's core to its neighbours, which then run faster: 4 ranks
   on 2 cores are CPU-bound, and a slow stage that sleeps speeds up every other stage, so a
   split that moves blocks off it gains far less than the slowdown says.
-- ``dedicated``: the block's pass lasts ``base * factor`` times the thread's CPU time of it,
+- ``dedicated``: a full-speed device's pass lasts ``base`` times the thread's CPU time of it,
   sleeping what its (contended) wall time left: a device of its own, ``base`` times slower
   than a core, that no neighbour speeds up or slows down while the contention stays below
-  ``base`` (as the interceptor's ``stretch="dedicated"``). Every rank of the scenario runs
-  on such devices, the slowed stage's with ``factor`` 2.
+  ``base`` (as the interceptor's ``stretch="dedicated"``). A device at ``1 / factor`` speed
+  then computes ``(factor - 1) * base`` times that CPU time longer, whatever else the pass's
+  wall time held: a tensor-parallel block's all-reduce waits are no compute and do not hide
+  the slow compute (before, a pass lasting ``base * factor * cpu`` in all let a block whose
+  waits filled that time run at full speed: a "half-speed" TP=2 stage was only 1.17x slower
+  per block). Every rank of the scenario runs on such devices, the slowed stage's with
+  ``factor`` 2.
 
 Backward is bracketed by two identity autograd functions: one on the block's output (its
 backward runs first, and starts the clocks) and one on the block's input (its backward runs
@@ -79,7 +84,8 @@ class Stretch:
             return
         wall = time.perf_counter() - start[0]
         if self.mode == "dedicated":
-            extra = self.base * self.factor * (self._cpu() - start[1]) - wall
+            work = self.base * (self._cpu() - start[1])  # the pass's compute on a full device
+            extra = max(0.0, work - wall) + (self.factor - 1.0) * work
         else:
             extra = (self.factor - 1.0) * wall
         if extra > 0.0:
