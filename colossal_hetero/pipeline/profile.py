@@ -309,7 +309,8 @@ def profile_from_records(
 ) -> PipelineProfile:
     """The stage profile a step's records imply, identical for any order of the records.
 
-    A rank's pass is its median compute plus its share of its ``overhead_s``. The ranks of one
+    A rank's pass is its median compute plus its share of the step it spent in neither a
+    median pass nor a blocked wait (:func:`_beyond_median_passes`). The ranks of one
     tensor-parallel group finish each pass together (its all-reduces), so the group's pass is
     its shortest rank's: the others also waited for that rank's input, which is the link's
     time, counted there (a tenant on one TP rank's link made its peer's median forward 62-76
@@ -328,7 +329,8 @@ def profile_from_records(
 
     def per_pass(r: RankRecord) -> float:  # a rank runs m forwards and m backwards
         lists = (r.sent_next, r.sent_prev, r.arrived_prev, r.arrived_next)
-        return r.overhead_s / (2 * max(1, *(len(t) for t in lists)))
+        passes = max(1, *(len(t) for t in lists))
+        return _beyond_median_passes(r, passes) / (2 * passes)
 
     tp = _tp_width(records)
 
@@ -352,6 +354,23 @@ def profile_from_records(
         latency_s=links["LF"],
         latency_up_s=links["LB"],
     )
+
+
+def _beyond_median_passes(r: RankRecord, passes: int) -> float:
+    """Seconds of ``r``'s step in neither a median pass nor a blocked wait: its ``overhead_s``
+    (the schedule's work between passes) plus its passes' excess over their median (a pass
+    descheduled on a loaded host, a slow first pass). Without the times asked (older records)
+    the blocked waits are unknown: ``overhead_s`` alone."""
+    asks = ((r.arrived_prev, r.asked_prev), (r.arrived_next, r.asked_next))
+    blocked = 0.0
+    for arrived, asked in asks:
+        for j, a in enumerate(arrived):
+            if a != NOT_BLOCKED:
+                if j >= len(asked):
+                    return r.overhead_s
+                blocked += a - asked[j]
+    outside = r.step_s - passes * (r.forward_s + r.backward_s) - blocked
+    return max(r.overhead_s, outside)
 
 
 def _tp_width(records: Sequence[RankRecord]) -> int:

@@ -118,7 +118,7 @@ def _records_from_simulation(f, b, c, m, k, first, latency=0.0):
             next_rank=s + 1 if s < p - 1 else None,
             forward_s=f[s],
             backward_s=b[s],
-            step_s=result.step_time,
+            step_s=max(e.end for e in result.events if e.stage == s),  # its own wall time
             activation_bytes=100.0,
             message_bytes=10.0,
             sent_next=tuple(sent[(s, "F")]) if s < p - 1 else (),
@@ -204,17 +204,25 @@ def test_vector_round_trip_and_errors():
 
 
 def test_overhead_is_spread_over_the_passes():
-    # Two stages, m = 2 messages each way; stage 1 spent 0.4 s of its step outside passes and
-    # waits: 0.1 s more per pass (2 forwards, 2 backwards). Stage 0 none.
+    # Two stages, m = 2 messages each way, median passes f = 1, b = 2 (6 s of passes). Stage 0
+    # took 6 s: nothing outside its passes. Stage 1 took 6.9 s, 0.5 s of it blocked for its
+    # first activation (asked 1.0, arrived 1.5), 0.4 s of overhead_s: 0.1 s more per pass.
     nb = NOT_BLOCKED
-    r0 = RankRecord(0, 0, 1, 1.0, 2.0, 9.0, 8.0, 4.0, (0.0, 1.0), posted_next=(0.0, 0.0),
+    r0 = RankRecord(0, 0, 1, 1.0, 2.0, 6.0, 8.0, 4.0, (0.0, 1.0), posted_next=(0.0, 0.0),
                     arrived_next=(nb, nb), asked_next=(5.0, 6.0))  # fmt: skip
-    r1 = RankRecord(1, 1, None, 1.0, 2.0, 9.0, 8.0, 0.0, arrived_prev=(nb, nb),
+    r1 = RankRecord(1, 1, None, 1.0, 2.0, 6.9, 8.0, 0.0, arrived_prev=(1.5, nb),
                     posted_prev=(0.0, 0.0), sent_prev=(3.0, 4.0), asked_prev=(1.0, 2.0),
                     overhead_s=0.4)  # fmt: skip
     profile = profile_from_records([r0, r1], 2)
     assert profile.forward_s == (1.0, pytest.approx(1.1)) and profile.backward_s[1] == 2.1
     assert record_from_vector(r1.to_vector(2), 2).overhead_s == 0.4
+    # 0.8 s more of stage 1's step in its passes, beyond their medians (a descheduled pass):
+    # 1.2 s outside median passes and blocked waits, 0.3 s a pass.
+    slow = dataclasses.replace(r1, step_s=7.7)
+    assert profile_from_records([r0, slow], 2).forward_s == (1.0, pytest.approx(1.3))
+    # Without the times asked, the blocked wait is unknown: overhead_s alone.
+    old = dataclasses.replace(slow, asked_prev=())
+    assert profile_from_records([r0, old], 2).forward_s == (1.0, pytest.approx(1.1))
 
 
 def test_link_time_and_latency_split_by_hand():
@@ -278,14 +286,15 @@ def test_tensor_parallel_group_takes_its_shortest_rank_pass():
     # late input (6 s against 2 s): the group's pass is 2 s. Stage 0's group: 1 and 1.5 s.
     def rank(r, forward):
         nxt = r + 2 if r < 2 else None
-        return RankRecord(r, r // 2, nxt, forward, 1.0, 9.0, 8.0, 4.0 if nxt else 0.0)
+        # One pass each way and no message lists: a step of the two passes, nothing outside.
+        return RankRecord(r, r // 2, nxt, forward, 1.0, forward + 1.0, 8.0, 4.0 if nxt else 0.0)
 
     records = [rank(0, 1.0), rank(1, 1.5), rank(2, 2.0), rank(3, 6.0)]
     assert profile_from_records(records, 2).forward_s == (1.0, 2.0)
     # Data parallelism, no tensor parallelism (PP=2 x DP=2: next-stage peer 1 ahead): each
     # rank is its own group and the stage takes its slowest replica (ranks 1 and 3: 5 s).
-    dp = [RankRecord(0, 0, 1, 1.0, 1.0, 9.0, 8.0, 4.0),
-          RankRecord(1, 1, None, 3.0, 1.0, 9.0, 8.0, 0.0),
-          RankRecord(2, 0, 3, 1.0, 1.0, 9.0, 8.0, 4.0),
-          RankRecord(3, 1, None, 5.0, 1.0, 9.0, 8.0, 0.0)]  # fmt: skip
+    dp = [RankRecord(0, 0, 1, 1.0, 1.0, 2.0, 8.0, 4.0),
+          RankRecord(1, 1, None, 3.0, 1.0, 4.0, 8.0, 0.0),
+          RankRecord(2, 0, 3, 1.0, 1.0, 2.0, 8.0, 4.0),
+          RankRecord(3, 1, None, 5.0, 1.0, 6.0, 8.0, 0.0)]  # fmt: skip
     assert profile_from_records(dp, 2).forward_s == (1.0, 5.0)
