@@ -177,14 +177,19 @@ def _messages(records: Sequence[RankRecord]) -> list[_Message]:
 
 
 def _seconds(
-    msg: _Message, history: Sequence[tuple[float, float]], seen: float
+    msg: _Message,
+    history: Sequence[tuple[float, float]],
+    seen: float,
+    crossing: Sequence[float] = (),
 ) -> tuple[float, str, float]:
     """Link seconds of one message that landed at ``msg.arrived``: the least of the upper
     bounds a first-in first-out link of constant time per message gives. ``history`` holds the
     earlier messages of its direction, ``(release, landing seen or NOT_BLOCKED)`` in order:
     messages ``i .. j`` all moved after ``release_i``, one at a time, and after a landing seen
     on message ``i`` the rest did. ``seen``: the last landing seen on the ports it shares with
-    other directions (it moved after that, too). Also which bound it is: ``"queued"`` (after a
+    other directions (it moved after that, too). ``crossing``: landings of the other directions
+    on those ports; those between a landing seen and this one took the port's time too. Also
+    which bound it is: ``"queued"`` (after a
     landing seen: the link's time per message alone), ``"alone"`` (its own release, no message
     ahead: its time per message plus any latency) or ``"burst"`` (an earlier release); and for
     ``"queued"``, how long before that landing the message was released."""
@@ -192,7 +197,8 @@ def _seconds(
     how, ahead = ("alone", 0.0) if msg.release >= seen else ("queued", seen - msg.release)
     for n, (release, landed) in enumerate(reversed(history), start=2):
         if landed != NOT_BLOCKED:
-            bound, kind = (msg.arrived - landed) / (n - 1), "queued"
+            between = sum(landed < t < msg.arrived for t in crossing)
+            bound, kind = (msg.arrived - landed) / (n - 1 + between), "queued"
         else:
             bound, kind = (msg.arrived - release) / n, "burst"
         if bound < best:
@@ -239,6 +245,7 @@ def link_seconds(
     """
     history: dict[tuple[str, int, int], list[tuple[float, float]]] = {}
     seen: dict[tuple[str, int], float] = {}
+    port_landings: dict[tuple[str, int], list[tuple[float, tuple[str, int, int]]]] = {}
     samples: dict[tuple[str, int, int], list[tuple[float, str, float]]] = {}
     for msg in _messages(records):
         ports = [("up", msg.src), ("down", msg.dst)] if shared_ports else []
@@ -251,7 +258,10 @@ def link_seconds(
             samples.setdefault((f"{op}0", boundary, column), []).append((first, "first", 0.0))
         else:
             latest = max([NOT_BLOCKED, *(seen.get(q, -1) for q in ports)])
-            seconds, how, ahead = _seconds(msg, earlier, latest)
+            crossing = [
+                t for q in ports for t, kind in port_landings.get(q, []) if kind != msg.kind
+            ]
+            seconds, how, ahead = _seconds(msg, earlier, latest, crossing)
             if _waited(msg, seconds):
                 samples.setdefault(msg.kind, []).append((seconds, how, ahead))
                 landed = msg.arrived
@@ -259,6 +269,7 @@ def link_seconds(
         if landed != NOT_BLOCKED:
             for port in ports:
                 seen[port] = max(seen.get(port, landed), landed)
+                port_landings.setdefault(port, []).append((landed, msg.kind))
     split = {(o, b, c): _link_and_latency(v) for (o, b, c), v in samples.items()}
 
     def slowest(key: str, part: int) -> tuple[float, ...]:

@@ -298,3 +298,18 @@ def test_tensor_parallel_group_takes_its_shortest_rank_pass():
           RankRecord(2, 0, 3, 1.0, 1.0, 2.0, 8.0, 4.0),
           RankRecord(3, 1, None, 5.0, 1.0, 6.0, 8.0, 0.0)]  # fmt: skip
     assert profile_from_records(dp, 2).forward_s == (1.0, 5.0)
+
+
+def test_landings_of_the_other_direction_share_the_port_time():
+    # Three stages; gradients 2 -> 1 and one activation 0 -> 1 share rank 1's download. The
+    # first gradient lands 0.5; the second (sent 0.6) is not waited for; the third (sent 0.7)
+    # lands 2.0. The activation (sent 0.65) lands 1.2, in between. Since the first gradient's
+    # landing the port delivered three messages (two gradients, the activation): 1.5 s / 3 =
+    # 0.5 s each (counting the gradients alone: 0.75; from the activation's landing: 0.8).
+    nb = NOT_BLOCKED
+    r0 = RankRecord(0, 0, 1, 1.0, 1.0, 2.0, 8.0, 4.0, sent_next=(0.65,))
+    r1 = RankRecord(1, 1, 2, 1.0, 1.0, 2.0, 8.0, 4.0, arrived_prev=(1.2,), posted_prev=(0.0,),
+                    asked_prev=(0.0,), arrived_next=(0.5, nb, 2.0), posted_next=(0.0,) * 3,
+                    asked_next=(0.0, 0.6, 1.9))  # fmt: skip
+    r2 = RankRecord(2, 2, None, 1.0, 1.0, 2.0, 8.0, 0.0, sent_prev=(0.0, 0.6, 0.7))
+    assert link_seconds([r0, r1, r2], 3)["B"] == (0.0, pytest.approx(0.5))
