@@ -426,10 +426,11 @@ class BalanceController:
     def _replan(
         self, detection: Detection, times: tuple[float, ...], widths: Widths
     ) -> ReplanDecision:
-        """Re-plan at the measured speeds once they held ``stable_steps`` and moved away from
-        the speeds the current widths were planned for."""
+        """Re-plan at the measured speeds once they held ``stable_steps`` (at once for a
+        sudden straggler, see ``_sudden``) and moved away from the speeds the current widths
+        were planned for."""
         settings = self.settings
-        if detection.stable_for() < settings.stable_steps:
+        if detection.stable_for() < settings.stable_steps and not self._sudden(detection):
             why = f"stable for {detection.stable_for()} < stable_steps {settings.stable_steps}"
             return ReplanDecision("none", widths, 0.0, why)
         speeds = detection.speeds
@@ -462,6 +463,15 @@ class BalanceController:
     def _shares(self, widths: Mapping[str, tuple[int, ...]]) -> tuple[float, ...]:
         """Per position, its share of the work at ``widths``, keys weighted by compute."""
         return shares_of(widths, self.tp_size, self.actuator.compute)
+
+    def _sudden(self, detection: Detection) -> bool:
+        """Whether a rank flagged at this agreement, not at the one before, reads over
+        ``1 + 2 * threshold``: a slowdown that large is no timing noise, and its first reading
+        (a window mostly of slow steps) is near its size, so the re-plan need not wait for
+        ``stable_steps`` (a recovery, or a straggler that stays flagged, still waits)."""
+        before = set(self.detections[-2].stragglers) if len(self.detections) > 1 else set()
+        limit = 1 + 2 * self.settings.threshold
+        return any(detection.slowdown[r] > limit for r in set(detection.stragglers) - before)
 
     def _restart_window(self) -> None:
         """Forget the recent steps (they ran another layout) and skip the next (warm-up)."""

@@ -18,7 +18,12 @@ import torch
 
 from colossal_hetero.balance import controller as module
 from colossal_hetero.balance.controller import Actuator, BalanceController
-from colossal_hetero.balance.detector import shares_of, work_units
+from colossal_hetero.balance.detector import (
+    DetectorSettings,
+    StragglerDetector,
+    shares_of,
+    work_units,
+)
 from colossal_hetero.balance.inlayer import InLayerPlan, plan_units
 from colossal_hetero.balance.window import HEADER, Report, pack
 from colossal_hetero.config.schema import BalancerConfig
@@ -146,12 +151,12 @@ def test_replan_moves_to_the_fast_rank_and_back(monkeypatch):
     moves = [
         (r["step"], r["decision"]["widths"]) for r in records if r["decision"]["action"] == "resize"
     ]
-    # Flagged at 8 (stability restarts), stable at 11 -> move; recovered at 30: the window
-    # 30..32 at 32, stable at 35 -> back.
-    assert moves == [(11, {"ffn": [76, 20]}), (35, {"ffn": [48, 48]})]
+    # Flagged at 8 at 4x, over 1 + 2 * threshold: a sudden straggler, moved at once;
+    # recovered at 30: the window 30..32 at 32 (released), stable at 35 -> back.
+    assert moves == [(8, {"ffn": [76, 20]}), (35, {"ffn": [48, 48]})]
     assert cluster.moves == [SKEW, EVEN]
     measured = [r for r in records if r["decision"]["action"] == "measured"]
-    assert [r["inputs"]["decision_step"] for r in measured] == [11, 35]
+    assert [r["inputs"]["decision_step"] for r in measured] == [8, 35]
     # Every later window at the skewed widths reads the same speeds: no further move.
     assert all(r["predicted_gain"] > 0 for r in records if r["decision"]["action"] == "resize")
     slow_at_skew = [d for d in controller.detections if 14 <= d.step < 30]
@@ -313,11 +318,11 @@ def test_semi_executes_its_pick(monkeypatch):
     cheap = _Cluster()
     controller = _controller(cheap, "semi", monkeypatch)
     _drive(controller, cheap, 15)
-    assert cheap.moves == [SKEW]  # stable at 11: the re-plan pays
+    assert cheap.moves == [SKEW]  # flagged at 8 at 4x > 1 + 2 * 0.15: sudden, re-planned
     replans = [r for r in controller.log.records if r["decision"].get("executed") == "replan"]
-    assert [r["step"] for r in replans] == [11]
+    assert [r["step"] for r in replans] == [8]
     assert cheap.ops.clears == 1
-    assert [step for step, _ in _in_layer(controller) if step > 11] == [14]
+    assert [step for step, _ in _in_layer(controller) if step > 8] == [11]
 
 
 class _CostlyOps(_Cluster):
@@ -406,7 +411,9 @@ def test_semi_skips_a_bridge_that_would_delay_its_re_plan(monkeypatch):
     restarted, so without the check it also re-plans at 9, after attaching the bridge.)"""
     cluster = _Cluster()
     controller = _controller(cluster, "semi", monkeypatch)
-    controller.settings = replace(controller.settings, every=2, stable_steps=2)
+    # threshold 1.6: the 4x rank is flagged (> 2.6) but not sudden (< 1 + 2 * 1.6)
+    controller.settings = replace(controller.settings, every=2, stable_steps=2, threshold=1.6)
+    controller.detector = StragglerDetector(2, DetectorSettings(1.0, 1.6, 0.5, 0.1))
     _drive(controller, cluster, 12)
     assert cluster.moves == [SKEW]
     replans = [r for r in controller.log.records if r["decision"].get("executed") == "replan"]
@@ -414,3 +421,27 @@ def test_semi_skips_a_bridge_that_would_delay_its_re_plan(monkeypatch):
     assert not [p for p in cluster.ops.applied if p.offloads]
     skipped = next(r for r in controller.log.records if r["step"] == 7)
     assert "bridge_skipped" in skipped["decision"] and skipped["decision"]["action"] == "keep"
+
+
+def test_a_sudden_straggler_is_re_planned_at_once_a_mild_one_waits(monkeypatch):
+    """Rank 1 at 4x from step 6 (threshold 0.15): flagged at 8 reading 4.0 > 1.3, moved at 8.
+    At 1.25x (flagged, under 1.3) it waits stable_steps: flagged at 8, moved at 11."""
+    cluster = _Cluster()
+    controller = _controller(cluster, "replan", monkeypatch)
+    _drive(controller, cluster, 12)
+    assert [r["step"] for r in controller.log.records if r["decision"]["action"] == "resize"] == [8]
+
+    class _Mild(_Cluster):
+        def slow(self, step: int) -> float:
+            return 1.25 if 6 <= step < 30 else 1.0
+
+        def plan(self, speeds: tuple[float, ...]) -> dict[str, tuple[int, ...]]:
+            return {"ffn": (52, 44)} if speeds[1] < 0.9 else dict(EVEN)
+
+    mild = _Mild()
+    controller = _controller(mild, "replan", monkeypatch)
+    _drive(controller, mild, 12)
+    assert [d.step for d in controller.detections if d.stragglers == (1,)][0] == 8
+    assert [r["step"] for r in controller.log.records if r["decision"]["action"] == "resize"] == [
+        11
+    ]
