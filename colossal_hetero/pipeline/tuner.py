@@ -204,8 +204,9 @@ def choose_k_over_window(
     step after the step it was measured on; the ``k`` that is fastest summed over the last few
     steps stays good through such flips, where the last step's best one lags each of them. Each
     candidate must fit every stage's budget under the largest activations of the window (the
-    budget of its last profile). The smallest ``k`` predicted within ``min_gain`` (relative) of
-    the best wins, as in :func:`choose_k`. ``step_s_by_k`` in the result holds each
+    budget of its last profile). The smallest ``k`` whose summed time is within ``min_gain`` of
+    one step (the best sum over the window's length) of the best wins, as in
+    :func:`choose_k`. ``step_s_by_k`` in the result holds each
     candidate's summed time over the window; one profile is exactly :func:`choose_k`.
 
     ``current_k`` (optional) wins the tie instead, while it fits: a ``k`` that hides every
@@ -238,7 +239,9 @@ def choose_k_over_window(
                 cache[(profile, k)] = _step_time(profile, m, k)
             total[k] += cache[(profile, k)]
     best = min(total.values())
-    tied = [c for c, t in total.items() if t <= best * (1 + min_gain)]
+    # A saving over the window ties when below min_gain of one step (the window's mean best):
+    # of the whole sum, the first preempted step after free ones could not move k.
+    tied = [c for c, t in total.items() if t <= best * (1 + min_gain / len(profiles))]
     k = current_k if current_k in tied else min(tied)
     p = last.num_stages
     peaks = tuple(expected_peak_in_flight(p, s, num_microbatches, k) * largest[s] for s in range(p))

@@ -98,3 +98,18 @@ def test_running_k_wins_a_tie_but_not_a_loss():
     assert choose_k_over_window([busy], m, min_gain=0.03, current_k=worst).k != worst
     tight = _profile(p, 0.0, act=1.0, budget=4.0)  # stage 0 holds min(4k, 8): only k = 1 fits
     assert choose_k_over_window([tight], m, current_k=2).k == 1
+
+
+def test_one_preempted_step_after_free_ones_moves_k():
+    # Three free steps (every k ties) and one whose link takes 0.2 forward-times a message
+    # (1F1B 36.2, k = 2 34.2). The saving, 2.0, is more than min_gain of that step (1.03) but
+    # less than min_gain of the window's summed time (4.0): it counts against one step, so k
+    # moves at once.
+    p, m, gain = 4, 8, 0.03
+    free, busy = _profile(p, 0.0), _profile(p, 0.2)
+    times = _brute([busy], m, list(range(1, m + 1)))
+    best = min(times, key=times.get)
+    saving = times[1] - times[best]
+    whole = 3 * _brute([free], m, [1])[1] + times[best]
+    assert saving > gain * times[best] and saving < gain * whole  # the case it is about
+    assert choose_k_over_window([free, free, free, busy], m, min_gain=gain, current_k=1).k == best
