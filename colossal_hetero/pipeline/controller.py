@@ -41,8 +41,9 @@ class AdaKController:
         latency_s: seconds added per message on this rank's outgoing link, beyond the measured
             link time.
         period: retune after steps ``period - 1, 2 * period - 1, ...`` (0-based step numbers).
-        min_gain: candidates predicted within this fraction of one step of the fastest tie, and the smallest
-            of them wins: measured compute jitters, and a k chosen on noise would flap.
+        min_gain: candidates predicted within this fraction of one step of the fastest tie, and
+            the smallest of them wins: measured compute jitters, and a k chosen on noise would
+            flap.
         window: how many retuning steps' profiles the choice sums over
             (:func:`~colossal_hetero.pipeline.tuner.choose_k_over_window`): a k good over the
             last few steps rides out a link that flips between steps; 1 uses the last step.
