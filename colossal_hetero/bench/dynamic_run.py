@@ -51,7 +51,8 @@ BALANCER_KNOBS: dict[str, Any] = {
 }
 """The benchmark's balancer settings (``fixed_fraction`` is the calibration's first guess,
 refined by the controller from each move): an agreement every 2 steps over the median of
-the last 3 (a change shows within 2 steps, a re-plan 2 steps later, inside a 10-step phase;
+the last 3 (a change shows within 2 steps, a re-plan then (a sudden straggler, over 1.6x)
+or 2 steps later, inside a 10-step phase;
 one gather per step would re-plan no sooner, as stability is counted in steps),
 and thresholds wide enough for a loaded 2-core host, where 4 ranks share 2 cores with other
 jobs and a rank's compute time jitters by tens of percent; the median and the hysteresis
