@@ -125,6 +125,27 @@ def test_fixed_layer_overhead_moves_split_toward_even_as_brute_force():
         assert slowest(planned(per_layer).layers_per_stage) == pytest.approx(best, rel=1e-9)
 
 
+def test_resolution_uses_the_calibrated_layer_overhead():
+    """The plugin's path (``stage_plan_for``): ``plan.layer_overhead_us`` (what the probe
+    measures at configure) reaches the split. Same numbers as the hand case above: at 1 TFLOP/s
+    and half a full-speed block fixed, [4, 8] becomes [5, 7]."""
+    spec = _spec(12, batch=16)
+    costs = block_costs(spec)
+    layers_in_block = sum(1 for la in spec.layers if ".0." in la.name)
+    compute = 4 * 3 * costs.block_flops / 1e12  # 4-sample micro-batches, speed 1 at 1 TFLOP/s
+
+    def split(overhead_us: float) -> tuple[int, ...]:
+        config = HeteroConfig(
+            parallel=ParallelConfig(pp=2, num_microbatches=4),
+            cluster=ClusterConfig(devices=[DeviceSpec(speed=0.5), DeviceSpec(speed=1.0)]),
+            plan=PlanConfig(mode="auto", reference_tflops=1.0, layer_overhead_us=overhead_us),
+        )
+        return stage_plan_for(config, spec, 2).layers_per_stage
+
+    assert split(0.0) == (4, 8)
+    assert split(compute / layers_in_block * 1e6) == (5, 7)
+
+
 def test_resolution_for_configs():
     devices = [DeviceSpec(speed=1.0), DeviceSpec(speed=0.5)]
     config = HeteroConfig(
