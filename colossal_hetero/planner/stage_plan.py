@@ -188,13 +188,11 @@ def plan_stages(
     costs = block_costs(spec)
     dp = cluster.num_devices // (pp * tp)
     flops = stage_speeds(cluster.speeds, pp, tp, dp)
-    memory = stage_speeds(cluster.memory_bytes, pp, tp, dp)  # the same sum-then-min rule
-    room = list(memory)
+    room = stage_speeds(cluster.memory_bytes, pp, tp, dp)  # the same sum-then-min rule
     room[0] -= costs.head_state_bytes
     room[-1] -= costs.tail_state_bytes
     link = boundary_bandwidths(cluster.bandwidths, pp, tp, dp)
-    # The fixed per-layer work (Python, launches) measured on the fastest device: it does
-    # not scale with a device's FLOP/s, so it pulls the split toward even.
+    # Fixed per-layer work (Python, launches; probed on the fastest device): not scaled by speed.
     overhead = cluster.layer_overhead_flops / max(cluster.speeds)
 
     def choose(layers: list[int]) -> MicrobatchChoice:
@@ -208,8 +206,7 @@ def plan_stages(
         size = pipeline_batch // choice.num_microbatches
         layers = _split(costs, flops, room, balance_ends, size, overhead)
         choice = choose(layers)
-    even = even_split(costs.num_blocks, pp)
-    m = choice.num_microbatches
+    even, m = even_split(costs.num_blocks, pp), choice.num_microbatches
     even_costs = _costs(costs, even, flops, room, link)
     return StagePlan(
         layers_per_stage=tuple(layers),
