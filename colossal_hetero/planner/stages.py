@@ -140,11 +140,18 @@ def split_from_times(
     memory_bytes: Sequence[float] | None = None,
     layer_bytes: float = 0.0,
     extra_bytes: Sequence[float] | None = None,
+    slack: float = 0.0,
 ) -> list[int]:
     """Layers per stage minimising the slowest stage's measured time (``times``), within the
     same memory caps and with the same tie rule as :func:`split_layers` (equal times give
-    Colossal-AI's even split). A stage's block time plays the inverse of its speed."""
-    return split_layers(
+    Colossal-AI's even split). A stage's block time plays the inverse of its speed.
+
+    ``slack``: the splits whose slowest stage is within ``1 + slack`` of the best cannot be
+    told apart by the measurement; take the one nearest Colossal-AI's even split (fewest
+    blocks moved: every stage keeps its even share unless that exceeds the limit, the blocks
+    that leaves go where the stage time grows least).
+    """
+    best = split_layers(
         num_layers,
         [1.0 / b for b in times.block_s],
         layer_seconds=1.0,
@@ -153,6 +160,33 @@ def split_from_times(
         layer_bytes=layer_bytes,
         extra_bytes=extra_bytes,
     )
+    if not slack > 0:
+        return best
+    p = len(best)
+    limit = max(times.stage_seconds(best)) * (1.0 + slack) * (1.0 + 1e-12)
+    extra_b = [0.0] * p if extra_bytes is None else list(extra_bytes)
+    mem = _caps(p, num_layers, memory_bytes, layer_bytes, extra_b)
+    caps = [
+        max(n, min(c, math.floor((limit - f) / b)))  # n: the best split stays allowed
+        for n, c, b, f in zip(best, mem, times.block_s, times.fixed_s, strict=True)
+    ]
+    even = [num_layers // p] * p
+    for s in remainder_priority(p)[: num_layers % p]:
+        even[s] += 1
+    layers = [min(e, c) for e, c in zip(even, caps, strict=True)]
+    rank = {s: i for i, s in enumerate(remainder_priority(p))}
+
+    def grown(s: int) -> tuple[float, int, int]:
+        return (times.fixed_s[s] + (layers[s] + 1) * times.block_s[s], rank[s], s)
+
+    heap = [grown(s) for s in range(p) if layers[s] < caps[s]]
+    heapq.heapify(heap)
+    for _ in range(num_layers - sum(layers)):
+        _, _, s = heapq.heappop(heap)
+        layers[s] += 1
+        if layers[s] < caps[s]:
+            heapq.heappush(heap, grown(s))
+    return layers
 
 
 def stage_speeds(device_speeds: Sequence[float], pp: int, tp: int, dp: int) -> list[float]:

@@ -230,3 +230,40 @@ def test_measured_times_respect_memory_and_reject_bad_input():
         StageTimes((0.01,), (0.0, 0.0))
     with pytest.raises(ValueError, match="fixed seconds"):
         StageTimes((0.01,), (-1.0,))
+
+
+def test_slack_takes_the_most_even_split_within_it_against_brute_force():
+    """Oracle: among every split whose slowest stage is within (1 + slack) of the best (brute
+    force), the fewest blocks moved from Colossal-AI's even split (half the L1 distance); the
+    result must be one of them at that distance."""
+    rng = random.Random(17)
+    for _ in range(200):
+        p = rng.randint(2, 5)
+        layers = rng.randint(p, 13)
+        times = StageTimes(
+            tuple(rng.choice([0.011, 0.0145, 0.02, 0.007]) for _ in range(p)),
+            tuple(rng.choice([0.0, 0.002, 0.009]) for _ in range(p)),
+        )
+        slack = rng.choice([0.0, 0.01, 0.05, 0.2])
+        splits = list(compositions(layers, p, [layers] * p))
+        best = min(max(times.stage_seconds(c)) for c in splits)
+        limit = best * (1 + slack) * (1 + 1e-12)
+        even = colossalai_even_split(layers, p)
+
+        def moved(c, even=even):
+            return sum(abs(a - b) for a, b in zip(c, even, strict=True))
+
+        allowed = [c for c in splits if max(times.stage_seconds(c)) <= limit]
+        got = split_from_times(layers, times, slack=slack)
+        assert sum(got) == layers and max(times.stage_seconds(got)) <= limit
+        if slack > 0:
+            assert moved(got) == min(moved(c) for c in allowed)
+
+
+def test_slack_breaks_a_near_tie_toward_even():
+    """Measured PP=2 x TP=2 stage times (bench run 3): [4, 8] predicts 72.5 ms, [5, 7] 72.9 ms
+    (0.6% apart); with 2% slack the split that moves fewer blocks wins."""
+    times = StageTimes((0.01375, 0.00803), (0.00412, 0.00821))
+    assert split_from_times(12, times) == [4, 8]
+    assert split_from_times(12, times, slack=0.02) == [5, 7]
+    assert split_from_times(12, times, slack=0.5) == [6, 6]  # 86.6 ms is within 1.5 x 72.5
