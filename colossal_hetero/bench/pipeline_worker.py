@@ -62,6 +62,10 @@ from colossal_hetero.planner.stages import StageTimes, split_from_times
 
 WARM_SEED = 10**6
 """Batch seed of each variant's unrecorded first step (rounds use their global number)."""
+SPLIT_SLACK = 0.02
+"""Phase (c)'s split: splits predicted within 2% of the best are one to the measurement (3-step
+medians under load; PP=2 x TP=2, one run: [4, 8] predicted 0.6% ahead of [5, 7] ran 1.03x
+even, [5, 7] in another run 1.20x), so the one moving fewest blocks from even is taken."""
 
 
 class InFlightMeter:
@@ -357,8 +361,13 @@ def measure_stage_times(
     times = StageTimes(
         tuple(stage_median(s, 0) for s in range(pp)), tuple(stage_median(s, 1) for s in range(pp))
     )
-    split = split_from_times(spec["layers"], times)
-    return {"block_s": list(times.block_s), "fixed_s": list(times.fixed_s), "split": split}
+    split = split_from_times(spec["layers"], times, slack=SPLIT_SLACK)
+    return {
+        "block_s": list(times.block_s),
+        "fixed_s": list(times.fixed_s),
+        "split": split,
+        "slack": SPLIT_SLACK,
+    }
 
 
 def _decisions(runner: Runner) -> list[dict[str, Any]]:
