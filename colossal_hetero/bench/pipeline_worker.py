@@ -338,7 +338,8 @@ def measure_stage_times(
     run, times two) and the rest of the stage's own passes per micro-batch (forward_step +
     backward_step, ``InFlightMeter.busy_s``, less its blocks): embeddings, head and loss,
     Python. Per stage the median over steps of its slowest rank; the planner
-    (``planner.stages.split_from_times``) then balances ``fixed + n * block``. Collective.
+    (``planner.stages.split_from_times`` with ``SPLIT_SLACK``) then balances
+    ``fixed + n * block``. Collective.
     """
     assert stock.meter is not None
     m, pp = spec["m"], spec["pp"]
