@@ -23,6 +23,8 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from colossal_hetero.planner.plan import WIDTH_KEY_OF_KIND
+
 MIN_SHARE = 1e-3
 """Smallest share of the work a rank is assumed to carry (for time per unit of work)."""
 
@@ -163,19 +165,6 @@ def shares_of(
     if total <= 0:
         return tuple(1.0 / size for _ in range(size))
     return tuple(sum(weight * f[i] for weight, f in weighted) / total for i in range(size))
-
-
-WIDTH_KEY_OF_KIND = {
-    "attention_qkv": "heads",
-    "attention_core": "heads",
-    "attention_out": "heads",
-    "mlp_up": "ffn",
-    "mlp_down": "ffn",
-    "embedding": "vocab",
-    "lm_head": "vocab",
-    "loss": "vocab",
-}
-"""The width key that sizes each planner layer kind (``planner.spec.LayerKind`` values)."""
 
 
 def width_key_compute(layers: Iterable[tuple[str, float]]) -> dict[str, float]:

@@ -258,7 +258,7 @@ def format_plan(plan: Plan) -> str:
 
 # -- what runs, and the short table --------------------------------------------------------
 
-_WIDTH_KEY = {
+WIDTH_KEY_OF_KIND = {
     "attention_qkv": "heads",
     "attention_core": "heads",
     "attention_out": "heads",
@@ -268,6 +268,7 @@ _WIDTH_KEY = {
     "lm_head": "vocab",
     "loss": "vocab",
 }
+"""The width key that sizes each planner layer kind (``planner.spec.LayerKind`` values)."""
 
 
 def with_widths(plan: Plan, widths: dict[str, tuple[int, ...]]) -> Plan:
@@ -280,7 +281,7 @@ def with_widths(plan: Plan, widths: dict[str, tuple[int, ...]]) -> Plan:
     new = {key: tuple(int(v) for v in counts) for key, counts in widths.items()}
     layers = []
     for layer in plan.layers:
-        key = _WIDTH_KEY.get(layer.kind)
+        key = WIDTH_KEY_OF_KIND.get(layer.kind)
         old = plan.widths.get(key) if key else None
         if layer.widths is None or key not in new or not old or sum(old) == 0:
             layers.append(layer)
