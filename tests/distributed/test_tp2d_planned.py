@@ -12,6 +12,8 @@ replicas' losses, as DDP averages); the planned blocks are uneven. Float64; tole
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -44,20 +46,36 @@ def _speeds(world_size: int) -> list[float]:
     return slow + [1.0] * (world_size - 4)  # the second replica's devices are all fast
 
 
-def check_planned_2d(rank: int, world_size: int) -> None:
-    """The checks of the module docstring (called in test_tp2d_plugin's 4-rank spawn too)."""
-    speeds = _speeds(world_size)
-    dp = world_size // 4
+def _boost_planned(dense: Any, speeds: list[float], workload: tuple[int, int]) -> tuple:
+    """(plugin, booster, model, optimizer, criterion): ``dense`` boosted in 2D on devices of
+    ``speeds``, planned from ``workload`` as the trainer does."""
     config = HeteroConfig(
         parallel=ParallelConfig(tp=4, tp_mode="2d"),
         cluster=ClusterConfig(device="cpu", devices=[DeviceSpec(speed=s) for s in speeds]),
     )
-    reference = _gpt2()
-    plugin = HeteroParallelPlugin(config, workload=(BATCH * dp, SEQ))  # as the trainer does
+    plugin = HeteroParallelPlugin(config, workload=workload)
     booster = Booster(plugin=plugin)
-    dense = _gpt2()
     optimizer = torch.optim.SGD(dense.parameters(), lr=0.1)
     model, optimizer, criterion, _, _ = booster.boost(dense, optimizer, loss_from_outputs)
+    return plugin, booster, model, optimizer, criterion
+
+
+def _assert_grads_equal(model: Any, reference: Any) -> None:
+    """Every gradient, gathered to its full HF tensor, equals the dense reference's."""
+    grads = {n: p.grad for n, p in reference.named_parameters()}
+    for name, param in model.unwrap().named_parameters():
+        full = spec_of(param).gather(param.grad)
+        torch.testing.assert_close(full, grads[name], rtol=0, atol=ATOL, msg=name)
+
+
+def check_planned_2d(rank: int, world_size: int) -> None:
+    """The checks of the module docstring (called in test_tp2d_plugin's 4-rank spawn too)."""
+    speeds = _speeds(world_size)
+    dp = world_size // 4
+    reference = _gpt2()
+    plugin, booster, model, optimizer, criterion = _boost_planned(
+        _gpt2(), speeds, (BATCH * dp, SEQ)
+    )
     groups = [tuple(range(g * 4, g * 4 + 4)) for g in range(dp)]
     expected = plan_tp2d(speeds, groups, BATCH, HEADS, 4 * H, GPT2_V)
     assert plugin.plan_2d == expected
@@ -78,10 +96,7 @@ def check_planned_2d(rank: int, world_size: int) -> None:
     ref_loss.backward()
     own = _dense_loss(_gpt2(), mine)
     torch.testing.assert_close(loss.detach(), own.detach(), rtol=0, atol=ATOL)
-    grads = {n: p.grad for n, p in reference.named_parameters()}
-    for name, param in model.unwrap().named_parameters():
-        full = spec_of(param).gather(param.grad)
-        torch.testing.assert_close(full, grads[name], rtol=0, atol=ATOL, msg=name)
+    _assert_grads_equal(model, reference)
     plugin.close()
 
 
@@ -90,17 +105,9 @@ def check_planned_llama_2d(rank: int) -> None:
     ``plan_tp2d`` with Llama's dimensions and head unit (whole key/value groups per column),
     the rows are uneven, and the loss and every gradient equal the dense float64 model's."""
     speeds = _speeds(4)
-    config = HeteroConfig(
-        parallel=ParallelConfig(tp=4, tp_mode="2d"),
-        cluster=ClusterConfig(device="cpu", devices=[DeviceSpec(speed=s) for s in speeds]),
-    )
     reference = _llama_reference()
-    plugin = HeteroParallelPlugin(config, workload=(BATCH, SEQ))
-    booster = Booster(plugin=plugin)
-    dense = _llama()
-    optimizer = torch.optim.SGD(dense.parameters(), lr=0.1)
-    model, optimizer, criterion, _, _ = booster.boost(dense, optimizer, loss_from_outputs)
-    heads, ffn, vocab, unit = dims_2d(dense.config)
+    plugin, booster, model, optimizer, criterion = _boost_planned(_llama(), speeds, (BATCH, SEQ))
+    heads, ffn, vocab, unit = dims_2d(reference.config)
     assert unit == 2  # 4 query heads over 2 key/value heads
     expected = plan_tp2d(speeds, [(0, 1, 2, 3)], BATCH, heads, ffn, vocab, head_unit=unit)
     assert plugin.plan_2d == expected
@@ -114,10 +121,7 @@ def check_planned_llama_2d(rank: int) -> None:
     ref_loss = _dense_loss(reference, batch)
     ref_loss.backward()
     torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=0, atol=ATOL)
-    grads = {n: p.grad for n, p in reference.named_parameters()}
-    for name, param in model.unwrap().named_parameters():
-        full = spec_of(param).gather(param.grad)
-        torch.testing.assert_close(full, grads[name], rtol=0, atol=ATOL, msg=name)
+    _assert_grads_equal(model, reference)
     plugin.close()
 
 
