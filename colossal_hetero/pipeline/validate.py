@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from colossal_hetero.config.loader import ConfigError
 from colossal_hetero.config.schema import HeteroConfig, ParallelConfig
+from colossal_hetero.utils.device import backend_for_kind
 
 MIB = 1 << 20
 
@@ -21,9 +22,10 @@ def check_pipeline_config(config: HeteroConfig) -> None:
 
     Refused: a ``num_layers_per_stage`` with the wrong number of entries or an empty stage;
     kfkb or ada_kfkb without pipeline parallelism; ``pp_k`` above the micro-batch
-    count; kfkb on ``cluster.device: cuda`` (NCCL; KFKBSchedule's early-posted receives would
-    hang there, see pipeline/schedule.py). With ``cluster.device: auto`` the backend is only
-    known at runtime, where KFKBSchedule refuses a non-gloo group with the same field name.
+    count; kfkb on a ``cluster.device`` whose backend is NCCL (KFKBSchedule's early-posted
+    receives would hang there, see pipeline/schedule.py). With ``cluster.device: auto`` the
+    backend is only known at runtime, where KFKBSchedule refuses a non-gloo group with the
+    same field name.
     """
     parallel = config.parallel
     if parallel.num_layers_per_stage:  # its count and positivity; the sum needs the model
@@ -41,10 +43,10 @@ def check_pipeline_config(config: HeteroConfig) -> None:
             f"parallel.pp_k: {parallel.pp_k} is larger than parallel.num_microbatches "
             f"({parallel.num_microbatches})"
         )
-    if config.cluster.device == "cuda":
+    if backend_for_kind(config.cluster.device) == "nccl":
         raise ConfigError(
             f"parallel.pp_schedule: {schedule} runs on gloo only (cluster.device cpu); "
-            "on cuda (NCCL) its early-posted receives would hang"
+            f"on {config.cluster.device} (NCCL) its early-posted receives would hang"
         )
 
 

@@ -33,6 +33,12 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def backend_for_kind(kind: DeviceKind) -> str | None:
+    """The backend a configured ``cluster.device`` kind will use (see ``backend_for``), or
+    None for auto (known only at run time, from the devices found)."""
+    return {"cuda": "nccl", "cpu": "gloo"}.get(kind)
+
+
 def bind_device(device: torch.device) -> None:
     """Make ``device`` the current device of this process (a no-op on CPU)."""
     if device.type == "cuda":
