@@ -39,6 +39,11 @@ def backend_for_kind(kind: DeviceKind) -> str | None:
     return {"cuda": "nccl", "cpu": "gloo"}.get(kind)
 
 
+def no_accelerator_env() -> dict[str, str]:
+    """Environment entries that hide every GPU from a child process (it then runs on CPU)."""
+    return {"CUDA_VISIBLE_DEVICES": ""}
+
+
 def bind_device(device: torch.device) -> None:
     """Make ``device`` the current device of this process (a no-op on CPU)."""
     if device.type == "cuda":

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from colossal_hetero.config import ConfigError
-from colossal_hetero.config.schema import NetworkEmulationConfig, RunConfig
+from colossal_hetero.config.schema import DeviceKind, NetworkEmulationConfig, RunConfig
 from colossal_hetero.emulation.shaped import tenant as tenant_script
 from colossal_hetero.emulation.shaped.controller import STEP_DIR_ENV, Controller
 from colossal_hetero.emulation.shaped.netns import (
@@ -45,6 +45,7 @@ from colossal_hetero.emulation.shaped.topology import (
     rank_directions,
     tenant_targets,
 )
+from colossal_hetero.utils.device import backend_for_kind, no_accelerator_env
 
 MASTER_PORT = 29500  # free by construction: the rank namespaces hold nothing else
 TENANT_MAX_SECONDS = 3600.0  # the tenant's own bound when the run has no timeout
@@ -75,7 +76,7 @@ def rank_env(topology: Topology, rank: int, run_dir: str) -> dict[str, str]:
         "ROLE_WORLD_SIZE": world,
         "GLOO_SOCKET_IFNAME": RANK_IFNAME,
         "OMP_NUM_THREADS": "1",
-        "CUDA_VISIBLE_DEVICES": "",  # gloo only: NCCL traffic would bypass the shaped links
+        **no_accelerator_env(),  # gloo only: NCCL traffic would bypass the shaped links
         STEP_DIR_ENV: run_dir,
         SHAPED_ENV: topology.prefix,
     }
@@ -277,12 +278,12 @@ def _report(code: int, failed: int | None, run_dir: str, timeout_s: float | None
             print(tail, file=sys.stderr)
 
 
-def check_shaped_device(device: str) -> None:
+def check_shaped_device(device: DeviceKind) -> None:
     """ConfigError unless the run's ranks are gloo (CPU) ranks, the only traffic shaped."""
-    if device == "cuda":
+    if backend_for_kind(device) == "nccl":
         raise ConfigError(
             "emulation.network.mode: shaped shapes gloo traffic between CPU ranks; NCCL runs "
-            "(cluster.device: cuda) are not shaped, use mode: model or cluster.device: cpu"
+            f"(cluster.device: {device}) are not shaped, use mode: model or cluster.device: cpu"
         )
 
 
