@@ -37,8 +37,9 @@ from colossal_hetero.planner.stages import (
     MicrobatchChoice,
     PipelineCosts,
     StageTimes,
+    affine_block_seconds,
     choose_microbatches,
-    remainder_priority,
+    even_split,
     split_from_times,
     stage_speeds,
 )
@@ -150,14 +151,6 @@ def _costs(
     )
 
 
-def even_split(num_layers: int, pp: int) -> list[int]:
-    """Colossal-AI's even split (``PipelineStageManager.distribute_layers``)."""
-    layers = [num_layers // pp] * pp
-    for s in remainder_priority(pp)[: num_layers % pp]:
-        layers[s] += 1
-    return layers
-
-
 def plan_stages(
     spec: ModelSpec,
     cluster: ClusterSpec,
@@ -239,7 +232,7 @@ def _split(
     layer whatever the rate (``ends``: the embeddings and head count on the first and last
     stage). With no overhead the micro-batch size only scales every time."""
     work = microbatch * (1.0 + BACKWARD_FLOPS_FACTOR)
-    block = tuple(work * costs.block_flops / f + costs.block_layers * overhead_s for f in flops)
+    block = affine_block_seconds(costs.block_layers * overhead_s, work * costs.block_flops, flops)
     fixed = [0.0] * len(flops)
     if ends:
         fixed[0] += work * costs.head_flops / flops[0]

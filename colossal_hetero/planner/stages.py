@@ -170,10 +170,7 @@ def split_from_times(
         max(n, min(c, math.floor((limit - f) / b)))  # n: the best split stays allowed
         for n, c, b, f in zip(best, mem, times.block_s, times.fixed_s, strict=True)
     ]
-    even = [num_layers // p] * p
-    for s in remainder_priority(p)[: num_layers % p]:
-        even[s] += 1
-    layers = [min(e, c) for e, c in zip(even, caps, strict=True)]
+    layers = [min(e, c) for e, c in zip(even_split(num_layers, p), caps, strict=True)]
     rank = {s: i for i, s in enumerate(remainder_priority(p))}
 
     def grown(s: int) -> tuple[float, int, int]:
@@ -186,6 +183,14 @@ def split_from_times(
         layers[s] += 1
         if layers[s] < caps[s]:
             heapq.heappush(heap, grown(s))
+    return layers
+
+
+def even_split(num_layers: int, pp: int) -> list[int]:
+    """Colossal-AI's even split (``PipelineStageManager.distribute_layers``)."""
+    layers = [num_layers // pp] * pp
+    for s in remainder_priority(pp)[: num_layers % pp]:
+        layers[s] += 1
     return layers
 
 
