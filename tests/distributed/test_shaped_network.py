@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -49,7 +50,9 @@ RATE_TOLERANCE = 0.15  # the issue's bound; measured 2-6% (TCP/IP headers are ~3
 
 
 def test_rates_and_all_to_all_behind_all_reduce():
-    phase = phases(quick=True)[0]  # 2 ranks, 3 repeats of every pattern
+    # 2 ranks, 7 repeats of every pattern: the median then rides out the odd transfer that
+    # real TCP delays about 2x (seen in 3 of 21 runs with the bench's 3 repeats, idle host)
+    phase = replace(phases(quick=True)[0], repeats=7)
     shaped, leftovers = run_shaped_phase(phase)
     predicted = predictions(phase)
     for name in ("allreduce", "p2p", "alltoall"):
