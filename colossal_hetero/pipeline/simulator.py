@@ -26,6 +26,12 @@ Model (the contract the tuner and the planner rely on):
   they come): it lands at ``max(off the upload, start on the download + transfer time)``,
   the download starting no earlier than the upload. Two stages (``p = 2``) give the same
   times as separate links: each port then carries one kind of message.
+- ``burst_s`` / ``up_burst_s``: a link or port shaped by a token bucket (tc's htb ``burst``)
+  lets a message through that many seconds faster after it idled: tokens accrue at the link's
+  rate up to the bucket, so a message that finds the link (or port) idle for ``g`` seconds moves
+  as if it had started ``min(burst, g)`` earlier (back-to-back messages get no credit). Through
+  two shaped ports in series (upload, then download) the smaller credit counts. Exact for
+  messages at least as large as the bucket; the step's first messages (timed whole) get none.
 - Memory: a micro-batch's activations live on stage ``s`` from its forward to its backward;
   peak memory is ``activation_bytes[s]`` times the peak number alive.
 """
@@ -67,8 +73,8 @@ class Trace:
         return cls((0.0,), (float(seconds),))
 
     def finish(self, start: float) -> float:
-        """When a transfer started at ``start`` ends."""
-        j = bisect.bisect_right(self.starts, start) - 1
+        """When a transfer started at ``start`` ends (before 0: at the first value)."""
+        j = max(0, bisect.bisect_right(self.starts, start) - 1)
         t, left = start, 1.0  # fraction of the transfer still to move
         while True:
             c = self.seconds[j]
@@ -118,6 +124,15 @@ def _check_lengths(
         raise ValueError(f"simulate: {p} stages need {p - 1} boundary traces, got {len(transfers)}")
 
 
+def _per_boundary(name: str, values: Sequence[float] | None, p: int) -> list[float]:
+    """``values`` (default: 0 on every boundary) checked as ``p - 1`` finite seconds >= 0."""
+    if values is None:
+        return [0.0] * (p - 1)
+    if len(values) != p - 1 or any(not (math.isfinite(x) and x >= 0) for x in values):
+        raise ValueError(f"simulate: {name} needs {p - 1} finite values >= 0, got {values}")
+    return [float(x) for x in values]
+
+
 def simulate(
     forward_s: Sequence[float],
     backward_s: Sequence[float],
@@ -132,6 +147,8 @@ def simulate(
     shared_ports: bool = False,
     first_s: Sequence[float] | None = None,
     first_up_s: Sequence[float] | None = None,
+    burst_s: Sequence[float] | None = None,
+    up_burst_s: Sequence[float] | None = None,
 ) -> SimResult:
     """Simulate one step of kFkB with ``k`` over ``p = len(forward_s)`` stages.
 
@@ -144,26 +161,26 @@ def simulate(
     ``first_s[b]`` / ``first_up_s[b]`` (default: none): seconds the step's first activation /
     gradient on boundary ``b`` takes, counted from when its receiver asks for it; no message
     of that kind moves before (see the module doc); ``first_up_s`` defaults to ``first_s``.
+    ``burst_s[b]`` / ``up_burst_s[b]`` (default 0; gradients default to ``burst_s``): the token
+    bucket's credit in seconds of boundary ``b``'s activations / gradients (see the module doc).
     """
     p = len(forward_s)
     act = [0.0] * p if activation_bytes is None else list(activation_bytes)
-    lat = [0.0] * (p - 1) if latency_s is None else list(latency_s)
     _check_lengths(p, forward_s, backward_s, transfers, act)
     up = list(transfers) if up_transfers is None else list(up_transfers)
     if len(up) != p - 1:
         raise ValueError(f"simulate: {p} stages need {p - 1} up_transfers, got {len(up)}")
-    up_lat = lat if up_latency_s is None else list(up_latency_s)
-    for name, values in (("latency_s", lat), ("up_latency_s", up_lat)):
-        if len(values) != p - 1 or any(not (math.isfinite(x) and x >= 0) for x in values):
-            raise ValueError(f"simulate: {name} needs {p - 1} finite values >= 0, got {values}")
+    lat = _per_boundary("latency_s", latency_s, p)
+    up_lat = lat if up_latency_s is None else _per_boundary("up_latency_s", up_latency_s, p)
+    burst = _per_boundary("burst_s", burst_s, p)
+    up_burst = burst if up_burst_s is None else _per_boundary("up_burst_s", up_burst_s, p)
     orders = [kfkb_order(p, s, num_microbatches, k) for s in range(p)]
     first: dict[tuple[str, int], float] = {}
     for op, times in (("F", first_s), ("B", first_s if first_up_s is None else first_up_s)):
         if times is not None:
-            if len(times) != p - 1 or any(not (math.isfinite(x) and x >= 0) for x in times):
-                raise ValueError(f"simulate: first_s needs {p - 1} finite values >= 0")
-            first.update({(op, b): float(x) for b, x in enumerate(times)})
+            first.update({(op, b): x for b, x in enumerate(_per_boundary("first_s", times, p))})
     links = _Links(transfers, up, (lat, up_lat), shared_ports, start_time, first)
+    links.burst = {"F": burst, "B": up_burst}
     events = _run(orders, forward_s, backward_s, links, start_time)
     step = max(e.end for e in events) if events else 0.0
     busy = tuple(sum(e.end - e.start for e in events if e.stage == s) for s in range(p))
@@ -195,30 +212,38 @@ class _Links:
         """Seconds of each (kind, boundary)'s first message, which moves when asked for."""
         self.latency = {"F": list(latency[0]), "B": list(latency[1])}
         """Seconds each kind's messages take after leaving the link, per boundary."""
+        self.burst = {"F": [0.0] * len(down), "B": [0.0] * len(up)}
+        """Token-bucket credit of each kind's messages, per boundary (seconds)."""
         self.shared = shared_ports
-        p = len(down) + 1
         self.free: dict[tuple[str, int], float] = {}
-        for s in range(p):
-            self.free[("up", s)] = self.free[("down", s)] = start_time
-        for b in range(p - 1):
-            self.free[("F", b)] = self.free[("B", b)] = start_time
+        """When each link or port is next free; idle (a full bucket) before its first message."""
+        self.start = start_time
+
+    def _begin(self, port: tuple[str, int], ready: float, burst: float) -> tuple[float, float]:
+        """(when a message ready at ``ready`` starts on ``port``, its token-bucket credit)."""
+        free = self.free.get(port, -math.inf)
+        begin = max(ready, free, self.start)
+        return begin, min(burst, begin - free)
 
     def land(self, op: str, src: int, dst: int, ready: float, first: bool = False) -> float:
         """Book the message ``src -> dst`` of kind ``op`` sent at ``ready``; its landing time.
         Calls must come in order of ``ready`` (the FIFO order of every link and port).
-        ``first``: the step's first message of its kind and boundary (``self.first``)."""
+        ``first``: the step's first message of its kind and boundary (``self.first``), timed
+        whole: no token-bucket credit."""
         boundary = min(src, dst)
         if first:
-            trace = Trace.constant(self.first[(op, boundary)])
+            trace, burst = Trace.constant(self.first[(op, boundary)]), 0.0
         else:
-            trace = self.traces[op][boundary]
+            trace, burst = self.traces[op][boundary], self.burst[op][boundary]
         if not self.shared:
-            leaves = trace.finish(max(ready, self.free[(op, boundary)]))
+            begin, credit = self._begin((op, boundary), ready, burst)
+            leaves = max(begin, trace.finish(begin - credit))
             self.free[(op, boundary)] = leaves
         else:
-            begin = max(ready, self.free[("up", src)])
-            sent = trace.finish(begin)  # off the sender's port
-            leaves = max(sent, trace.finish(max(begin, self.free[("down", dst)])))
+            begin, credit = self._begin(("up", src), ready, burst)
+            sent = max(begin, trace.finish(begin - credit))  # off the sender's port
+            down, credit = self._begin(("down", dst), begin, burst)
+            leaves = max(sent, down, trace.finish(down - credit))
             self.free[("up", src)], self.free[("down", dst)] = sent, leaves
         return leaves + self.latency[op][boundary]
 

@@ -49,6 +49,11 @@ class PipelineProfile:
     latency_up_s: tuple[float, ...] = ()
     """Latency of the gradients on each boundary, when it differs from ``latency_s`` (then that
     is the activations'); empty: both directions alike."""
+    burst_s: tuple[float, ...] = ()
+    """Seconds of token-bucket credit an activation on each boundary gets after its link (or
+    port) idled (see the simulator); empty: none."""
+    burst_up_s: tuple[float, ...] = ()
+    """The same for gradients (empty: as ``burst_s``)."""
 
     @property
     def num_stages(self) -> int:
@@ -82,7 +87,8 @@ def _check_profile(profile: PipelineProfile) -> None:
         raise ValueError("profile: every per-stage field needs one value per stage")
     if len(profile.transfer_s) != p - 1:
         raise ValueError(f"profile.transfer_s: {p} stages need {p - 1} boundary times")
-    for name in ("transfer_up_s", "first_transfer_s", "first_transfer_up_s", "latency_up_s"):
+    per_boundary = ("transfer_up_s", "first_transfer_s", "first_transfer_up_s", "latency_up_s")
+    for name in (*per_boundary, "burst_s", "burst_up_s"):
         if getattr(profile, name) and len(getattr(profile, name)) != p - 1:
             raise ValueError(f"profile.{name}: {p} stages need {p - 1} boundary times")
     if profile.latency_s and len(profile.latency_s) != p - 1:
@@ -254,9 +260,9 @@ def _step_time(profile: PipelineProfile, num_microbatches: int, k: int) -> float
 
 
 def simulate_profile(profile: PipelineProfile, num_microbatches: int, k: int) -> SimResult:
-    """One simulated step of ``profile`` under ``k``: constant link times and latencies, each
-    direction's own when ``transfer_up_s`` / ``latency_up_s`` is given, shared stage ports
-    when ``shared_ports``."""
+    """One simulated step of ``profile`` under ``k``: constant link times, latencies and
+    token-bucket credits, each direction's own when ``transfer_up_s`` / ``latency_up_s`` /
+    ``burst_up_s`` is given, shared stage ports when ``shared_ports``."""
     up = profile.transfer_up_s or profile.transfer_s
     return simulate(
         profile.forward_s,
@@ -271,4 +277,6 @@ def simulate_profile(profile: PipelineProfile, num_microbatches: int, k: int) ->
         shared_ports=profile.shared_ports,
         first_s=profile.first_transfer_s or None,
         first_up_s=profile.first_transfer_up_s or None,
+        burst_s=profile.burst_s or None,
+        up_burst_s=profile.burst_up_s or None,
     )

@@ -215,3 +215,44 @@ def test_latency_per_direction_overlaps_where_link_time_queues():
     assert simulate(f, f, link, 2, 2, latency_s=[2.0]).step_time == 11.0
     with pytest.raises(ValueError, match="up_latency_s"):
         simulate(f, f, link, 2, 2, up_latency_s=[-1.0])
+
+
+def test_token_bucket_credit_after_an_idle_link():
+    # p=2, m=3, GPipe, f=b=1, link 2 s a message, bucket 1.5 s. Activations: F0 (ready 1, link
+    # idle: full credit) lands 1 - 1.5 + 2 = 1.5; F1 (ready 2, idle 0.5 s) 2 - 0.5 + 2 = 3.5;
+    # F2 (ready 3, link busy to 3.5: none) 5.5. Stage 1: F [1.5,2.5] [3.5,4.5] [5.5,6.5],
+    # B [6.5,7.5] [7.5,8.5] [8.5,9.5]; gradients land 8 (full credit), 10 (0.5 s), 12 (none);
+    # stage 0: B [8,9] [10,11] [12,13]. Without the bucket the same step takes 16.
+    f, b, c = uniform(2, 1.0, 1.0, 2.0)
+    r = simulate(f, b, c, 3, 3, burst_s=[1.5])
+    spans = {(e.stage, e.op, e.mb): (e.start, e.end) for e in r.events}
+    assert [spans[(1, "F", i)][0] for i in range(3)] == [1.5, 3.5, 5.5]
+    assert [spans[(0, "B", i)][0] for i in range(3)] == [8.0, 10.0, 12.0]
+    assert r.step_time == 13.0
+    assert simulate(f, b, c, 3, 3, burst_s=[0.0]) == simulate(f, b, c, 3, 3)
+    # Gradients without a bucket: stage 1's B end at 7.5, 8.5, 9.5 and land 9.5, 11.5, 13.5.
+    assert simulate(f, b, c, 3, 3, burst_s=[1.5], up_burst_s=[0.0]).step_time == 14.5
+    with pytest.raises(ValueError, match="burst_s"):
+        simulate(f, b, c, 3, 3, burst_s=[-1.0])
+
+
+def test_token_bucket_on_shared_ports_takes_the_smaller_credit():
+    # p=3, m=2, k=2, f=b=1, 2 s a message, bucket 1 s, shared ports. s0 F [0,1] [1,2]: F0 leaves
+    # s0's idle upload at 1 - 1 + 2 = 2 into s1's idle download (lands 2); F1 (ready 2) finds
+    # both ports just freed (no credit): lands 4. s1 F0 [2,3] lands 4 on s2; s1 F1 [4,5]: its
+    # upload idled 1 s, s2's download 1 s: lands 5 - 1 + 2 = 6. s2 F [4,5] [6,7], B [7,8] [8,9]:
+    # B0 lands 9 on s1 (s1's download idle since 4), B1 11 (back to back). s1 B0 [9,10] lands
+    # 11 on s0; B1 [11,12]: upload idled since 11 (1 s credit), s0's download since 11: 13.
+    # s0 B [11,12] [13,14]. Without the bucket: 18 (every message its full 2 s).
+    f, b, c = uniform(3, 1.0, 1.0, 2.0)
+    r = simulate(f, b, c, 2, 2, shared_ports=True, burst_s=[1.0, 1.0])
+    spans = {(e.stage, e.op, e.mb): (e.start, e.end) for e in r.events}
+    assert [spans[(1, "F", i)][0] for i in range(2)] == [2.0, 4.0]
+    assert [spans[(2, "F", i)][0] for i in range(2)] == [4.0, 6.0]
+    assert [spans[(1, "B", i)][0] for i in range(2)] == [9.0, 11.0]
+    assert r.step_time == 14.0
+    assert simulate(f, b, c, 2, 2, shared_ports=True).step_time == 18.0
+    # A bucket on boundary 1 only: s0 F lands 3, 5 (full 2 s); s1 F [3,4] [5,6] land 5, 7 on
+    # s2 (both ports idled 1 s); s2 F [5,6] [7,8] B [8,9] [9,10], gradients land 10, 12 on s1;
+    # s1 B [10,11] [12,13] land 13, 15 on s0 (no credit); s0 B [13,14] [15,16].
+    assert simulate(f, b, c, 2, 2, shared_ports=True, burst_s=[0.0, 1.0]).step_time == 16.0

@@ -201,3 +201,20 @@ def test_bad_rows():
         agree_profile([[float("nan")] * 6], [0], 1)
     with pytest.raises(ValueError, match="one row of 6"):
         agree_profile([[1.0] * 5], [0], 1)
+
+
+def test_a_token_bucket_in_the_profile_reaches_the_simulator_and_can_move_k():
+    # p=2, m=4, f=b=1, 2 s a message: without a bucket k=2 is best (16 s; 1F1B 18 s). With a
+    # 1.5 s bucket 1F1B's messages each find the link idle: activations land 1.5, 3.5 (0.5 s
+    # idle), 6.5, 8.5 and gradients 4, 6, 9, 11; stage 0's last backward [11, 12]. Step 12,
+    # where GPipe-like groups queue back to back: k=1 wins, as PP=4's free links measured.
+    prof = dataclasses.replace(profile(2, 1.0, 1.0, 2.0), burst_s=(1.5,), burst_up_s=(1.0,))
+    direct = simulate(
+        [1.0, 1.0], [1.0, 1.0], [Trace.constant(2.0)], 4, 1, burst_s=[1.5], up_burst_s=[1.0]
+    )
+    assert choose_k(prof, 4, [1]).predicted_step_s == direct.step_time
+    bucket = choose_k(dataclasses.replace(prof, burst_up_s=(1.5,)), 4)
+    assert (bucket.k, bucket.predicted_step_s) == (1, 12.0)
+    assert choose_k(profile(2, 1.0, 1.0, 2.0), 4).k == 2
+    with pytest.raises(ValueError, match="burst_s"):
+        choose_k(dataclasses.replace(prof, burst_s=(1.0, 1.0)), 4)
