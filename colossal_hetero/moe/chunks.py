@@ -11,6 +11,12 @@ costing ``T(S) = alpha + S / beta``, an a2a that becomes ready waits for at most
 ``max_inflight`` chunks already on the wire, ``max_inflight * T(S)``, while the efficiency of
 the chunked all-reduce is ``(S / beta) / T(S)``. :func:`chunk_bytes_for` returns the smallest
 ``S`` with efficiency >= ``target``: ``S >= target / (1 - target) * alpha * beta``.
+
+Even chunks: cutting ``N`` bytes into pieces of at most ``S`` leaves a tail chunk of
+``N mod S`` bytes, which pays a whole ``alpha`` for a few bytes (measured: an 8 KiB tail of
+the dense gradient ended 4 ms after the 379 KiB chunk before it). :func:`even_chunk_bytes`
+instead cuts ``N`` into ``max(1, N // S)`` nearly equal chunks, each at least ``S`` (so at
+least as efficient) and below ``2 S``.
 """
 
 from __future__ import annotations
@@ -95,3 +101,17 @@ def chunk_bytes_for(alpha_s: float, beta_bytes_per_s: float, target: float = 0.9
     if alpha_s < 0 or beta_bytes_per_s <= 0:
         raise ValueError("chunk size: need alpha >= 0 and beta > 0 from the profile")
     return max(1, math.ceil(target / (1 - target) * alpha_s * beta_bytes_per_s))
+
+
+def even_chunk_bytes(total_bytes: int, size: int, itemsize: int) -> int:
+    """The chunk size that cuts a gradient of ``total_bytes`` into ``count = max(1, total_bytes
+    // size)`` nearly equal chunks of ``itemsize``-byte elements (pure; see the module), for
+    :func:`plan_chunks`. Every chunk but the last holds the returned size: at least ``size``
+    when ``total_bytes >= size``, and less than ``2 * size + itemsize``. The last holds the rest
+    (for a gradient of more than ``count ** 2`` elements, fewer than ``count`` elements less).
+    A gradient smaller than ``size`` is one chunk."""
+    if size <= 0 or itemsize <= 0:
+        raise ValueError(f"moe.chunk_bytes must be > 0, got {size}")
+    elements = max(1, -(-total_bytes // itemsize))
+    count = max(1, total_bytes // size)
+    return -(-elements // count) * itemsize

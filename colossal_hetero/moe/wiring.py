@@ -8,7 +8,9 @@ The reducers then run on the step seam:
   a rank holds over the ranks holding the same experts (``moe_dp``), both averaged over all
   data-parallel ranks, in fixed chunks, on process groups of their own (never the a2a's);
   each group's all-reduce cost is profiled once (moe/profile.py) to predict chunk times and,
-  with ``moe.chunk_efficiency``, to size the chunks;
+  with ``moe.chunk_efficiency``, to size the chunks; the size is then evened out over the
+  group's gradient (``max(1, total // size)`` equal chunks, so no small tail chunk pays a
+  whole all-reduce latency);
 - the boosted optimizer's ``step`` first flushes both reducers, so every gradient is reduced
   before the update (and before clipping);
 - :class:`MoeStepLog`, a seam controller, starts each step's event log and, with a metrics
@@ -32,7 +34,7 @@ from colossal_hetero.config.schema import HeteroConfig
 from colossal_hetero.metrics.decisions import DecisionWriter
 from colossal_hetero.moe.block import HeteroEPMixtralSparseMoeBlock
 from colossal_hetero.moe.checks import check_moe_model
-from colossal_hetero.moe.chunks import chunk_bytes_for
+from colossal_hetero.moe.chunks import chunk_bytes_for, even_chunk_bytes
 from colossal_hetero.moe.comm import MoeComm
 from colossal_hetero.moe.pipeline_choice import PipelineChooser
 from colossal_hetero.moe.placement import Placement
@@ -115,12 +117,22 @@ def install_reducers(
         size = moe.chunk_bytes
         if moe.chunk_efficiency > 0:
             size = min(size, max(MIN_CHUNK_BYTES, chunk_bytes_for(*profile, moe.chunk_efficiency)))
+        size = _evened(group_params, size)
         reducers[name] = ChunkedGradReducer(group_params, group, chunk_bytes=size, **common)
         reducers[name].set_profile(*profile)
     comm.attach(reducers)
     if optimizer is not None:
         optimizer.step = _flush_first(optimizer.step, comm.flush)
     return reducers
+
+
+def _evened(params: list[nn.Parameter], size: int) -> int:
+    """``size`` evened out over the gradient of ``params`` (:func:`.chunks.even_chunk_bytes`:
+    no tail chunk smaller than ``size``); unchanged for mixed dtypes (chunks break at each)."""
+    if not params or len({p.dtype for p in params}) > 1:
+        return size
+    itemsize = params[0].dtype.itemsize
+    return even_chunk_bytes(sum(p.numel() for p in params) * itemsize, size, itemsize)
 
 
 def _flush_first(step: Callable[..., Any], flush: Callable[[], None]) -> Callable[..., Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colossal_hetero.moe.chunks import Segment, chunk_bytes_for, plan_chunks
+from colossal_hetero.moe.chunks import Segment, chunk_bytes_for, even_chunk_bytes, plan_chunks
 
 F32 = torch.float32
 
@@ -62,3 +62,34 @@ def test_chunk_size_from_alpha_beta():
     assert efficiency(s) >= 0.9 - 1e-12 and efficiency(s - 2) < 0.9  # smallest such size
     with pytest.raises(ValueError, match="moe.chunk_efficiency"):
         chunk_bytes_for(1e-3, 1e9, 1.0)
+
+
+def test_even_chunks_by_hand():
+    # The bench's bf16 gradients at a 379 KiB (388096 B) chunk size: the dense 396544 B were
+    # [388096, 8448] and the experts' 786432 B [388096, 388096, 10240]; evened, one chunk and
+    # two equal ones (each at least the size, so at least as efficient).
+    bf16 = torch.bfloat16
+    assert even_chunk_bytes(396544, 388096, 2) == 396544
+    assert [c.numel * 2 for c in plan_chunks([198272], [bf16], 396544)] == [396544]
+    size = even_chunk_bytes(786432, 388096, 2)
+    assert [c.numel * 2 for c in plan_chunks([196608, 196608], [bf16] * 2, size)] == [393216] * 2
+    assert even_chunk_bytes(100, 4096, 4) == 100  # smaller than the size: one chunk
+    with pytest.raises(ValueError, match="moe.chunk_bytes"):
+        even_chunk_bytes(100, 0, 4)
+
+
+def test_even_chunks_against_brute_force():
+    # The chunk count is floor(total / size) (at least 1); every chunk but the last holds the
+    # returned size, which is the smallest per-chunk capacity giving at most that many chunks.
+    for elements in range(1, 200):
+        for size in (4, 12, 40, 400, 1000):
+            got = even_chunk_bytes(4 * elements, size, 4)
+            count = max(1, 4 * elements // size)
+            chunks = plan_chunks([elements], [F32], got)
+            assert len(chunks) <= count
+            smallest = min(
+                c for c in range(1, elements + 1) if -(-elements // c) <= count
+            )  # brute force: the least capacity (elements) with at most `count` chunks
+            assert got == 4 * smallest
+            if 4 * elements >= size:
+                assert all(4 * c.numel >= size for c in chunks[:-1]) and got < 2 * size + 4
