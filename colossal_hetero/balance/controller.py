@@ -51,7 +51,13 @@ from colossal_hetero.balance.inlayer import (
     plan_units,
     predicted_times,
 )
-from colossal_hetero.balance.replan import ReplanDecision, decide_replan, planning_speeds
+from colossal_hetero.balance.replan import (
+    ReplanDecision,
+    best_plan,
+    decide_replan,
+    off_plan,
+    planning_speeds,
+)
 from colossal_hetero.balance.semi import (
     SemiDecision,
     SemiInputs,
@@ -117,7 +123,8 @@ class BalanceController:
         settings: the balancer config.
         tp_size, tp_rank: this rank's tensor-parallel group size and rank in it.
         group_index: an id shared by the ranks of this rank's tensor-parallel group.
-        planned_for: relative speeds per position the current widths were planned for.
+        planned_for: relative speeds per position the current widths were planned with (the
+            declared ones; after a re-plan, the planning speeds it handed the planner).
         weight_bytes: bytes of this rank's tensor-parallel weight shards.
         actuator: widths, planner and resize.
         device: where the gather's tensor lives (the process group's device).
@@ -303,7 +310,10 @@ class BalanceController:
         extra: dict[str, Any] = {"semi": asdict(semi)}
         # Without a bridge (bridge_off) a re-plan that pays is the only action left.
         bridgeless = self.bridge_off is not None and semi.replan_value > 0
-        if semi.action == "replan" or bridgeless:
+        # No rank flagged, yet the widths were planned for other speeds (a recovery read at a
+        # transient speed): re-plan as mode replan would, when stable and it pays.
+        idle = not view.stragglers and self.plan.empty
+        if semi.action == "replan" or bridgeless or idle:
             decision, gain, act = self._replan_outcome(step, view, times)
             if act is not None:
                 return {**decision, **extra, "executed": "replan"}, gain, act
@@ -434,12 +444,13 @@ class BalanceController:
             why = f"stable for {detection.stable_for()} < stable_steps {settings.stable_steps}"
             return ReplanDecision("none", widths, 0.0, why)
         speeds = detection.speeds
-        tolerance = settings.stable_tolerance
-        if all(abs(a - b) <= tolerance * b for a, b in zip(speeds, self.planned_for, strict=True)):
+        target = planning_speeds(speeds, self.fixed_fraction)
+        if not off_plan(target, self.planned_for, settings.stable_tolerance):
             return ReplanDecision("none", widths, 0.0, "widths already planned for these speeds")
         start = time.perf_counter()
         try:
-            planned = self.actuator.plan(planning_speeds(speeds, self.fixed_fraction))
+            compute = self.actuator.compute
+            planned, target = best_plan(self.actuator.plan, speeds, self.fixed_fraction, compute)
         except ValueError as error:  # infeasible at these speeds: keep running as is
             return ReplanDecision("none", widths, 0.0, f"planner: {error}")
         planning_s = time.perf_counter() - start
@@ -455,7 +466,7 @@ class BalanceController:
         # The planner keeping these widths, or a move made: the widths now stand for these
         # speeds. A move that did not pay yet is considered again at the next agreement.
         if decision.action == "resize" or decision.widths == planned:
-            self.planned_for = speeds
+            self.planned_for = target
         if decision.action == "resize":  # a move's cost is the planner's time and the resize
             self._move_s += planning_s
         return decision

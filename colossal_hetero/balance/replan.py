@@ -15,7 +15,7 @@ window beside each move so that the model can be checked.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -102,6 +102,60 @@ def planning_speeds(speeds: Sequence[float], fixed_fraction: float) -> tuple[flo
     if top <= 0:
         return tuple(speeds)
     return tuple(max(x / top, MIN_PLANNING_SPEED) for x in shares)
+
+
+def off_plan(target: Sequence[float], planned_with: Sequence[float], tolerance: float) -> bool:
+    """Whether the speeds to plan with now (``planning_speeds`` of the measured speeds at the
+    fitted fixed fraction) moved away from ``planned_with``, those the current widths were
+    planned with: some speed differs by more than ``tolerance`` of the planned one, speeds
+    below ``tolerance`` compared in absolute terms (a rank near no width moves few columns).
+
+    Comparing planning speeds rather than measured ones also re-plans when only the fixed
+    fraction moved: widths planned before the first move's fit (calibrated 0.05, fitted 0.25
+    to 0.35 on the bench's emulated devices) give a slow rank too much."""
+    return any(
+        abs(a - b) > tolerance * max(b, tolerance)
+        for a, b in zip(target, planned_with, strict=True)
+    )
+
+
+def model_times(
+    speeds: Sequence[float],
+    widths: Mapping[str, Sequence[int]],
+    fixed_fraction: float,
+    compute: Mapping[str, float] | None = None,
+) -> tuple[float, ...]:
+    """Per rank, the work model's time at ``widths`` on devices at relative ``speeds``:
+    ``work_units / speed`` (units of an even split's work on the fastest device)."""
+    units = work_units(shares_of(widths, len(speeds), compute), fixed_fraction)
+    return tuple(u / max(v, MIN_PLANNING_SPEED) for u, v in zip(units, speeds, strict=True))
+
+
+def best_plan(
+    plan: Callable[[tuple[float, ...]], dict[str, tuple[int, ...]]],
+    speeds: Sequence[float],
+    fixed_fraction: float,
+    compute: Mapping[str, float] | None = None,
+) -> tuple[dict[str, tuple[int, ...]], tuple[float, ...]]:
+    """The planner's widths the work model predicts fastest, and the speeds planned with.
+
+    Candidates: the planner at ``planning_speeds`` for ``fixed_fraction``, for half of it,
+    and at the measured speeds. Ranked by the model's times sorted slowest first (so among
+    plans with the same slowest rank, the one that balances the rest best wins): when one
+    rank's floor binds (a 4x rank keeps one head), every split of the rest ties in the
+    planner's objective and it may return a lopsided one (at planning speeds
+    (1, 0.012, 1, 0.34): ffn (1017, 0, 519, 0))."""
+    phi = min(max(fixed_fraction, 0.0), 0.9)
+    tried: dict[tuple[float, ...], None] = dict.fromkeys(
+        (planning_speeds(speeds, phi), planning_speeds(speeds, phi / 2), tuple(speeds))
+    )
+    ranked = []
+    for index, candidate in enumerate(tried):
+        widths = plan(candidate)
+        times = sorted(model_times(speeds, widths, phi, compute), reverse=True)
+        ranked.append((times, index, widths, candidate))
+    _, _, widths, candidate = min(ranked, key=lambda r: (r[0], r[1]))
+    return widths, candidate
 
 
 def predicted_saving(

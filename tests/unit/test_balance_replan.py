@@ -1,0 +1,125 @@
+"""The re-planner's choice of widths and when it re-plans, against hand-computed references.
+
+- ``off_plan``: the planning speeds (measured speeds at the fitted fixed fraction) compared with
+  those the widths were planned with, tiny speeds in absolute terms;
+- ``best_plan``: the planner's candidate the work model predicts fastest, the rest of the group
+  balanced when one rank's floor binds;
+- the controller re-plans when only the fitted fixed fraction moved (widths planned at phi 0
+  give a 4x rank too much once phi reads 0.2), and SEMI moves back after a recovery that no
+  flag shows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from colossal_hetero.balance.detector import DetectorSettings, StragglerDetector
+from colossal_hetero.balance.replan import best_plan, model_times, off_plan, planning_speeds
+from tests.unit.test_balance_controller import EVEN, _Cluster, _controller, _drive
+
+
+def test_off_plan_relative_above_the_tolerance_absolute_below():
+    # 0.76 planned, 1.0 now: 0.24 > 0.25 * 0.76 = 0.19 -> off.
+    assert off_plan((1.0, 1.0), (1.0, 0.76), 0.25)
+    assert not off_plan((1.0, 0.8), (1.0, 0.76), 0.25)  # 0.04 <= 0.19
+    # Near no width: 0.049 -> 0.013 moves under 0.25 * 0.25 = 0.0625 -> not off; 0.13 -> 0.049
+    # moves 0.081 -> off.
+    assert not off_plan((1.0, 0.013), (1.0, 0.049), 0.25)
+    assert off_plan((1.0, 0.049), (1.0, 0.13), 0.25)
+
+
+def test_model_times_by_hand():
+    # ffn (84, 12) of 96, phi 0.2, speeds (1, 0.25): units 0.2 + 0.8 * 2 * 84 / 96 = 1.6 and
+    # 0.2 + 0.8 * 2 * 12 / 96 = 0.4, the second at a quarter speed: 1.6.
+    times = model_times((1.0, 0.25), {"ffn": (84, 12)}, 0.2)
+    assert times == pytest.approx((1.6, 1.6))
+
+
+def test_best_plan_balances_the_rest_when_one_floor_binds():
+    """Three ranks, rank 2 at 0.1 speed keeps its floor (one head) in every candidate. A
+    stand-in planner returns, at the phi-adjusted speeds, a lopsided split of the rest (the
+    LP's tie); at the measured speeds an even one. Both have the same slowest rank, so the
+    second-slowest decides: the even split wins."""
+    speeds = (1.0, 1.0, 0.1)
+    lopsided: dict[str, tuple[int, ...]] = {"heads": (6, 1, 1), "ffn": (90, 6, 0)}
+    even: dict[str, tuple[int, ...]] = {"heads": (4, 3, 1), "ffn": (48, 48, 0)}
+    adjusted = planning_speeds(speeds, 0.3)
+
+    def planner(candidate: tuple[float, ...]) -> dict[str, tuple[int, ...]]:
+        return lopsided if candidate == adjusted else even
+
+    compute = {"heads": 1.0, "ffn": 2.0}
+    widths, used = best_plan(planner, speeds, 0.3, compute)
+    assert widths == even and used == speeds
+    # The reference by hand: shares (heads 1/8 weighs 1 of 3, ffn 2 of 3) -> rank 2's
+    # 1/24, units 0.3 + 0.7 * 3 / 24 at 0.1 speed = 3.875 in both; the others at 1.0:
+    # lopsided rank 0 0.3 + 0.7 * 3 * (6/8/3 + 90/96 * 2/3) = 2.1375; even rank 0
+    # 0.3 + 0.7 * 3 * (4/8/3 + 48/96 * 2/3) = 1.35 (rank 1 1.2625).
+    slow = (0.3 + 0.7 * 3 / 24) / 0.1
+    assert model_times(speeds, even, 0.3, compute)[2] == pytest.approx(slow)
+    assert model_times(speeds, lopsided, 0.3, compute)[0] == pytest.approx(2.1375)
+    assert max(model_times(speeds, even, 0.3, compute)[:2]) == pytest.approx(1.35)
+
+
+class _Proportional(_Cluster):
+    """Rank 1 at 4x from step 6 to the end; the planner's stand-in splits ffn 96 in proportion
+    to the speeds it is handed (what the real planner does with one width key)."""
+
+    def slow(self, step: int) -> float:
+        return 4.0 if step >= 6 else 1.0
+
+    def plan(self, speeds: tuple[float, ...]) -> dict[str, tuple[int, ...]]:
+        first = round(96 * speeds[0] / sum(speeds))
+        return {"ffn": (first, 96 - first)}
+
+
+def test_a_refitted_fixed_fraction_re_plans_toward_the_true_balance(monkeypatch: Any):
+    """Configured phi 0, the cluster's 0.2, stable_tolerance 0.25 (the benchmark's). The
+    first re-plan (at 4x, phi 0) gives rank 1 19 of 96 columns. By hand, equal times at phi
+    0.2 need ``4 (0.2 + 0.8 * 2 f / 96) = 0.2 + 0.8 * 2 (96 - f) / 96``: f = 12.
+
+    After the move the fit pulls phi half-way, to 0.1. At phi 0.1 the skewed widths read rank
+    1 at (2.067 / 0.456) / (1.483 / 1.544) = 4.72x: measured speed 0.212 against the 0.25
+    planned for, within 25% (the old check kept 19 columns). Its planning speed at phi 0.1,
+    0.161, is off the 0.25 planned with by more than 0.25 * 0.25: the controller re-plans to
+    round(96 * 0.161 / 1.161) = 13 columns. That move changes too few columns to fit phi
+    again, and 13 stands."""
+    cluster = _Proportional()
+    controller = _controller(cluster, "replan", monkeypatch, fixed_fraction=0.0)
+    controller.settings = replace(controller.settings, stable_tolerance=0.25)
+    controller.detector = StragglerDetector(2, DetectorSettings(1.0, 0.15, 0.05, 0.25))
+    _drive(controller, cluster, 40)
+    assert cluster.moves == [{"ffn": (77, 19)}, {"ffn": (83, 13)}]
+    assert controller.fixed_fraction == pytest.approx(0.1)
+    assert abs(13 - 12) < abs(19 - 12)
+
+
+def test_semi_moves_back_after_a_recovery_read_at_a_transient_speed(monkeypatch: Any):
+    """The benchmark's knobs (every 2, threshold 0.3, release 0.1, stable_tolerance 0.25,
+    stable_steps 2) with smoothing 0.5: after rank 1's 4x ends at step 30 the vector reads
+    2.5, 1.75, then 1.375, stable within 25%, and the re-plan lands on widths for 1.375x
+    (rank 1 39 of 96 columns). Then both devices read 1.0: no rank is flagged, and SEMI's
+    ops act on flagged ranks only (rank 0's 1.35x the time of rank 1 is its widths, not its
+    device). The widths were planned for other speeds, so SEMI re-plans as mode replan
+    does: back to the even widths (before this, it kept 39 columns to the end)."""
+    cluster = _Proportional()
+    cluster.slow = lambda step: 4.0 if 6 <= step < 30 else 1.0  # type: ignore[method-assign]
+    controller = _controller(cluster, "semi", monkeypatch)
+    controller.settings = replace(
+        controller.settings,
+        every=2,
+        threshold=0.3,
+        release=0.1,
+        stable_tolerance=0.25,
+        stable_steps=2,
+    )
+    controller.detector = StragglerDetector(2, DetectorSettings(0.5, 0.3, 0.1, 0.25))
+    _drive(controller, cluster, 48)
+    transient = cluster.moves[-2]
+    assert transient == {"ffn": (57, 39)}
+    assert cluster.moves[-1] == EVEN
+    back = [r for r in controller.log.records if r["decision"].get("executed") == "replan"]
+    assert back[-1]["step"] > 30 and not back[-1]["inputs"]["stragglers"]
