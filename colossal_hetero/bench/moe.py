@@ -55,13 +55,18 @@ CHUNK_EFFICIENCY = 0.5  # chunk size from the measured alpha-beta profile, at mo
 UNLIMITED = 1024  # priority off: every ready chunk goes at once (plain bucketed overlap, DDP-like)
 PIPELINE = 2  # token ranges of the forced a2a/expert pipelining (ours_pipe)
 PIPELINE_MOST = 4  # all on: the cost model picks 1..this many ranges (moe.pipeline_auto)
-VARIANTS = {  # name: (priority, fit_gaps, max_inflight, pipeline_chunks, pipeline_auto)
-    "ours_off": (False, False, UNLIMITED, 1, False),
-    "ours_hold": (True, False, MAX_INFLIGHT, 1, False),
-    "ours_on": (True, True, MAX_INFLIGHT, 1, False),
-    "ours_pipe": (True, True, MAX_INFLIGHT, PIPELINE, False),
-    "ours_all": (True, True, MAX_INFLIGHT, PIPELINE_MOST, True),
+VARIANTS = {  # name: (priority, fit_gaps, max_inflight, pipeline_chunks, pipeline_auto, packing)
+    "ours_off": (False, False, UNLIMITED, 1, False, False),
+    "ours_hold": (True, False, MAX_INFLIGHT, 1, False, False),
+    "ours_on": (True, True, MAX_INFLIGHT, 1, False, False),
+    "ours_pipe": (True, True, MAX_INFLIGHT, PIPELINE, False, False),
+    "ours_auto": (True, True, MAX_INFLIGHT, PIPELINE_MOST, True, False),
+    "ours_all": (True, True, MAX_INFLIGHT, 1, False, True),
 }
+"""``ours_all`` is everything that runs together: priority, gap fitting and expert packing
+(packing does not combine with pipelining, whose cost model chose one range, i.e. none, in
+every run: ``ours_auto``; speed-aware placement is the even one on equal devices, and its
+re-placement needs fp32: the heterogeneous case)."""
 _TIMED = ("all_reduce", "all_to_all_single", "reduce_scatter_tensor", "all_gather_into_tensor")
 _NOT_BUILT = {
     "all_on_vs_deepspeed_moe": "DeepSpeed-MoE baseline not run (optional extra, not installed)",
@@ -121,7 +126,13 @@ def _build_stock(device: torch.device) -> tuple[Any, Any, Any]:
 
 
 def _build_ours(
-    chunk_kib: int, priority: bool, fit: bool, max_inflight: int, pipeline: int, auto: bool
+    chunk_kib: int,
+    priority: bool,
+    fit: bool,
+    max_inflight: int,
+    pipeline: int,
+    auto: bool,
+    packing: bool,
 ) -> tuple[Any, Any, Any, Any]:
     from colossalai.booster import Booster
 
@@ -139,6 +150,7 @@ def _build_ours(
             fit_gaps=fit,
             pipeline_chunks=pipeline,
             pipeline_auto=auto,
+            packing=packing,
         ),
     )
     plugin = HeteroParallelPlugin(config)
@@ -175,6 +187,30 @@ def _a2a_medians(comm: Any) -> tuple[float, float, float]:
     dist.all_gather_object(everyone, chunks)
     wire = [c for rank_chunks in everyone for c in rank_chunks]
     return a2a_split(list(zip(starts.tolist(), ends.tolist(), strict=True)), wire)
+
+
+def _a2a_bytes(log: list) -> float:
+    """Bytes the world's ranks handed to the step's a2a calls (each rank's input tensors,
+    local rows included; from the step logs). Collective (all ranks)."""
+    mine = sum(row[5] for row in log if row[0] == "a2a")
+    total = torch.tensor([float(mine)], dtype=torch.float64)
+    dist.all_reduce(total)
+    return float(total.item())
+
+
+def _packing_stats(model: Any) -> dict[str, int]:
+    """This rank's packing accounting summed over its blocks (moe/packed.py): rows and bytes
+    its tokens sent to other ranks, packed, and as the unpacked exchange would have sent."""
+    from colossal_hetero.moe.block import HeteroEPMixtralSparseMoeBlock
+
+    fields = ("rows_packed", "rows_unpacked", "bytes_packed", "bytes_unpacked")
+    totals = dict.fromkeys(fields, 0)
+    for block in model.modules():
+        stats = getattr(block, "packing_stats", None)
+        if isinstance(block, HeteroEPMixtralSparseMoeBlock) and stats is not None:
+            for key in fields:
+                totals[key] += int(getattr(stats, key))
+    return totals
 
 
 def a2a_split(
@@ -221,7 +257,7 @@ def moe_worker(rank: int, world_size: int, device: torch.device, *, quick: bool)
                 logs[name].append((step_time, [list(row) for row in plugin.moe_log.last]))
             s, c = agreed([step_time, comm])
             a2a = {"a2a_alone": alone, "a2a_under": under, "a2a_overlapped": overlapped}
-            return {"step": s, "comm": c, **a2a}
+            return {"step": s, "comm": c, **a2a, "a2a_bytes": _a2a_bytes(plugin.moe_log.last)}
 
         return run
 
@@ -242,7 +278,8 @@ def moe_worker(rank: int, world_size: int, device: torch.device, *, quick: bool)
         plugin.close()
     ds_info.pop("engine", None)
     return {
-        "pipelining": getattr(ours["ours_all"][3].moe_log.comm.chooser, "record", None),
+        "pipelining": getattr(ours["ours_auto"][3].moe_log.comm.chooser, "record", None),
+        "packing": _packing_stats(ours["ours_all"][1]),
         "rounds": result.to_dict(),
         "deepspeed": ds_info,
         "max_loss_diff_vs_stock": loss_diff,
@@ -278,6 +315,8 @@ def _ratios() -> dict[str, Callable[[Mapping[str, float]], float]]:
     return {
         "ours_all_vs_stock": lambda v: v["stock.step"] / v["ours_all.step"],
         "all_vs_on": lambda v: v["ours_on.step"] / v["ours_all.step"],
+        "auto_vs_on": lambda v: v["ours_on.step"] / v["ours_auto.step"],
+        "ours_auto_vs_stock": lambda v: v["stock.step"] / v["ours_auto.step"],
         "pipe_vs_on": lambda v: v["ours_on.step"] / v["ours_pipe.step"],
         "ours_on_vs_stock": lambda v: v["stock.step"] / v["ours_on.step"],
         "ours_off_vs_stock": lambda v: v["stock.step"] / v["ours_off.step"],
@@ -431,9 +470,15 @@ def summarise(result: dict, network_mode: str) -> dict[str, Any]:
         / med("ours_hold.a2a_alone"),
         "a2a_with_chunks_on_wire": {name: med(f"{name}.a2a_overlapped") for name in VARIANTS},
         "max_loss_diff_vs_stock": result["max_loss_diff_vs_stock"],
-        "all_on_means": "priority on with gap fitting, a2a/expert pipelining over 1 to "
-        f"{PIPELINE_MOST} token ranges as its cost model chooses (packing and placement are not "
-        f"in this run); pipelining_on_vs_off: forced to {PIPELINE} ranges",
+        "all_on_means": "priority on with gap fitting and expert packing (pipelining does not "
+        "combine with packing: pipelining_auto_* is priority on with the pipelining cost model "
+        f"choosing 1 to {PIPELINE_MOST} ranges; pipelining_on_vs_off: forced to {PIPELINE} "
+        "ranges; placement: even on equal devices, speed-aware in the heterogeneous case)",
+        "pipelining_auto_vs_colossalai_moe": float(figures["ours_auto_vs_stock"]["value"]),
+        "pipelining_auto_vs_priority_on": float(figures["auto_vs_on"]["value"]),
+        "a2a_bytes_per_step": {name: med(f"{name}.a2a_bytes") for name in VARIANTS},
+        "packing_a2a_bytes_saved": 1 - med("ours_all.a2a_bytes") / med("ours_on.a2a_bytes"),
+        "packing_remote_bytes": result.get("packing"),
         **_pipelining_summary(result.get("pipelining"), med),
     }
     for key, reason in _NOT_BUILT.items():
@@ -507,7 +552,8 @@ def run_moe_benchmark(*, quick: bool, json_path: str = "", network: str = "shape
             "ours_hold": "priority on, chunks held from dispatch to combine",
             "ours_on": "priority on, chunks fitted into the gaps between a2a's",
             "ours_pipe": f"fitted chunks and a2a/expert pipelining forced to {PIPELINE} ranges",
-            "ours_all": "all on: fitted chunks, pipelining as its cost model chooses",
+            "ours_auto": "fitted chunks, pipelining as its cost model chooses",
+            "ours_all": "all on: fitted chunks and expert packing",
         }
         png = Path(json_path).with_suffix(".timeline.png")
         plot_timelines({titles[k]: v for k, v in logs.items()}, png)
