@@ -9,7 +9,8 @@ waiting for a slow one is not counted as slow). Work is assumed proportional to 
 work ``w_i`` (``work_units``: its share of the widths, plus a part that does not scale with
 them), so ``u_i = median(window_i) / w_i`` is its time per unit of work:
 its device's slowness, whatever widths it runs now. Across windows ``u_i`` is smoothed by an
-EWMA; the slowdown vector is ``s_i = u_i / min_j u_j`` (the fastest rank is 1.0).
+EWMA, except that a reading over ``1 + 2 * threshold`` times the smoothed one (either way)
+replaces it; the slowdown vector is ``s_i = u_i / min_j u_j`` (the fastest rank is 1.0).
 
 Hysteresis. A rank is flagged when ``s_i > 1 + threshold`` and released only when
 ``s_i < 1 + release`` (release < threshold), so a rank hovering near the threshold does not
@@ -102,13 +103,10 @@ class StragglerDetector:
             statistics.median(times) / max(share, MIN_SHARE)
             for times, share in zip(window, shares, strict=True)
         ]
-        alpha = self.settings.smoothing
         if self._ewma is None:
             self._ewma = unit
         else:
-            self._ewma = [
-                (1 - alpha) * old + alpha * new for old, new in zip(self._ewma, unit, strict=True)
-            ]
+            self._ewma = [self._smooth(old, new) for old, new in zip(self._ewma, unit, strict=True)]
         fastest = min(self._ewma)
         slowdown = tuple(u / fastest if fastest > 0 else 1.0 for u in self._ewma)
         flagged = frozenset(flag_stragglers(slowdown, self._flagged, self.settings))
@@ -116,6 +114,23 @@ class StragglerDetector:
             self._reference, self._stable_since = slowdown, step
         self._flagged = flagged
         return Detection(step, slowdown, tuple(sorted(flagged)), self._stable_since)
+
+    def _smooth(self, old: float, new: float) -> float:
+        """The EWMA step, or the new reading alone when it is over ``1 + 2 * threshold``
+        times the old one either way (``sudden``): a change that large is no timing noise
+        (the window's median has already filtered single steps), and smoothing it only delays
+        the flag or the release (with smoothing 0.5 an 8x rank's recovery took four more
+        agreements to fall below a 1.5x release)."""
+        if old > 0 and new > 0 and max(new / old, old / new) > sudden(self.settings):
+            return new
+        alpha = self.settings.smoothing
+        return (1 - alpha) * old + alpha * new
+
+
+def sudden(settings: DetectorSettings) -> float:
+    """The ratio of a rank's new per-unit time to its smoothed one beyond which the detector
+    takes the new reading unsmoothed: ``1 + 2 * threshold``."""
+    return 1 + 2 * settings.threshold
 
 
 def flag_stragglers(

@@ -46,6 +46,22 @@ def test_flags_an_emulated_slowdown_within_two_windows_and_releases_after_recove
     assert all(d.slowdown[0] >= 1.0 and min(d.slowdown) == 1.0 for d in history)
 
 
+def test_a_change_beyond_one_plus_twice_the_threshold_is_taken_unsmoothed():
+    """Smoothing 0.5, threshold 1.0 (the digits run's): a change of the per-unit time by
+    more than 3x either way replaces the smoothed value; a smaller one is averaged. By hand,
+    rank 1 (no noise): 1 -> 8 reads 8; 8 -> 1 reads 1 (released, below 1.5) instead of
+    4.5; 1 -> 2.5 (under 3x) reads 0.5 + 1.25 = 1.75."""
+    settings = DetectorSettings(smoothing=0.5, threshold=1.0, release=0.5, stable_tolerance=0.1)
+    detector = StragglerDetector(2, settings)
+    readings: list[tuple[float, tuple[int, ...]]] = []
+    for factor in (1.0, 8.0, 8.0, 1.0, 2.5):
+        state = detector.update(len(readings), [[0.1], [0.1 * factor]], (0.5, 0.5))
+        readings.append((state.slowdown[1], state.stragglers))
+    assert readings[1] == (pytest.approx(8.0), (1,))
+    assert readings[3] == (pytest.approx(1.0), ())
+    assert readings[4] == (pytest.approx(1.75), ())
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_no_flapping_under_constant_load_with_noise(seed: int):
     """Equal ranks, +-5% noise per step, 200 windows: never flagged. Guaranteed, not lucky:

@@ -97,16 +97,20 @@ def test_a_refitted_fixed_fraction_re_plans_toward_the_true_balance(monkeypatch:
     assert abs(13 - 12) < abs(19 - 12)
 
 
-def test_semi_moves_back_after_a_recovery_read_at_a_transient_speed(monkeypatch: Any):
+def test_semi_moves_back_after_a_recovery_through_a_milder_slowdown(monkeypatch: Any):
     """The benchmark's knobs (every 2, threshold 0.3, release 0.1, stable_tolerance 0.25,
-    stable_steps 2) with smoothing 0.5: after rank 1's 4x ends at step 30 the vector reads
-    2.5, 1.75, then 1.375, stable within 25%, and the re-plan lands on widths for 1.375x
-    (rank 1 39 of 96 columns). Then both devices read 1.0: no rank is flagged, and SEMI's
-    ops act on flagged ranks only (rank 0's 1.35x the time of rank 1 is its widths, not its
-    device). The widths were planned for other speeds, so SEMI re-plans as mode replan
-    does: back to the even widths (before this, it kept 39 columns to the end)."""
+    stable_steps 2). Rank 1 at 4x for steps 6..29, 1.35x for 30..39, then 1x. SEMI re-plans
+    the 4x, then the 1.35x (flagged, over 1.3). Then rank 1 reads 1.0: released, no rank is
+    flagged, and SEMI's ops act on flagged ranks only (rank 0's 1.35x the time of rank 1 is
+    its widths, not its device). The widths were planned for 1.35x, so SEMI re-plans as mode
+    replan does: back to the even widths (before, it kept them to the end)."""
     cluster = _Proportional()
-    cluster.slow = lambda step: 4.0 if 6 <= step < 30 else 1.0  # type: ignore[method-assign]
+    stages = ((6, 4.0), (30, 1.35), (40, 1.0))
+
+    def slow(step: int) -> float:
+        return next((f for start, f in reversed(stages) if step >= start), 1.0)
+
+    cluster.slow = slow  # type: ignore[method-assign]
     controller = _controller(cluster, "semi", monkeypatch)
     controller.settings = replace(
         controller.settings,
@@ -116,10 +120,10 @@ def test_semi_moves_back_after_a_recovery_read_at_a_transient_speed(monkeypatch:
         stable_tolerance=0.25,
         stable_steps=2,
     )
-    controller.detector = StragglerDetector(2, DetectorSettings(0.5, 0.3, 0.1, 0.25))
-    _drive(controller, cluster, 48)
-    transient = cluster.moves[-2]
-    assert transient == {"ffn": (57, 39)}
-    assert cluster.moves[-1] == EVEN
+    controller.detector = StragglerDetector(2, DetectorSettings(0.9, 0.3, 0.1, 0.25))
+    _drive(controller, cluster, 60)
+    # By hand at phi 0.2: 4x -> f = 12 (above); 1.35x -> planning speeds (1, 0.686) ->
+    # round(96 * 0.686 / 1.686) = 39.
+    assert cluster.moves == [{"ffn": (84, 12)}, {"ffn": (57, 39)}, EVEN]
     back = [r for r in controller.log.records if r["decision"].get("executed") == "replan"]
-    assert back[-1]["step"] > 30 and not back[-1]["inputs"]["stragglers"]
+    assert back[-1]["step"] > 40 and not back[-1]["inputs"]["stragglers"]
