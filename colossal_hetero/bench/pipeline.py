@@ -9,9 +9,12 @@ interleaved round by round on the rounds helper, through three phases:
 - (b) a preemption trace: a tenant process pushes real TCP into one stage's rank, paced to take
   80-90% of its link, for stretches of rounds (``kind: tenant`` preemptions, applied by the
   shaped launcher at the round numbers the ranks report);
-- (c) one stage's devices at half speed (``bench.pipeline_stretch``), no preemption; the
-  planned variants use the split planned from each stage's measured per-block and fixed
-  seconds at those speeds (``pipeline_worker.measure_stage_times``, then
+- (c) one device at half speed (``bench.pipeline_stretch``; ``slow_ranks``: stage 1's rank
+  of PP=4, one of stage 0's two tensor-parallel ranks of PP=2 x TP=2), no preemption. The
+  planned variants are told the devices' speeds (``cluster.devices``, ``plan.mode: auto``), so
+  the plugin plans each stage's tensor-parallel widths (uneven on the stage with the slow
+  device), and use the split planned from each stage's measured per-block and fixed seconds
+  at those speeds and widths (``pipeline_worker.measure_stage_times``, then
   ``planner.stages.split_from_times``), taken at the start of the run on Colossal-AI's 1F1B.
 
 Every figure is a median of per-round ratios of the slowest rank's step times (paired: one
@@ -38,10 +41,12 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from colossal_hetero.bench.pipeline_model import device_speeds
 from colossal_hetero.bench.stats import ratio_interval
 from colossal_hetero.config.schema import PreemptionSpec
 from colossal_hetero.planner.stages import split_layers, stage_speeds
@@ -72,6 +77,9 @@ class BenchSpec:
     m: int
     target_rank: int
     slow_stage: int
+    """The stage holding the half-speed device of phase (c)."""
+    slow_ranks: tuple[int, ...] = ()
+    """Phase (c)'s half-speed devices (ranks of ``slow_stage``)."""
     quick: bool = True
     layers: int = 12
     hidden: int = 128
@@ -94,6 +102,7 @@ class BenchSpec:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["ks"] = list(self.ks)
+        out["slow_ranks"] = list(self.slow_ranks)
         return out
 
 
@@ -136,28 +145,30 @@ def preemptions(shares: list[float], target_rank: int) -> list[PreemptionSpec]:
     return specs
 
 
-def planned_splits(layers: int, pp: int, tp: int, slow_stage: int, factor: float) -> dict:
-    """Colossal-AI's even split and the planner's splits for equal stages and the slow one.
+def planned_splits(layers: int, pp: int, tp: int, slow_ranks: Sequence[int], factor: float) -> dict:
+    """Colossal-AI's even split and the planner's splits for equal devices and phase (c)'s.
 
-    ``slow`` here counts device speed alone (every second of a block stretched); the ranks
-    replace it with the split planned from measured stage times (``measure_stage_times``),
-    which the result records as ``measured_split``."""
+    ``slow`` here counts device speed alone (every second of a block stretched, the slow
+    stage's TP widths uneven in proportion to speed); the ranks replace it with the split
+    planned from measured stage times (``measure_stage_times``), which the result records as
+    ``measured_split``."""
     equal = split_layers(layers, stage_speeds([1.0] * (pp * tp), pp, tp, 1))
-    speeds = [1.0 / factor if (r // tp) == slow_stage else 1.0 for r in range(pp * tp)]
+    speeds = device_speeds(pp * tp, slow_ranks, factor)
     slow = split_layers(layers, stage_speeds(speeds, pp, tp, 1))
     return {"even": equal, "equal": equal, "slow": slow}
 
 
 def build_specs(quick: bool, network_mode: str) -> list[BenchSpec]:
-    """PP=4 (m=16, micro-batches of 1) and PP=2 x TP=2 (m=8 of 2); tenant into stage 2 / 1."""
+    """PP=4 (m=16, micro-batches of 1) and PP=2 x TP=2 (m=8 of 2); tenant into stage 2 / 1;
+    phase (c)'s half-speed device: rank 1 (stage 1) / rank 0 (one of stage 0's TP pair)."""
     phases = phase_plan(quick)
     shares = job_shares(phases)
     layouts = [
-        ("pp4", 4, 1, 16, 2, 1, RATE_GBPS),
-        ("pp2xtp2", 2, 2, 8, 2, 0, MIXED_RATE_GBPS),
+        ("pp4", 4, 1, 16, 2, 1, (1,), RATE_GBPS),
+        ("pp2xtp2", 2, 2, 8, 2, 0, (0,), MIXED_RATE_GBPS),
     ]
     specs = []
-    for name, pp, tp, m, target, slow_stage, rate in layouts:
+    for name, pp, tp, m, target, slow_stage, slow_ranks, rate in layouts:
         spec = BenchSpec(
             name=name,
             pp=pp,
@@ -165,6 +176,7 @@ def build_specs(quick: bool, network_mode: str) -> list[BenchSpec]:
             m=m,
             target_rank=target,
             slow_stage=slow_stage,
+            slow_ranks=slow_ranks,
             quick=quick,
             budget_microbatches=0.75 * m,
             rate_gbps=rate,
@@ -172,7 +184,7 @@ def build_specs(quick: bool, network_mode: str) -> list[BenchSpec]:
             phases=phases,
             shares=shares,
         )
-        splits = planned_splits(spec.layers, pp, tp, slow_stage, spec.slow_factor)
+        splits = planned_splits(spec.layers, pp, tp, slow_ranks, spec.slow_factor)
         specs.append(BenchSpec(**{**asdict(spec), "splits": splits}))
     return specs
 

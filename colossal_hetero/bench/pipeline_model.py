@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from colossal_hetero.config.schema import (
+    ClusterConfig,
+    DeviceSpec,
     EmulationConfig,
     HeteroConfig,
     LinkSpec,
@@ -41,6 +43,11 @@ def model_config(spec: dict[str, Any]) -> ModelConfig:
     )
 
 
+def device_speeds(world: int, slow_ranks: Sequence[int], factor: float) -> list[float]:
+    """Phase (c)'s device speeds: ``1 / factor`` on ``slow_ranks``, 1 elsewhere."""
+    return [1.0 / factor if r in slow_ranks else 1.0 for r in range(world)]
+
+
 def network_config(spec: dict[str, Any], mode: str) -> NetworkEmulationConfig:
     """Every link at ``rate_gbps`` except the TP pairs inside a stage (``fast_gbps``): the stage
     links carry the pipeline's activations and gradients and are the ones preempted.
@@ -62,18 +69,29 @@ def network_config(spec: dict[str, Any], mode: str) -> NetworkEmulationConfig:
 
 
 def build_configs(
-    spec: dict[str, Any], split: str, device: Any, ada_budget_mib: float | None = None
+    spec: dict[str, Any],
+    split: str,
+    device: Any,
+    ada_budget_mib: float | None = None,
+    layers: Sequence[int] | None = None,
 ) -> tuple[ModelConfig, dict[str, Any]]:
     """The model and each variant's config for one split (``"equal"`` or ``"slow"``).
 
     ``stock`` (equal split only) is HybridParallelPlugin keyword arguments with Colossal-AI's
-    even split; the others are HeteroConfigs with the planned split, ``plan.mode: even`` (no
-    uneven TP: every stage's TP ranks run at one speed)."""
+    even split; the others are HeteroConfigs with the planned split (``layers`` overrides
+    it). On equal devices they run ``plan.mode: even``; on phase (c)'s devices (``slow``) they
+    are told each device's speed (``cluster.devices``) with ``plan.mode: auto``, so the plugin
+    plans every stage's tensor-parallel widths for its devices (``planner.stage_widths``;
+    uneven on a stage with the half-speed device) on the configured split."""
     from colossal_hetero.plugin.engine import engine_kwargs
 
-    layers = list(spec["splits"][split])
+    layers = list(spec["splits"][split] if layers is None else layers)
     network = network_config(spec, spec["network_mode"])
     emulation = EmulationConfig(network=network)
+    world = spec["pp"] * spec["tp"]
+    speeds = device_speeds(world, spec["slow_ranks"], spec["slow_factor"])
+    cluster = ClusterConfig(devices=[DeviceSpec(speed=s) for s in speeds])
+    planned = PlanConfig(mode="auto") if split == "slow" else PlanConfig(mode="even")
 
     def hetero(schedule: str, k: int = 1, budget: float | None = None) -> HeteroConfig:
         parallel = ParallelConfig(
@@ -86,7 +104,9 @@ def build_configs(
             pp_memory_budget_mib=budget,
             num_layers_per_stage=layers,
         )
-        return HeteroConfig(parallel=parallel, emulation=emulation, plan=PlanConfig(mode="even"))
+        if split != "slow":
+            return HeteroConfig(parallel=parallel, emulation=emulation, plan=planned)
+        return HeteroConfig(parallel=parallel, emulation=emulation, plan=planned, cluster=cluster)
 
     configs: dict[str, Any] = {}
     if split == "equal":

@@ -290,19 +290,21 @@ def run_pipeline_worker(
     phases = Phases(spec, rank)
     equal = _build_set(spec, "equal", device, {})
     # Phase (c) runs every rank on an emulated device of its own (``dedicated``: no neighbour's
-    # sleep speeds it up), the slowed stage's at half speed (bench/pipeline_stretch.py).
-    slowed = phases.layout[rank] == spec["slow_stage"]
+    # sleep speeds it up), the slow ranks' at half speed (bench/pipeline_stretch.py).
+    slowed = rank in spec["slow_ranks"]
     stretch = Stretch(spec["slow_factor"] if slowed else 1.0, mode="dedicated")
     stock = equal["stock"]
     stretch.attach(stock.blocks)
     stock.stretch = stretch
-    measured = measure_stage_times(stock, stretch, phases.layout, spec)
+    probe = _probe(spec, device, stock, stretch)
+    measured = measure_stage_times(probe, stretch, phases.layout, spec)
     slow_spec = {**spec, "splits": {**spec["splits"], "slow": measured["split"]}}
     slow = _build_set(slow_spec, "slow", device, {"stock": stock})
     for runner in slow.values():
         if runner is not stock:
             stretch.attach(runner.blocks)
             runner.stretch = stretch
+    measured["stage_widths"] = _stage_widths(slow["planned_1f1b"])
     setup_s = time.perf_counter() - started
     out: dict[str, Any] = {"setup_s": setup_s, "phases": {}, "measured_split": measured}
     for name, runners in (("a", equal), ("b", equal), ("c", slow)):
@@ -320,11 +322,33 @@ def run_pipeline_worker(
         }
         for split, runners in (("equal", equal), ("slow", slow))
     }
-    for runner in {id(r): r for r in (*equal.values(), *slow.values())}.values():
+    for runner in {id(r): r for r in (*equal.values(), *slow.values(), probe)}.values():
         close = getattr(runner.plugin, "close", None)
         if close is not None:
             close()
     return out
+
+
+def _probe(spec: dict[str, Any], device: torch.device, stock: Runner, stretch: Stretch) -> Runner:
+    """What phase (c)'s stage times are measured on: Colossal-AI's 1F1B on the even split with
+    the TP widths the planned variants get (``pipeline_model.build_configs``' slow set); under
+    PP alone (no widths) ``stock`` itself."""
+    if spec["tp"] == 1:
+        return stock
+    model_cfg, configs = build_configs(spec, "slow", device, layers=spec["splits"]["even"])
+    plugin = _plugins({"probe": configs["planned_1f1b"]}, device)["probe"]
+    probe = Runner("probe", plugin, model_cfg, spec)
+    stretch.attach(probe.blocks)
+    probe.stretch = stretch
+    return probe
+
+
+def _stage_widths(runner: Runner) -> list[dict[str, list[int]]]:
+    """Every rank's planned TP widths (``HeteroParallelPlugin.stage_widths``; {} for even)."""
+    mine = {key: list(value) for key, value in runner.plugin.stage_widths.items()}
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return every
 
 
 def measure_stage_times(
@@ -332,8 +356,9 @@ def measure_stage_times(
 ) -> dict[str, Any]:
     """Phase (c)'s split, planned from each stage's measured per-block and fixed seconds.
 
-    ``stock`` (Colossal-AI's 1F1B, even split) runs ``steps`` steps (after one unrecorded)
-    with ``stretch`` on, every rank at its phase (c) speed. Per rank and step: one block's
+    ``stock`` (Colossal-AI's 1F1B on the even split, with the planned variants' TP widths:
+    ``_probe``) runs ``steps`` steps (after one unrecorded) with ``stretch`` on, every rank at
+    its phase (c) speed. Per rank and step: one block's
     forward + backward per micro-batch (the stretch's timed block passes, over the passes
     run, times two) and the rest of the stage's own passes per micro-batch (forward_step +
     backward_step, ``InFlightMeter.busy_s``, less its blocks): embeddings, head and loss,

@@ -49,22 +49,30 @@ def _brute_force_max(layers: int, speeds: list[float]) -> float:
     return best
 
 
-@pytest.mark.parametrize(("pp", "tp", "slow"), [(4, 1, 1), (2, 2, 0)])
-def test_planned_splits(pp, tp, slow):
-    splits = planned_splits(12, pp, tp, slow, factor=2.0)
+@pytest.mark.parametrize(("pp", "tp", "slow_ranks"), [(4, 1, (1,)), (2, 2, (0,)), (2, 2, (0, 1))])
+def test_planned_splits(pp, tp, slow_ranks):
+    splits = planned_splits(12, pp, tp, slow_ranks, factor=2.0)
     assert splits["even"] == splits["equal"] == [12 // pp] * pp
-    speeds = [0.5 if s == slow else 1.0 for s in range(pp)]
+    # A stage's devices share its blocks in proportion to speed (uneven TP widths).
+    device = [0.5 if r in slow_ranks else 1.0 for r in range(pp * tp)]
+    speeds = [sum(device[s * tp : (s + 1) * tp]) for s in range(pp)]
     got = max(n / v for n, v in zip(splits["slow"], speeds, strict=True))
     assert sum(splits["slow"]) == 12
     assert got == _brute_force_max(12, speeds)
-    # the even split leaves the slow stage 1.5x the planned bottleneck (6/0.5 vs 8 per unit)
-    assert (12 // pp) / 0.5 / got == pytest.approx(1.5)
+    # Even split and even widths: a stage runs at tp times its slowest device. By hand: PP=4
+    # 3 / 0.5 = 6 against [4, 2, 3, 3]'s 4; one slow device of a TP pair 6 / 1 against
+    # [5, 7]'s 3.5 (widths 1 : 2 on stage 0); a slow pair 6 / 1 against [4, 8]'s 4.
+    even = max(n / (tp * min(device[s * tp : (s + 1) * tp])) for s, n in enumerate(splits["even"]))
+    expected = {(1,): 1.5, (0,): 6 / 3.5, (0, 1): 1.5}[tuple(slow_ranks)]
+    assert even / got == pytest.approx(expected)
 
 
 def test_specs_and_network():
     pp4, mixed = build_specs(quick=True, network_mode="shaped")
     assert (pp4.pp, pp4.tp, pp4.m, pp4.budget_microbatches) == (4, 1, 16, 12.0)
     assert (mixed.pp, mixed.tp, mixed.m) == (2, 2, 8)
+    # Phase (c)'s half-speed device: PP=4's stage 1; one of PP=2 x TP=2's stage-0 TP pair.
+    assert (pp4.slow_ranks, mixed.slow_ranks) == ((1,), (0,))
     assert pp4.batch_size % pp4.m == 0 and mixed.batch_size % mixed.m == 0
     net = network_config(mixed.to_dict(), "shaped")
     assert net.mode == "shaped" and net.bandwidth_gbps == mixed.rate_gbps
@@ -227,3 +235,33 @@ def test_dedicated_stretch_lasts_base_times_factor_times_cpu_work():
     out.sum().backward()
     stretch.detach()
     assert x.grad is not None
+
+
+def test_phase_c_variants_plan_uneven_widths_on_the_slow_devices_stage():
+    import torch
+
+    from colossal_hetero.bench.pipeline_model import build_configs, model_config
+    from colossal_hetero.models import build_model
+    from colossal_hetero.planner.resolve import (
+        stage_widths_for_model,
+        wants_stage_plan,
+        wants_stage_widths,
+    )
+
+    _, mixed = build_specs(quick=True, network_mode="model")
+    spec = mixed.to_dict()
+    _, slow = build_configs(spec, "slow", torch.device("cpu"), layers=[6, 6])
+    _, equal = build_configs(spec, "equal", torch.device("cpu"))
+    for name in ("planned_1f1b", "k1", "ada"):
+        config = slow[name]
+        assert config.cluster.speeds(4) == [0.5, 1.0, 1.0, 1.0]
+        # The split stays the configured (measured) one; the widths are planned per stage.
+        assert wants_stage_widths(config) and not wants_stage_plan(config)
+        assert name == "planned_1f1b" or not wants_stage_widths(equal[name])
+    model = build_model(model_config(spec))
+    plans = stage_widths_for_model(slow["planned_1f1b"], model, 4, (16, 32), [6, 6])
+    stage0, stage1 = (plan.widths for plan in plans)
+    # Rank 0 (half speed) gets the smaller share of stage 0's heads and MLP; stage 1 is even.
+    assert stage0["heads"][0] < stage0["heads"][1] and sum(stage0["heads"]) == 4
+    assert stage0["ffn"][0] < stage0["ffn"][1] and sum(stage0["ffn"]) == 512
+    assert stage1["heads"] == (2, 2) and stage1["ffn"] == (256, 256)
