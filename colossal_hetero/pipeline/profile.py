@@ -181,6 +181,7 @@ def _seconds(
     history: Sequence[tuple[float, float]],
     seen: float,
     crossing: Sequence[float] = (),
+    unseen: Sequence[tuple[float, float]] = (),
 ) -> tuple[float, str, float]:
     """Link seconds of one message that landed at ``msg.arrived``: the least of the upper
     bounds a first-in first-out link of constant time per message gives. ``history`` holds the
@@ -188,7 +189,9 @@ def _seconds(
     messages ``i .. j`` all moved after ``release_i``, one at a time, and after a landing seen
     on message ``i`` the rest did. ``seen``: the last landing seen on the ports it shares with
     other directions (it moved after that, too). ``crossing``: landings of the other directions
-    on those ports; those between a landing seen and this one took the port's time too. Also
+    on those ports; those between a landing seen and this one took the port's time too, and so
+    did those the receiver found landed (``unseen``: ``(release, asked)``: it landed between the
+    two) when released after that landing and asked for before this one. Also
     which bound it is: ``"queued"`` (after a
     landing seen: the link's time per message alone), ``"alone"`` (its own release, no message
     ahead: its time per message plus any latency) or ``"burst"`` (an earlier release); and for
@@ -198,6 +201,7 @@ def _seconds(
     for n, (release, landed) in enumerate(reversed(history), start=2):
         if landed != NOT_BLOCKED:
             between = sum(landed < t < msg.arrived for t in crossing)
+            between += sum(landed < lo and hi < msg.arrived for lo, hi in unseen)
             bound, kind = (msg.arrived - landed) / (n - 1 + between), "queued"
         else:
             bound, kind = (msg.arrived - release) / n, "burst"
@@ -225,6 +229,19 @@ def _waited(msg: _Message, seconds: float) -> bool:
     return msg.arrived - msg.asked >= min(0.5 * seconds, DESCHEDULED_S)
 
 
+def _unseen_by_port(
+    messages: Sequence[_Message],
+) -> dict[tuple[str, int], list[tuple[tuple[str, int, int], tuple[float, float]]]]:
+    """Messages whose receiver found them landed, on each port they crossed: their kind and
+    ``(release, asked)`` (they landed in between)."""
+    unseen: dict[tuple[str, int], list[tuple[tuple[str, int, int], tuple[float, float]]]] = {}
+    for msg in messages:
+        if msg.arrived == NOT_BLOCKED and msg.asked != NOT_BLOCKED:
+            for port in (("up", msg.src), ("down", msg.dst)):
+                unseen.setdefault(port, []).append((msg.kind, (msg.release, msg.asked)))
+    return unseen
+
+
 def link_seconds(
     records: Sequence[RankRecord], num_stages: int, shared_ports: bool = True
 ) -> dict[str, tuple[float, ...]]:
@@ -234,19 +251,19 @@ def link_seconds(
     Each later message that the receiver really waited for (:func:`_waited`) gives one sample
     (:func:`_seconds`): its direction is a first-in first-out link and, with ``shared_ports``,
     it also queued behind the other direction's messages through the sender's upload or the
-    receiver's download (a rank's one network interface). Only landings that were seen
-    (waited-for arrivals) count. A direction splits into link time and latency
+    receiver's download (a rank's one network interface; the other direction's landings there,
+    seen or bounded, :func:`_unseen_by_port`). A direction splits into link time and latency
     (:func:`_link_and_latency`); each is its slowest pipeline column's, 0 when no receive
     waited (the transfers were hidden). The first message is timed from when it was both sent
     and asked for to its arrival, less its direction's latency (which the simulator adds to
     every landing): its tensors' receives are posted only then, after its metadata
     (``pipeline/p2p.py``). Keys: ``F``, ``B`` (per message), ``LF``, ``LB`` (latency), ``F0``,
-    ``B0`` (first messages), one value per boundary. Identical for any order of the records.
-    """
+    ``B0`` (first messages), one value per boundary. Identical for any order of the records."""
     history: dict[tuple[str, int, int], list[tuple[float, float]]] = {}
     seen: dict[tuple[str, int], float] = {}
     port_landings: dict[tuple[str, int], list[tuple[float, tuple[str, int, int]]]] = {}
     samples: dict[tuple[str, int, int], list[tuple[float, str, float]]] = {}
+    unseen = _unseen_by_port(_messages(records)) if shared_ports else {}
     for msg in _messages(records):
         ports = [("up", msg.src), ("down", msg.dst)] if shared_ports else []
         earlier = history.setdefault(msg.kind, [])
@@ -261,7 +278,8 @@ def link_seconds(
             crossing = [
                 t for q in ports for t, kind in port_landings.get(q, []) if kind != msg.kind
             ]
-            seconds, how, ahead = _seconds(msg, earlier, latest, crossing)
+            found = [span for q in ports for kind, span in unseen.get(q, []) if kind != msg.kind]
+            seconds, how, ahead = _seconds(msg, earlier, latest, crossing, found)
             if _waited(msg, seconds):
                 samples.setdefault(msg.kind, []).append((seconds, how, ahead))
                 landed = msg.arrived

@@ -313,3 +313,19 @@ def test_landings_of_the_other_direction_share_the_port_time():
                     asked_next=(0.0, 0.6, 1.9))  # fmt: skip
     r2 = RankRecord(2, 2, None, 1.0, 1.0, 2.0, 8.0, 0.0, sent_prev=(0.0, 0.6, 0.7))
     assert link_seconds([r0, r1, r2], 3)["B"] == (0.0, pytest.approx(0.5))
+
+
+def test_unseen_landings_of_the_other_direction_share_the_port_time_too():
+    # As above, but rank 1 found the activation (sent 0.65) already landed when it asked for it
+    # at 1.5: it landed in (0.65, 1.5], between the first gradient's landing (0.5) and the
+    # third's (2.0), so the port still delivered three messages in 1.5 s: 0.5 s each. Asked
+    # for only at 2.1, it may have landed after 2.0: not counted (1.5 s / 2 = 0.75), and the
+    # least bound is the two gradients sent from 0.6 on: 1.4 s / 2 = 0.7.
+    nb = NOT_BLOCKED
+    r0 = RankRecord(0, 0, 1, 1.0, 1.0, 2.0, 8.0, 4.0, sent_next=(0.65,))
+    r2 = RankRecord(2, 2, None, 1.0, 1.0, 2.0, 8.0, 0.0, sent_prev=(0.0, 0.6, 0.7))
+    for asked, seconds in ((1.5, 0.5), (2.1, 0.7)):
+        r1 = RankRecord(1, 1, 2, 1.0, 1.0, 2.0, 8.0, 4.0, arrived_prev=(nb,), posted_prev=(0.0,),
+                        asked_prev=(asked,), arrived_next=(0.5, nb, 2.0), posted_next=(0.0,) * 3,
+                        asked_next=(0.0, 0.6, 1.9))  # fmt: skip
+        assert link_seconds([r0, r1, r2], 3)["B"] == (0.0, pytest.approx(seconds))
