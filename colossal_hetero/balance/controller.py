@@ -310,8 +310,7 @@ class BalanceController:
         extra: dict[str, Any] = {"semi": asdict(semi)}
         # Without a bridge (bridge_off) a re-plan that pays is the only action left.
         bridgeless = self.bridge_off is not None and semi.replan_value > 0
-        # No rank flagged, yet the widths were planned for other speeds (a recovery read at a
-        # transient speed): re-plan as mode replan would, when stable and it pays.
+        # No rank flagged, widths planned for other speeds: re-plan as mode replan would.
         idle = not view.stragglers and self.plan.empty
         if semi.action == "replan" or bridgeless or idle:
             decision, gain, act = self._replan_outcome(step, view, times)
@@ -516,17 +515,17 @@ class BalanceController:
     def _refine_fixed_fraction(self, agreed: Agreed) -> None:
         """At the first agreement after a move or a change of the in-layer plan (its windows
         hold two steps or more: ``_agree_and_act`` decides nothing from one), estimate the
-        fixed fraction from the times before and after it (the devices' speeds are taken as
-        unchanged). A move keeps the mean of the old
-        ``fixed_fraction`` and the estimate (one noisy window moves it half-way); an
-        in-layer change sets ``ops_fraction`` to the median of every estimate so far (the
-        config's value is only a guess: on small models the ops save far less than their
-        share of the GEMMs)."""
+        fixed fraction from the times before and after it (none where a rank changed speed
+        by over ``1 + 2 threshold``). A move keeps the mean of the old ``fixed_fraction`` and
+        the estimate (one noisy window moves it half-way); an in-layer change sets
+        ``ops_fraction`` to the median of every estimate so far (on small models the ops save
+        far less than their share of the GEMMs)."""
         if self._moved is None:
             return
         kind, old_scaling, before = self._moved
         self._moved = None
-        estimate = fixed_fraction_from_move(before, old_scaling, agreed.times, self._scaling())
+        after, steady = agreed.times, 1 + 2 * self.settings.threshold
+        estimate = fixed_fraction_from_move(before, old_scaling, after, self._scaling(), steady)
         if estimate is None:
             return
         if kind == "move":

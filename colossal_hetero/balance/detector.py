@@ -20,6 +20,7 @@ any ``s_i`` moved by more than ``stable_tolerance`` (relative) from the vector h
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -208,6 +209,7 @@ def fixed_fraction_from_move(
     old_shares: Sequence[float],
     after: Sequence[float],
     new_shares: Sequence[float],
+    steady: float = math.inf,
 ) -> float | None:
     """The fixed fraction ``phi`` that explains a move's measured times, or None.
 
@@ -217,13 +219,23 @@ def fixed_fraction_from_move(
     ``phi = (b - r a) / ((b - 1) - r (a - 1))``. Each rank whose ``|b - a|`` is at least
     ``MIN_SHARE_CHANGE`` gives one estimate, clipped to ``[0, 0.9]``; the result is their
     median (None when no rank's share moved enough or a time is not positive).
+
+    ``steady``: a rank whose share hardly moved must keep its time within ``steady`` times
+    its work's ratio (either way); one that did not changed speed across the move (a
+    straggler began or ended in the window), and then no rank's times say anything about
+    ``phi``: None. (A bench run's move one step before a 4x slowdown began read 0.9.)
     """
     n = len(before)
     assert len(old_shares) == len(after) == len(new_shares) == n
     estimates = []
     for t0, s0, t1, s1 in zip(before, old_shares, after, new_shares, strict=True):
         a, b = n * s0, n * s1
-        if abs(b - a) < MIN_SHARE_CHANGE or t0 <= 0 or t1 <= 0:
+        if t0 <= 0 or t1 <= 0:
+            continue
+        if abs(b - a) < MIN_SHARE_CHANGE:
+            work = max(b / a, a / b) if a > 0 and b > 0 else math.inf
+            if max(t1 / t0, t0 / t1) > steady * work:
+                return None
             continue
         r = t1 / t0
         denominator = (b - 1) - r * (a - 1)

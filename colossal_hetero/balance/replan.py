@@ -131,6 +131,37 @@ def model_times(
     return tuple(u / max(v, MIN_PLANNING_SPEED) for u, v in zip(units, speeds, strict=True))
 
 
+def segment_time(
+    speeds: Sequence[float],
+    widths: Mapping[str, Sequence[int]],
+    fixed_fraction: float,
+    compute: Mapping[str, float] | None = None,
+) -> float:
+    """The work model per layer kind: a tensor-parallel step waits at every layer's collective
+    for that layer's slowest rank, so its time is the sum over width keys of the key's weight
+    (``compute[key]`` over the total; every key alike without it) times the slowest rank's
+    ``(phi + (1 - phi) n f_ik) / v_i`` (``f_ik`` its fraction of key ``k``; the fixed part
+    taken as spread over the layers like the compute). Keys of total 0 are skipped."""
+    n, phi = len(speeds), fixed_fraction
+    keys = [
+        (1.0 if compute is None else compute.get(key, 0.0), counts)
+        for key, counts in widths.items()
+        if sum(counts) > 0
+    ]
+    total = sum(weight for weight, _ in keys)
+    if total <= 0:
+        return max(model_times(speeds, widths, phi, compute))
+    return sum(
+        weight
+        / total
+        * max(
+            (phi + (1 - phi) * n * c / sum(counts)) / max(v, MIN_PLANNING_SPEED)
+            for c, v in zip(counts, speeds, strict=True)
+        )
+        for weight, counts in keys
+    )
+
+
 def best_plan(
     plan: Callable[[tuple[float, ...]], dict[str, tuple[int, ...]]],
     speeds: Sequence[float],
@@ -140,11 +171,14 @@ def best_plan(
     """The planner's widths the work model predicts fastest, and the speeds planned with.
 
     Candidates: the planner at ``planning_speeds`` for ``fixed_fraction``, for half of it,
-    and at the measured speeds. Ranked by the model's times sorted slowest first (so among
-    plans with the same slowest rank, the one that balances the rest best wins): when one
-    rank's floor binds (a 4x rank keeps one head), every split of the rest ties in the
-    planner's objective and it may return a lopsided one (at planning speeds
-    (1, 0.012, 1, 0.34): ffn (1017, 0, 519, 0))."""
+    and at the measured speeds. Ranked by ``segment_time`` (each layer waits for its own
+    slowest rank), then by the whole-step model's times sorted slowest first (among plans
+    with the same slowest rank, the one that balances the rest best). When one rank's floor
+    binds (a 4x rank keeps one head), every split of the rest ties in the planner's
+    objective and it may return a lopsided one: at planning speeds (1, 0.012, 1, 0.34) ffn
+    (1017, 0, 519, 0); in a bench run (1047, 0, 112, 377) with heads (4, 1, 1, 2), whose
+    whole-step maximum was the least of the candidates while its layers waited on rank 0
+    (measured: 12 ms per step slower)."""
     phi = min(max(fixed_fraction, 0.0), 0.9)
     tried: dict[tuple[float, ...], None] = dict.fromkeys(
         (planning_speeds(speeds, phi), planning_speeds(speeds, phi / 2), tuple(speeds))
@@ -153,8 +187,8 @@ def best_plan(
     for index, candidate in enumerate(tried):
         widths = plan(candidate)
         times = sorted(model_times(speeds, widths, phi, compute), reverse=True)
-        ranked.append((times, index, widths, candidate))
-    _, _, widths, candidate = min(ranked, key=lambda r: (r[0], r[1]))
+        ranked.append((segment_time(speeds, widths, phi, compute), times, index, widths, candidate))
+    *_, widths, candidate = min(ranked, key=lambda r: (r[0], r[1], r[2]))
     return widths, candidate
 
 

@@ -127,6 +127,23 @@ def test_fixed_fraction_from_a_move_recovers_the_work_models_phi(phi: float):
     assert noisy is not None and abs(noisy - phi) < 0.1
 
 
+def test_fixed_fraction_from_a_move_refuses_a_window_in_which_a_device_changed_speed():
+    """Ranks 0 and 3 move (n * share 1 -> 1.5 and 1 -> 0.5) at phi 0.2; rank 1 keeps its
+    share but turns 4x slow in the window after the move. With ``steady`` 1.6 its time ratio 4
+    (over its work ratio 1) says a device changed speed: no estimate. Without the check the
+    estimate is still that of the moved ranks (0.2): the check only refuses; a change within
+    1.6x (1.5x) is kept."""
+    phi, old, new = 0.2, EVEN, (0.375, 0.25, 0.25, 0.125)
+    before = list(work_units(old, phi))
+    after = list(work_units(new, phi))
+    assert fixed_fraction_from_move(before, old, after, new, 1.6) == pytest.approx(phi)
+    slowed = [after[0], 4 * after[1], after[2], after[3]]
+    assert fixed_fraction_from_move(before, old, slowed, new, 1.6) is None
+    assert fixed_fraction_from_move(before, old, slowed, new) == pytest.approx(phi)
+    mild = [after[0], 1.5 * after[1], after[2], after[3]]
+    assert fixed_fraction_from_move(before, old, mild, new, 1.6) == pytest.approx(phi)
+
+
 def test_fixed_fraction_from_a_move_needs_a_real_share_change():
     """No rank's ``n * share`` moved by 0.25: no estimate; estimates are clipped to [0, 0.9]."""
     small = (0.26, 0.24, 0.26, 0.24)

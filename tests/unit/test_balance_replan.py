@@ -17,7 +17,13 @@ from typing import Any
 import pytest
 
 from colossal_hetero.balance.detector import DetectorSettings, StragglerDetector
-from colossal_hetero.balance.replan import best_plan, model_times, off_plan, planning_speeds
+from colossal_hetero.balance.replan import (
+    best_plan,
+    model_times,
+    off_plan,
+    planning_speeds,
+    segment_time,
+)
 from tests.unit.test_balance_controller import EVEN, _Cluster, _controller, _drive
 
 
@@ -62,6 +68,43 @@ def test_best_plan_balances_the_rest_when_one_floor_binds():
     assert model_times(speeds, even, 0.3, compute)[2] == pytest.approx(slow)
     assert model_times(speeds, lopsided, 0.3, compute)[0] == pytest.approx(2.1375)
     assert max(model_times(speeds, even, 0.3, compute)[:2]) == pytest.approx(1.35)
+
+
+def test_segment_time_by_hand_and_it_ranks_a_lopsided_split_last():
+    """Two ranks at speeds (1, 0.5), phi 0.2, keys heads (weight 1) and ffn (weight 3). By
+    hand, heads (1, 1): max(0.2 + 0.8, (0.2 + 0.8) / 0.5) = 2; ffn (60, 36) of 96:
+    max(0.2 + 0.8 * 2 * 60 / 96, (0.2 + 0.8 * 2 * 36 / 96) / 0.5) = max(1.2, 1.6) = 1.6;
+    the step 2 / 4 + 1.6 * 3 / 4 = 1.7.
+
+    The bench's case (GPT-2, a 4.48x rank, phi 0.3287): the planner's lopsided split of the
+    rest costs more in every layer than the balanced one, which best_plan picks."""
+    widths = {"heads": (1, 1), "ffn": (60, 36)}
+    compute = {"heads": 1.0, "ffn": 3.0}
+    assert segment_time((1.0, 0.5), widths, 0.2, compute) == pytest.approx(1.7)
+    speeds = (1.0, 1 / 4.48, 1 / 1.07, 1 / 1.99)
+    weights = {"heads": 0.33, "ffn": 0.62, "vocab": 0.05}
+    Split = dict[str, tuple[int, ...]]
+    lopsided: Split = {"heads": (4, 1, 1, 2), "ffn": (1047, 0, 112, 377), "vocab": (174, 0, 19, 63)}
+    balanced: Split = {"heads": (3, 1, 3, 1), "ffn": (653, 0, 652, 231), "vocab": (109, 0, 109, 38)}
+
+    def by_hand(split: dict[str, tuple[int, ...]]) -> float:
+        step = 0.0
+        for key, counts in split.items():
+            slowest = 0.0
+            for count, speed in zip(counts, speeds, strict=True):
+                units = 0.3287 + (1 - 0.3287) * 4 * count / sum(counts)
+                slowest = max(slowest, units / speed)
+            step += weights[key] * slowest
+        return step
+
+    for split in (lopsided, balanced):
+        assert segment_time(speeds, split, 0.3287, weights) == pytest.approx(by_hand(split))
+    assert by_hand(balanced) < by_hand(lopsided)
+
+    def planner(candidate: tuple[float, ...]) -> dict[str, tuple[int, ...]]:
+        return lopsided if candidate == tuple(speeds) else balanced
+
+    assert best_plan(planner, speeds, 0.3287, weights)[0] == balanced
 
 
 class _Proportional(_Cluster):
