@@ -3,8 +3,9 @@
 The chunked reducers (moe/scheduler.py) need, identically on every rank, the cost
 ``T(S) = alpha + S / beta`` of one all-reduce of ``S`` bytes on their group: to size chunks
 (:func:`.chunks.chunk_bytes_for`) and to predict whether a chunk fits before the next a2a.
-Each rank times all-reduces of two sizes on each of its groups (median of a few repeats);
-the world takes the elementwise maximum (the slowest group of each kind sets the pace), and
+Each rank times all-reduces of two sizes on each of its groups (median of 7 repeats: with 3,
+on a loaded host, a 4 KiB all-reduce's median once came out at 353 ms against about 7 ms); the
+world takes the elementwise maximum (the slowest group of each kind sets the pace), and
 every rank fits the same two-point line from the same numbers.
 
 Collective: call on every rank, in the same order, with one group per kind (the rank's own
@@ -53,7 +54,7 @@ def fit_alpha_beta(sizes: Sequence[int], times: Sequence[float]) -> tuple[float,
     return max(0.0, t1 - s1 / beta), beta
 
 
-def profile_groups(groups: Sequence[ProcessGroup], repeats: int = 3) -> list[tuple[float, float]]:
+def profile_groups(groups: Sequence[ProcessGroup], repeats: int = 7) -> list[tuple[float, float]]:
     """(alpha, beta) per group kind, identical on every rank (see the module)."""
     measured = [_time_all_reduce(g, n, repeats) for g in groups for n in SIZES]
     agreed = torch.tensor(measured, dtype=torch.float64)
