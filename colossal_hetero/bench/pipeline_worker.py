@@ -29,8 +29,10 @@ forward/backward times and message bytes at the round's link rate.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -58,7 +60,7 @@ from colossal_hetero.pipeline.profile import (
 )
 from colossal_hetero.pipeline.schedule import KFKBSchedule
 from colossal_hetero.pipeline.tuner import stage_of_rank
-from colossal_hetero.planner.stages import StageTimes, split_from_times
+from colossal_hetero.planner.stages import StageTimes, near_best_splits, split_from_times
 
 WARM_SEED = 10**6
 """Batch seed of each variant's unrecorded first step (rounds use their global number)."""
@@ -66,6 +68,13 @@ SPLIT_SLACK = 0.02
 """Phase (c)'s split: splits predicted within 2% of the best are one to the measurement (3-step
 medians under load; PP=2 x TP=2, one run: [4, 8] predicted 0.6% ahead of [5, 7] ran 1.03x
 even, [5, 7] in another run 1.20x), so the one moving fewest blocks from even is taken."""
+
+
+TRIAL_SLACK = 0.05
+TRIAL_SPLITS = 3
+TRIAL_STEPS = 3
+"""Phase (c)'s split trial (``try_splits``): candidates within 5% of the best predicted, at most
+3, 3 steps each."""
 
 
 class InFlightMeter:
@@ -256,10 +265,12 @@ def _budget_from(runner: Runner, spec: dict[str, Any]) -> float:
 def _build_set(
     spec: dict[str, Any], split: str, device: torch.device, shared: dict[str, Runner]
 ) -> dict[str, Runner]:
-    """The variants of one split; ada last, with a budget from the k=1 variant's measurement."""
+    """The variants of one split (those in ``shared`` as they are); ada last, with a budget from
+    the k=1 variant's measurement."""
     model_cfg, configs = build_configs(spec, split, device)
     runners = dict(shared)
     ada_config = configs.pop("ada")
+    configs = {name: config for name, config in configs.items() if name not in shared}
     for name, plugin in _plugins(configs, device).items():
         runners[name] = Runner(name, plugin, model_cfg, spec)
         runners[name].step(seed=WARM_SEED)  # warm: lazy initialisation, first allocations
@@ -298,10 +309,14 @@ def run_pipeline_worker(
     stock.stretch = stretch
     probe = _probe(spec, device, stock, stretch)
     measured = measure_stage_times(probe, stretch, phases.layout, spec)
-    slow_spec = {**spec, "splits": {**spec["splits"], "slow": measured["split"]}}
-    slow = _build_set(slow_spec, "slow", device, {"stock": stock})
+    tried = try_splits(spec, device, measured, stretch)
+    planned = min(tried, key=lambda t: t.median_s)
+    measured["trial"] = [{"split": t.split, "median_s": t.median_s} for t in tried]
+    measured["split"] = planned.split
+    slow_spec = {**spec, "splits": {**spec["splits"], "slow": planned.split}}
+    slow = _build_set(slow_spec, "slow", device, {"stock": stock, "planned_1f1b": planned.runner})
     for runner in slow.values():
-        if runner is not stock:
+        if runner.stretch is None:  # stock and the tried splits have theirs
             stretch.attach(runner.blocks)
             runner.stretch = stretch
     measured["stage_widths"] = _stage_widths(slow["planned_1f1b"])
@@ -322,7 +337,8 @@ def run_pipeline_worker(
         }
         for split, runners in (("equal", equal), ("slow", slow))
     }
-    for runner in {id(r): r for r in (*equal.values(), *slow.values(), probe)}.values():
+    every = (*equal.values(), *slow.values(), probe, *(t.runner for t in tried))
+    for runner in {id(r): r for r in every}.values():
         close = getattr(runner.plugin, "close", None)
         if close is not None:
             close()
@@ -341,6 +357,53 @@ def _probe(spec: dict[str, Any], device: torch.device, stock: Runner, stretch: S
     stretch.attach(probe.blocks)
     probe.stretch = stretch
     return probe
+
+
+@dataclass
+class Tried:
+    """A candidate split of phase (c), its Colossal-AI 1F1B runner and its trial steps."""
+
+    split: list[int]
+    runner: Runner
+    steps_s: list[float] = field(default_factory=list)
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.steps_s) if self.steps_s else math.inf
+
+
+def try_splits(
+    spec: dict[str, Any], device: torch.device, measured: dict[str, Any], stretch: Stretch
+) -> list[Tried]:
+    """Phase (c)'s candidate splits, each on Colossal-AI's 1F1B with the planned widths, and,
+    when there are several, ``TRIAL_STEPS`` steps of each (rotating order, slowest rank's
+    step; all ranks see the same gathered times, so they pick the same).
+
+    The candidates: the measured split (``measure_stage_times``), then those the measured
+    times predict within ``TRIAL_SLACK`` of the best (``planner.stages.near_best_splits``),
+    ``TRIAL_SPLITS`` in all. The stage times cannot separate them: a block's time moves by
+    ~10% with what the other stage runs beside it (PP=2 x TP=2: ``[4, 8]``, predicted 2%
+    behind ``[5, 7]``, ran 6% ahead of it in every round of one experiment). Collective."""
+    times = StageTimes(tuple(measured["block_s"]), tuple(measured["fixed_s"]))
+    near = near_best_splits(spec["layers"], times, slack=TRIAL_SLACK, limit=TRIAL_SPLITS)
+    splits = [measured["split"], *(s for s in near if s != measured["split"])][:TRIAL_SPLITS]
+    tried = []
+    for split in splits:
+        model_cfg, configs = build_configs(spec, "slow", device, layers=split)
+        plugin = _plugins({"planned_1f1b": configs["planned_1f1b"]}, device)["planned_1f1b"]
+        runner = Runner("planned_1f1b", plugin, model_cfg, spec)
+        runner.step(seed=WARM_SEED)
+        stretch.attach(runner.blocks)
+        runner.stretch = stretch
+        tried.append(Tried(split, runner))
+    if len(tried) == 1:
+        return tried
+    stretch.enabled = True
+    for i in range(TRIAL_STEPS):
+        for t in tried[i % len(tried) :] + tried[: i % len(tried)]:
+            t.steps_s.append(max(row[0] for row in _gather(t.runner.step(seed=WARM_SEED + i))))
+    stretch.enabled = False
+    return tried
 
 
 def _stage_widths(runner: Runner) -> list[dict[str, list[int]]]:

@@ -186,6 +186,39 @@ def split_from_times(
     return layers
 
 
+def near_best_splits(
+    num_layers: int, times: StageTimes, *, slack: float, limit: int
+) -> list[list[int]]:
+    """Every split (each stage >= 1 block) whose slowest stage is within ``1 + slack`` of the
+    best one's under ``times``, at most ``limit`` of them: fastest predicted first, ties
+    broken by fewer blocks moved from Colossal-AI's even split, then lexicographically.
+    The first is a best split. For a measurement that cannot tell near-ties apart: the
+    caller times them (``bench pipeline`` runs each for a few steps)."""
+    if slack < 0 or limit < 1:
+        raise ValueError(f"near_best_splits: need slack >= 0 and limit >= 1, got {slack}, {limit}")
+    p = len(times.block_s)
+    best = split_layers(num_layers, [1.0 / b for b in times.block_s], extra_seconds=times.fixed_s)
+    bound = max(times.stage_seconds(best)) * (1.0 + slack) * (1.0 + 1e-12)
+    even = even_split(num_layers, p)
+    found: list[tuple[float, int, list[int]]] = []
+
+    def extend(prefix: list[int], left: int) -> None:
+        s = len(prefix)
+        if s == p - 1:
+            split = [*prefix, left]
+            if times.fixed_s[s] + left * times.block_s[s] <= bound:
+                moved = sum(abs(a - b) for a, b in zip(split, even, strict=True)) // 2
+                found.append((max(times.stage_seconds(split)), moved, split))
+            return
+        most = min(left - (p - 1 - s), math.floor((bound - times.fixed_s[s]) / times.block_s[s]))
+        for n in range(1, most + 1):
+            extend([*prefix, n], left - n)
+
+    extend([], num_layers)
+    found.sort(key=lambda item: (item[0], item[1], item[2]))
+    return [split for _, _, split in found[:limit]]
+
+
 def even_split(num_layers: int, pp: int) -> list[int]:
     """Colossal-AI's even split (``PipelineStageManager.distribute_layers``)."""
     layers = [num_layers // pp] * pp

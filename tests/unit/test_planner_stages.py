@@ -15,6 +15,7 @@ from colossal_hetero.planner.stages import (
     StageTimes,
     affine_block_seconds,
     choose_microbatches,
+    near_best_splits,
     remainder_priority,
     split_from_times,
     split_layers,
@@ -267,3 +268,35 @@ def test_slack_breaks_a_near_tie_toward_even():
     assert split_from_times(12, times) == [4, 8]
     assert split_from_times(12, times, slack=0.02) == [5, 7]
     assert split_from_times(12, times, slack=0.5) == [6, 6]  # 86.6 ms is within 1.5 x 72.5
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_near_best_splits_match_brute_force(seed):
+    rng = random.Random(seed)
+    p = rng.randint(1, 4)
+    layers = rng.randint(p, 10)
+    times = StageTimes(
+        tuple(rng.uniform(0.5, 2.0) for _ in range(p)), tuple(rng.uniform(0, 2) for _ in range(p))
+    )
+    slack, limit = rng.choice([0.0, 0.03, 0.2]), rng.randint(1, 6)
+    every = [list(s) for s in itertools.product(range(1, layers + 1), repeat=p) if sum(s) == layers]
+    worst = {tuple(s): max(times.stage_seconds(s)) for s in every}
+    best = min(worst.values())
+    within = [s for s in every if worst[tuple(s)] <= best * (1 + slack) * (1 + 1e-12)]
+    got = near_best_splits(layers, times, slack=slack, limit=limit)
+    assert len(got) == min(limit, len(within))
+    assert all(s in within for s in got)
+    assert worst[tuple(got[0])] == pytest.approx(best)
+    # Fastest predicted first; the ones left out are no faster than the last one kept.
+    kept = [worst[tuple(s)] for s in got]
+    assert kept == sorted(kept)
+    assert all(worst[tuple(s)] >= kept[-1] for s in within if s not in got)
+
+
+def test_near_best_splits_of_a_measured_near_tie():
+    # PP=2 x TP=2 (c) as measured: [5, 7] predicted 2.2% ahead of [4, 8], [6, 6] far behind.
+    times = StageTimes((0.01685, 0.01056), (0.00834, 0.01023))
+    assert near_best_splits(12, times, slack=0.05, limit=3) == [[5, 7], [4, 8]]
+    assert near_best_splits(12, times, slack=0.01, limit=3) == [[5, 7]]
+    with pytest.raises(ValueError, match="slack"):
+        near_best_splits(12, times, slack=-0.1, limit=3)
