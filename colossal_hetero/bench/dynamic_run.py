@@ -56,7 +56,7 @@ or 2 steps later, inside a 10-step phase;
 one gather per step would re-plan no sooner, as stability is counted in steps),
 and thresholds wide enough for a loaded 2-core host, where 4 ranks share 2 cores with other
 jobs and a rank's compute time jitters by tens of percent; the median and the hysteresis
-(flag above 1.3x, release below 1.1x, move only when the speeds left the plan's by 25%)
+(flag above 1.3x, release below 1.1x, re-plan only when the planning speeds left the plan's by 25%)
 keep that jitter from moving the widths."""
 
 TEXT_KNOBS: dict[str, Any] = {**BALANCER_KNOBS, "accuracy_weight": 1.0}
