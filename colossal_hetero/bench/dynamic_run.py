@@ -17,8 +17,9 @@ validation loss is taken at the end of each phase (forward only, outside the tim
 
 from __future__ import annotations
 
+import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -106,7 +107,82 @@ def emulation_of(phases: tuple[Phase, ...], base: float = 1.0) -> EmulationConfi
     return EmulationConfig(compute=[SlowdownSpec(**spec) for spec in specs])
 
 
-def unperturbed_of(phases: tuple[Phase, ...], base: float) -> EmulationConfig:
+CALIBRATION = (Phase("even", 0, 4, (1.0,) * 4), Phase("skew", 4, 8, (1.0, 1.0, 2.5, 2.5)))
+"""The fixed-fraction calibration: 4 steps at even widths, then 4 at the planner's widths for
+speeds (1, 1, 0.4, 0.4), every rank on the base device (no straggler): each rank's work moves
+by 0.43 of an even split, so all four give an estimate. Only the widths follow the factors."""
+
+
+def calibrate_fixed_fraction(
+    case: ThroughputCase, config: HeteroConfig, data: Any, device: torch.device
+) -> float | None:
+    """The work model's fixed fraction measured on the benchmark's own layout, before the run:
+    one variant trains ``CALIBRATION`` (the oracle's move to the skewed widths at step 4) and
+    ``fixed_fraction_from_move`` fits each rank's median compute before (steps 1-3) and after
+    (5-7; step 4 warms up the new shapes), shares weighted as the controller weighs them.
+
+    A one-process step at one feature per head (``_fixed_fraction``) misses the layers every
+    rank runs at full width (norms, embeddings, the loss): 0.05 there against 0.25 to 0.35
+    fitted online on the emulated devices, so the first re-plan of a run planned with the
+    wrong model and a second one followed once the controller had fitted it."""
+    assert config.emulation is not None
+    world = _world(case, CALIBRATION, data, config.emulation, seed=1, eval_batches=1, warmup=1)
+    from types import SimpleNamespace
+
+    from colossal_hetero.balance.wiring import key_compute
+    from colossal_hetero.models import build_hf_config
+
+    result = run_variants(world, {}, {"probe": config}, device, oracle="probe")
+    rows = result["variants"]["probe"]["rows"]
+    hf = SimpleNamespace(config=build_hf_config(case.model))  # what key_compute reads
+    compute = key_compute(hf, (case.batch_size, case.seq_len), 1)
+    return fixed_fraction_of_rows(rows, result["oracle_widths"], compute, case.world)
+
+
+def _world(
+    case: ThroughputCase,
+    phases: tuple[Phase, ...],
+    data: Any,
+    cluster: EmulationConfig,
+    *,
+    seed: int,
+    eval_batches: int,
+    warmup: int | None = None,
+) -> World:
+    """The spawned world of ``case`` over ``phases``: its text batches (data order ``seed``),
+    every rank on the dedicated-device stretch of ``cluster``."""
+    return World(
+        model=case.model,
+        phases=phases,
+        warmup=case.warmup if warmup is None else warmup,
+        batch_size=case.batch_size,
+        seq_len=case.seq_len,
+        train_batch=lambda step: data.train_batch(step, case.batch_size, seed),
+        val_batches=data.val_batches(case.batch_size, eval_batches),
+        stretch="dedicated",
+        cluster=cluster,
+    )
+
+
+def fixed_fraction_of_rows(
+    rows: list[list[float]],
+    widths: list[dict[str, list[int]]],
+    compute: dict[str, float] | None,
+    size: int,
+) -> float | None:
+    """``fixed_fraction_from_move`` from ``CALIBRATION``'s rows (``[step, compute, wait,
+    loss] * ranks`` per step) and its two widths: per rank the median compute of steps 1-3
+    and of steps 5-7."""
+    from colossal_hetero.balance.detector import fixed_fraction_from_move, shares_of
+
+    def medians(steps: range) -> list[float]:
+        return [statistics.median(rows[s][1 + 4 * r] for s in steps) for r in range(size)]
+
+    even, skew = (shares_of(w, size, compute) for w in widths)
+    return fixed_fraction_from_move(medians(range(1, 4)), even, medians(range(5, 8)), skew)
+
+
+def unperturbed_of(phases: tuple[Phase, ...], base: float = DEVICE_BASE) -> EmulationConfig:
     """Every rank at the device base alone (no straggler), the same length of run."""
     even = tuple(Phase(p.name, p.start, p.end, (1.0,) * len(p.factors)) for p in phases)
     return emulation_of(even, base)
@@ -145,12 +221,12 @@ def throughput_rank(
     tflops = agree(rate, device, "max") / 1e12
     overhead = agree(overhead, device, "min")
     gbps = agree(measure_allreduce_gbps(device), device, "min")
-    fraction = _fixed_fraction(case, tflops * 1e12, overhead)
+    single = _fixed_fraction(case, tflops * 1e12, overhead)
     kind = device_kind(device)
     plan = PlanConfig(mode="auto", reference_tflops=tflops, layer_overhead_us=overhead * 1e6)
     emulation = emulation_of(case.phases, DEVICE_BASE)
 
-    def hetero(mode: str, speeds: tuple[float, ...]) -> HeteroConfig:
+    def hetero(mode: str, speeds: tuple[float, ...], fraction: float) -> HeteroConfig:
         devices = [DeviceSpec(speed=s, bandwidth_gbps=gbps) for s in speeds]
         return HeteroConfig(
             parallel=ParallelConfig(tp=world_size),
@@ -160,20 +236,14 @@ def throughput_rank(
             balancer=balancer_config(mode, case.knobs, fraction),
         )
 
-    configs = {mode: hetero(mode, (1.0,) * world_size) for mode in ("none", *case.modes)}
-    configs["oracle"] = hetero("none", case.phases[0].speeds)
     data = text_data(case)
-    world = World(
-        model=case.model,
-        phases=case.phases,
-        warmup=case.warmup,
-        batch_size=case.batch_size,
-        seq_len=case.seq_len,
-        train_batch=lambda step: data.train_batch(step, case.batch_size, 0),
-        val_batches=data.val_batches(case.batch_size, case.eval_batches),
-        stretch="dedicated",
-        cluster=emulation,
-    )
+    even = (1.0,) * world_size
+    probe = replace(hetero("none", even, single), emulation=unperturbed_of(CALIBRATION))
+    measured = calibrate_fixed_fraction(case, probe, data, device)
+    fraction = measured if measured is not None else single
+    configs = {mode: hetero(mode, even, fraction) for mode in ("none", *case.modes)}
+    configs["oracle"] = hetero("none", case.phases[0].speeds, fraction)
+    world = _world(case, case.phases, data, emulation, seed=0, eval_batches=case.eval_batches)
     stock = {"unperturbed": unperturbed_of(case.phases, DEVICE_BASE), "stock": emulation}
     calibrated_s = time.perf_counter() - started
     result = run_variants(world, stock, configs, device, oracle="oracle")
@@ -183,6 +253,8 @@ def throughput_rank(
         "layer_overhead_s": overhead,
         "allreduce_gbps": gbps,
         "fixed_fraction": fraction,
+        "fixed_fraction_single_process": single,
+        "fixed_fraction_measured": measured,
     }
     return result
 

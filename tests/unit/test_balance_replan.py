@@ -170,3 +170,26 @@ def test_semi_moves_back_after_a_recovery_through_a_milder_slowdown(monkeypatch:
     assert cluster.moves == [{"ffn": (84, 12)}, {"ffn": (57, 39)}, EVEN]
     back = [r for r in controller.log.records if r["decision"].get("executed") == "replan"]
     assert back[-1]["step"] > 40 and not back[-1]["inputs"]["stragglers"]
+
+
+def test_the_bench_calibration_fits_phi_from_its_two_width_phases():
+    """``bench.dynamic_run.fixed_fraction_of_rows`` on rows made by the work model at phi 0.3
+    (speeds 1, 1, 1, 0.8: the devices need not be equal; each keeps its speed): steps 1-3 at
+    even widths, 5-7 at skewed ones, every rank's share moving by 0.25 or more. Steps 0 and 4
+    (warm-ups) carry 10x times and must not count."""
+    from colossal_hetero.balance.detector import shares_of, work_units
+    from colossal_hetero.bench.dynamic_run import fixed_fraction_of_rows
+
+    compute = {"heads": 1.0, "ffn": 2.0}
+    even = {"heads": [2, 2, 2, 2], "ffn": [384, 384, 384, 384]}
+    skew = {"heads": [3, 3, 1, 1], "ffn": [537, 537, 231, 231]}
+    speeds = (1.0, 1.0, 1.0, 0.8)
+    rows = []
+    for step in range(8):
+        units = work_units(shares_of(skew if step >= 4 else even, 4, compute), 0.3)
+        slow = 10.0 if step in (0, 4) else 1.0
+        row: list[float] = []
+        for unit, speed in zip(units, speeds, strict=True):
+            row += [1.0, 0.1 * slow * unit / speed, 0.0, 2.0]
+        rows.append(row)
+    assert fixed_fraction_of_rows(rows, [even, skew], compute, 4) == pytest.approx(0.3)
