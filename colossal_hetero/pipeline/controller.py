@@ -19,6 +19,7 @@ configured per-message latency on top (0 in the plugin: the measurement includes
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import replace
 from typing import Any
@@ -49,9 +50,12 @@ class AdaKController:
             last few steps rides out a link that flips between steps; 1 uses the last step.
         sticky: on a tie keep the running ``k`` rather than the smallest (``current_k`` of
             ``choose_k_over_window``): transfers a grouped ``k`` hides measure as free.
-        overlap: decide a retuning step's gather after the next step (see :meth:`after_step`);
-            ``group`` should then be one the steps do not use, or the gather waits for their
-            collectives on it.
+        overlap: run a retuning step's gather in the background and decide it after the next
+            step (see :meth:`after_step`); ``group`` should then be one the steps do not use, or
+            the gather waits for their collectives on it.
+        early: with ``overlap``, decide before the next step's first pass instead
+            (:meth:`before_step`, installed as ``schedule.before_step``): ``k`` changes one
+            step earlier, and that step waits for whatever of the gather is still in flight.
     """
 
     def __init__(
@@ -66,11 +70,14 @@ class AdaKController:
         window: int = 1,
         sticky: bool = False,
         overlap: bool = False,
+        early: bool = False,
     ) -> None:
         if period < 1:
             raise ValueError(f"period: retune every >= 1 steps, got {period}")
         if window < 1:
             raise ValueError(f"window: retune over >= 1 steps, got {window}")
+        if early and not overlap:
+            raise ValueError("early: deciding before the next step needs overlap=True")
         self._profiles: deque[PipelineProfile] = deque(maxlen=window)
         self._cache: dict[tuple[PipelineProfile, int], float] = {}
         """Simulated step time per (window profile, k): each profile is simulated once."""
@@ -80,6 +87,10 @@ class AdaKController:
         self.sticky, self.overlap = sticky, overlap
         self._pending: tuple[dist.Work, list[torch.Tensor], torch.Tensor, int] | None = None
         """With ``overlap``: the gather in flight, its rows, its row and the step it measured."""
+        self._decided: dict[str, Any] | None = None
+        """With ``early``: the record decided by :meth:`before_step`, until ``after_step``."""
+        if early:
+            schedule.before_step = self.before_step
 
     def local_row(self, num_microbatches: int) -> list[float]:
         """This rank's row: its last step's record, then its budget and outgoing latency."""
@@ -95,14 +106,13 @@ class AdaKController:
         ``8 m + 8`` values, budget, latency). With ``overlap`` the gather runs in the
         background through the next step and is decided after it (``k`` changes one step
         later; the record names the step measured): on a preempted link the gather costs as
-        much as a transfer, which a blocking one adds to every retuning step.
+        much as a transfer, which a blocking one adds to every retuning step. With ``early``
+        :meth:`before_step` decided it already; the record is returned here. A decided record
+        carries ``gather_wait_s``: how long this rank waited for the gather.
         """
-        record = None
-        if self._pending is not None:
-            work, rows, _, measured = self._pending
-            self._pending = None
-            work.wait()
-            record = self._decide(rows, measured)
+        record, self._decided = self._decided, None
+        if record is None:
+            record = self._settle()
         if (step + 1) % self.period:
             return record
         m = self.schedule.num_microbatches
@@ -116,6 +126,24 @@ class AdaKController:
             return record
         work.wait()
         return self._decide(rows, step)
+
+    def before_step(self) -> None:
+        """``early``: decide the gather in flight before a step's first pass (``set_k``), so the
+        step runs the ``k`` decided from the one before it. Every rank waits for the same gather
+        and decides on the same rows: the same ``k`` everywhere, set between steps."""
+        if self._pending is not None:
+            self._decided = self._settle()
+
+    def _settle(self) -> dict[str, Any] | None:
+        """Wait for the gather in flight (if any) and decide it; the record notes the wait."""
+        if self._pending is None:
+            return None
+        work, rows, _, measured = self._pending
+        self._pending = None
+        began = time.perf_counter()
+        work.wait()
+        waited = time.perf_counter() - began
+        return {**self._decide(rows, measured), "gather_wait_s": waited}
 
     def _decide(self, rows: list[torch.Tensor], step: int) -> dict[str, Any]:
         """Agree on the profile from the gathered rows, choose and set ``k``; the record."""

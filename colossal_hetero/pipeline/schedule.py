@@ -17,8 +17,9 @@ run in increasing micro-batch order, exactly as in 1F1B, so parameter gradients 
 the same order: with ``k = 1`` and any ``k`` alike, loss and gradients equal 1F1B's bit for
 bit in fp32.
 
-``k`` may change between steps (:meth:`KFKBSchedule.set_k`), never within one; every rank of the
-pipeline must use the same ``k`` in a step (the Ada tuner's decision is identical on every rank).
+``k`` may change between steps (:meth:`KFKBSchedule.set_k`, also from ``before_step``, which runs
+before a step's first pass), never within one; every rank of the pipeline must use the same
+``k`` in a step (the Ada tuner's decision is identical on every rank).
 
 Backends: gloo only. NCCL runs all point-to-point operations between a pair of ranks on one
 stream, in issue order, each blocking until matched; an early-posted receive would then hold
@@ -164,6 +165,9 @@ class KFKBSchedule(OneForwardOneBackwardSchedule):
         self.last_record: RankRecord | None = None
         """This rank's :class:`~colossal_hetero.pipeline.profile.RankRecord` of the last training
         step (gather every rank's for ``profile.predict_from_records``)."""
+        self.before_step: Callable[[], None] | None = None
+        """Called at the start of every training step, before its batch is loaded and ``k``
+        read (the Ada controller's early decision: it may ``set_k``); not part of ``step_s``."""
         device = get_current_device()
         group = stage_manager.get_p2p_process_group()
         if dist.get_backend(group) != "gloo":
@@ -197,6 +201,8 @@ class KFKBSchedule(OneForwardOneBackwardSchedule):
     ) -> dict:
         """One training step in kFkB order; returns ``{"loss", "outputs"}`` like 1F1B."""
         assert not self.forward_only
+        if self.before_step is not None:
+            self.before_step()
         begin = time.perf_counter()
         self.load_batch(data_iter)
         m, sm = self.num_microbatches, self.stage_manager
