@@ -15,7 +15,9 @@ interleaved round by round on the rounds helper, through three phases:
   the plugin plans each stage's tensor-parallel widths (uneven on the stage with the slow
   device), and use the split planned from each stage's measured per-block and fixed seconds
   at those speeds and widths (``pipeline_worker.measure_stage_times``, then
-  ``planner.stages.split_from_times``), taken at the start of the run on Colossal-AI's 1F1B.
+  ``planner.stages.split_from_times``), taken at the start of the run on Colossal-AI's 1F1B;
+  the near-tied splits the measurement cannot separate are then run a few steps each, and the
+  fastest is kept (``pipeline_worker.try_splits``).
 
 Every figure is a median of per-round ratios of the slowest rank's step times (paired: one
 round's variants saw the same load and network state) with a bootstrap 95% interval

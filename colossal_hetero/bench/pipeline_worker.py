@@ -70,11 +70,13 @@ medians under load; PP=2 x TP=2, one run: [4, 8] predicted 0.6% ahead of [5, 7] 
 even, [5, 7] in another run 1.20x), so the one moving fewest blocks from even is taken."""
 
 
-TRIAL_SLACK = 0.05
+TRIAL_SLACK = 0.12
 TRIAL_SPLITS = 3
 TRIAL_STEPS = 3
-"""Phase (c)'s split trial (``try_splits``): candidates within 5% of the best predicted, at most
-3, 3 steps each."""
+"""Phase (c)'s split trial (``try_splits``): candidates within 12% of the best predicted, at
+most 3, 3 steps each. 12%: under load a stage's measured block time moved by 10-14% between
+runs and splits (PP=2 x TP=2's full-speed stage: 10.6 and 12.0 ms in two runs, 8.4 to 9.4 ms
+over the splits of one experiment), so a 5% window left ``[4, 8]`` out (predicted 11% behind)."""
 
 
 class InFlightMeter:
@@ -379,11 +381,13 @@ def try_splits(
     when there are several, ``TRIAL_STEPS`` steps of each (rotating order, slowest rank's
     step; all ranks see the same gathered times, so they pick the same).
 
-    The candidates: the measured split (``measure_stage_times``), then those the measured
-    times predict within ``TRIAL_SLACK`` of the best (``planner.stages.near_best_splits``),
-    ``TRIAL_SPLITS`` in all. The stage times cannot separate them: a block's time moves by
-    ~10% with what the other stage runs beside it (PP=2 x TP=2: ``[4, 8]``, predicted 2%
-    behind ``[5, 7]``, ran 6% ahead of it in every round of one experiment). Collective."""
+    The candidates: the measured split (``measure_stage_times``), then the fastest of those
+    the measured times predict within ``TRIAL_SLACK`` of the best
+    (``planner.stages.near_best_splits``), ``TRIAL_SPLITS`` in all. The stage times cannot
+    separate them: a block's time moves by
+    ~10% with the load and what the other stage runs beside it (PP=2 x TP=2: ``[4, 8]``,
+    predicted 2% behind ``[5, 7]``, ran 6% ahead of it in every round of one experiment).
+    Collective."""
     times = StageTimes(tuple(measured["block_s"]), tuple(measured["fixed_s"]))
     near = near_best_splits(spec["layers"], times, slack=TRIAL_SLACK, limit=TRIAL_SPLITS)
     splits = [measured["split"], *(s for s in near if s != measured["split"])][:TRIAL_SPLITS]
