@@ -384,10 +384,9 @@ def try_splits(
     The candidates: the measured split (``measure_stage_times``), then the fastest of those
     the measured times predict within ``TRIAL_SLACK`` of the best
     (``planner.stages.near_best_splits``), ``TRIAL_SPLITS`` in all. The stage times cannot
-    separate them: a block's time moves by
-    ~10% with the load and what the other stage runs beside it (PP=2 x TP=2: ``[4, 8]``,
-    predicted 2% behind ``[5, 7]``, ran 6% ahead of it in every round of one experiment).
-    Collective."""
+    separate them: a block's time moves by ~10% with the load and what the other stage runs
+    beside it (PP=2 x TP=2: ``[4, 8]``, predicted 2% behind ``[5, 7]``, ran 6% ahead of it in
+    every round of one experiment). Collective."""
     times = StageTimes(tuple(measured["block_s"]), tuple(measured["fixed_s"]))
     near = near_best_splits(spec["layers"], times, slack=TRIAL_SLACK, limit=TRIAL_SPLITS)
     splits = [measured["split"], *(s for s in near if s != measured["split"])][:TRIAL_SPLITS]
