@@ -220,10 +220,12 @@ def fixed_fraction_from_move(
     ``MIN_SHARE_CHANGE`` gives one estimate, clipped to ``[0, 0.9]``; the result is their
     median (None when no rank's share moved enough or a time is not positive).
 
-    ``steady``: a rank whose share hardly moved must keep its time within ``steady`` times
-    its work's ratio (either way); one that did not changed speed across the move (a
-    straggler began or ended in the window), and then no rank's times say anything about
-    ``phi``: None. (A bench run's move one step before a 4x slowdown began read 0.9.)
+    ``steady``: whatever ``phi`` in [0, 1], a rank's time ratio lies between 1 and its work's
+    ratio ``b / a``; a rank beyond that range by more than ``steady`` times (either way)
+    changed speed across the move (a straggler began or ended in the window), and then no
+    rank's times say anything about ``phi``: None. (Bench runs: a move one step before a 4x
+    phase read 0.9; an 8x rank resized at the agreement its slowdown began took 1.9x longer
+    for half its GEMM work, read 0.9.)
     """
     n = len(before)
     assert len(old_shares) == len(after) == len(new_shares) == n
@@ -232,10 +234,10 @@ def fixed_fraction_from_move(
         a, b = n * s0, n * s1
         if t0 <= 0 or t1 <= 0:
             continue
+        work = b / a if a > 0 else math.inf
+        if not min(1.0, work) / steady <= t1 / t0 <= max(1.0, work) * steady:
+            return None
         if abs(b - a) < MIN_SHARE_CHANGE:
-            work = max(b / a, a / b) if a > 0 and b > 0 else math.inf
-            if max(t1 / t0, t0 / t1) > steady * work:
-                return None
             continue
         r = t1 / t0
         denominator = (b - 1) - r * (a - 1)

@@ -144,6 +144,18 @@ def test_fixed_fraction_from_a_move_refuses_a_window_in_which_a_device_changed_s
     assert fixed_fraction_from_move(before, old, mild, new, 1.6) == pytest.approx(phi)
 
 
+def test_fixed_fraction_from_a_move_refuses_a_moved_rank_slower_than_any_phi_allows():
+    """A bench run's digits records: rank 2's 8x slowdown began inside the window before its
+    ops attached (median 0.139 s over mixed steps); after, dropping half its GEMM columns
+    (n * share 1 -> 0.5), it took 0.268 s. Whatever phi, its ratio lies in [0.5, 1]; 1.93 is
+    beyond 1.6 x 1: no estimate (without the check: 0.9, the clip)."""
+    before = [0.038954, 0.04077, 0.138659, 0.039395]
+    after = [0.042866, 0.038027, 0.268205, 0.034299]
+    scaled = (0.25, 0.25, 0.125, 0.25)
+    assert fixed_fraction_from_move(before, EVEN, after, scaled, 1.6) is None
+    assert fixed_fraction_from_move(before, EVEN, after, scaled) == pytest.approx(0.9)
+
+
 def test_fixed_fraction_from_a_move_needs_a_real_share_change():
     """No rank's ``n * share`` moved by 0.25: no estimate; estimates are clipped to [0, 0.9]."""
     small = (0.26, 0.24, 0.26, 0.24)
