@@ -17,8 +17,10 @@ Variants (names used in the JSON):
 - ``ada``: HeteroParallelPlugin ``ada_kfkb``, planned split, under the memory budget.
 
 Phases (a) and (b) share one set (equal speeds: the planned split is the planner's for equal
-stages); phase (c) slows one stage to half speed (``bench.pipeline_stretch``) and uses a second
-set planned for that (``stock`` is shared: its even split ignores speeds).
+stages); phase (c) slows one device to half speed (``bench.pipeline_stretch``) and uses a second
+set planned for that: told the devices' speeds, so each stage's TP widths are planned, on the
+split chosen by ``measure_stage_times`` and ``try_splits`` (``stock`` is shared: its even split
+and widths ignore speeds).
 
 Each step returns the slowest rank's seconds (``step``: execute_pipeline + optimizer step,
 ``pipe``: execute_pipeline alone), the ``k`` it ran, each stage's peak activation bytes
