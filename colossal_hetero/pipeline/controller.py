@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from colossal_hetero.pipeline.measured import MeasuredGuard
 from colossal_hetero.pipeline.profile import profile_from_records, record_from_vector, vector_width
 from colossal_hetero.pipeline.schedule import KFKBSchedule
 from colossal_hetero.pipeline.tuner import PipelineProfile, choose_k_over_window
@@ -56,6 +57,9 @@ class AdaKController:
         early: with ``overlap``, decide before the next step's first pass instead
             (:meth:`before_step`, installed as ``schedule.before_step``): ``k`` changes one
             step earlier, and that step waits for whatever of the gather is still in flight.
+        guard: checks the simulator's choice against the step times measured at each ``k``
+            (:class:`~colossal_hetero.pipeline.measured.MeasuredGuard`: refuted switches,
+            exploration of neighbours); None follows the simulator alone.
     """
 
     def __init__(
@@ -71,6 +75,7 @@ class AdaKController:
         sticky: bool = False,
         overlap: bool = False,
         early: bool = False,
+        guard: MeasuredGuard | None = None,
     ) -> None:
         if period < 1:
             raise ValueError(f"period: retune every >= 1 steps, got {period}")
@@ -84,9 +89,11 @@ class AdaKController:
         self.schedule, self.stage_of_rank, self.period = schedule, stage_of_rank, period
         self.memory_budget_bytes = memory_budget_bytes
         self.latency_s, self.group, self.min_gain = latency_s, group, min_gain
-        self.sticky, self.overlap = sticky, overlap
-        self._pending: tuple[dist.Work, list[torch.Tensor], torch.Tensor, int] | None = None
-        """With ``overlap``: the gather in flight, its rows, its row and the step it measured."""
+        self.sticky, self.overlap, self.guard = sticky, overlap, guard
+        self._retunings = 0
+        self._pending: tuple[dist.Work, list[torch.Tensor], torch.Tensor, int, int] | None = None
+        """With ``overlap``: the gather in flight, its rows, its row (kept alive until the
+        gather is done), the step it measured and the ``k`` that step ran."""
         self._decided: dict[str, Any] | None = None
         """With ``early``: the record decided by :meth:`before_step`, until ``after_step``."""
         if early:
@@ -110,6 +117,7 @@ class AdaKController:
         :meth:`before_step` decided it already; the record is returned here. A decided record
         carries ``gather_wait_s``: how long this rank waited for the gather.
         """
+        ran = self.schedule.k  # what this step ran: a pending decision applies to the next
         record, self._decided = self._decided, None
         if record is None:
             record = self._settle()
@@ -122,10 +130,10 @@ class AdaKController:
         work = dist.all_gather(rows, mine, group=self.group, async_op=True)
         assert work is not None
         if self.overlap:
-            self._pending = (work, rows, mine, step)
+            self._pending = (work, rows, mine, step, ran)
             return record
         work.wait()
-        return self._decide(rows, step)
+        return self._decide(rows, step, ran)
 
     def before_step(self) -> None:
         """``early``: decide the gather in flight before a step's first pass (``set_k``), so the
@@ -138,19 +146,21 @@ class AdaKController:
         """Wait for the gather in flight (if any) and decide it; the record notes the wait."""
         if self._pending is None:
             return None
-        work, rows, _, measured = self._pending
+        work, rows, _, measured, ran = self._pending
         self._pending = None
         began = time.perf_counter()
         work.wait()
         waited = time.perf_counter() - began
-        return {**self._decide(rows, measured), "gather_wait_s": waited}
+        return {**self._decide(rows, measured, ran), "gather_wait_s": waited}
 
-    def _decide(self, rows: list[torch.Tensor], step: int) -> dict[str, Any]:
-        """Agree on the profile from the gathered rows, choose and set ``k``; the record."""
+    def _decide(self, rows: list[torch.Tensor], step: int, ran: int) -> dict[str, Any]:
+        """Agree on the profile from the gathered rows, choose and set ``k``; the record.
+        ``ran``: the ``k`` of the step measured."""
         m = self.schedule.num_microbatches
         assert m is not None
         num_stages = self.schedule.stage_manager.num_stages
-        profile = agreed_profile([r.tolist() for r in rows], self.stage_of_rank, num_stages, m)
+        gathered = [r.tolist() for r in rows]
+        profile = agreed_profile(gathered, self.stage_of_rank, num_stages, m)
         self._profiles.append(profile)  # identical on every rank: so is the window
         window = list(self._profiles)
         current = self.schedule.k if self.sticky else None
@@ -159,8 +169,15 @@ class AdaKController:
         )
         self._cache = {key: t for key, t in self._cache.items() if key[0] in window}
         previous = self.schedule.k
-        self.schedule.set_k(decision.k)
+        measured_s = measured_step_s(gathered, m)
+        chosen, reason = decision.k, "model" if decision.k != ran else "kept"
+        if self.guard is not None:
+            times = decision.step_s_by_k
+            chosen, reason = self.guard.choose(self._retunings, ran, measured_s, decision.k, times)
+        self._retunings += 1
+        self.schedule.set_k(chosen)
         before = decision.step_s_by_k.get(previous)  # None: the old k no longer fits memory
+        gain = None if before is None else before / decision.step_s_by_k[chosen] - 1
         return {
             "step": step,
             "controller": "ada_kfkb",
@@ -174,10 +191,20 @@ class AdaKController:
                 "activation_bytes": profile.activation_bytes,
                 "memory_budget_bytes": profile.memory_budget_bytes,
             },
-            "decision": {"k": decision.k, "previous_k": previous},
+            "decision": {"k": chosen, "previous_k": previous},
+            "model_k": decision.k,
+            "reason": reason,
+            "measured_s": measured_s,
+            "ran_k": ran,
             "window": len(self._profiles),
-            "predicted_gain": None if before is None else before / decision.predicted_step_s - 1,
+            "predicted_gain": gain,
         }
+
+
+def measured_step_s(rows: list[list[float]], num_microbatches: int) -> float:
+    """The measured step: the slowest rank's schedule seconds in the gathered rows."""
+    width = vector_width(num_microbatches)
+    return max(record_from_vector(r[:width], num_microbatches).step_s for r in rows)
 
 
 def agreed_profile(

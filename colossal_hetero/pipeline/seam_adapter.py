@@ -28,6 +28,7 @@ from colossalai.utils import get_current_device
 
 from colossal_hetero.config.schema import HeteroConfig
 from colossal_hetero.pipeline.controller import AdaKController
+from colossal_hetero.pipeline.measured import MeasuredGuard
 from colossal_hetero.pipeline.schedule import KFKBSchedule
 from colossal_hetero.pipeline.tuner import stage_of_rank
 from colossal_hetero.pipeline.validate import budget_bytes, check_budget
@@ -40,6 +41,12 @@ WINDOW = 4
 """Retuning steps the plugin's controller sums its prediction over (``AdaKController.window``)."""
 MIN_GAIN = 0.03
 """Predicted gains below this tie (the smaller k wins): measured compute jitters by a few %."""
+EXPLORE = 0.15
+"""A neighbouring k predicted at most this much slower than the running one is tried for one
+period (``MeasuredGuard.explore``): predicted from a profile measured at another k, PP=4 steps
+at k = 3 put k = 2 within 12% of it, where k = 2 ran 10-15% faster."""
+MEMORY = 8
+"""Retunings a measured step time stays recent (``MeasuredGuard.memory``)."""
 
 
 class RecordWriter(Protocol):
@@ -117,6 +124,7 @@ def install_schedule(engine: Any, config: HeteroConfig, rank: int) -> AdaKSeamCo
         # Decided before the next step's first pass: k changes one step after the step it
         # was measured on, not two (that step waits for the gather's rest, if any).
         early=True,
+        guard=MeasuredGuard(min_gain=MIN_GAIN, explore=EXPLORE, memory=MEMORY),
     )
     return AdaKSeamController(controller, config)
 

@@ -74,10 +74,12 @@ def _run(rank, world_size, device):
     optimizer = OptimizerWrapper(torch.optim.SGD(model.parameters(), lr=0.0))
     late, late_record = _ks_run(False, stages, model, optimizer)
     assert late == [1, 1, 2], late
-    assert late_record["step"] == 0 and late_record["decision"] == {"k": 2, "previous_k": 1}
+    assert late_record["step"] == 0 and late_record["decision"]["k"] == 2
+    assert late_record["ran_k"] == 1 and late_record["reason"] == "model"
     soon, soon_record = _ks_run(True, stages, model, optimizer)
     assert soon == [1, 2, 2], soon
     assert soon_record["step"] == 0 and soon_record["decision"] == {"k": 2, "previous_k": 1}
+    assert soon_record["model_k"] == 2 and soon_record["ran_k"] == 1
     assert soon_record["gather_wait_s"] >= 0.0
     with pytest.raises(ValueError, match="^early:"):
         AdaKController(KFKBSchedule(stages, num_microbatches=M), [0, 1], 1e12, early=True)
