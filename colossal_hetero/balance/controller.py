@@ -184,7 +184,7 @@ class BalanceController:
         (the median of every such estimate), so that a rank's seconds per unit of work stay
         its device's under the ops and a recovery shows in them."""
         self._ops_estimates: list[float] = []
-        self._moved: tuple[str, tuple[float, ...], tuple[float, ...]] | None = None
+        self._moved: tuple[str, tuple[float, ...], tuple[float, ...], set[int]] | None = None
         # ("move" | "ops", scaling shares, per-position times) of the window before the
         # last width move or change of the in-layer plan
 
@@ -509,8 +509,8 @@ class BalanceController:
 
     def _mark_change(self, kind: str, agreed: Agreed) -> None:
         """Before a width move (``kind`` "move") or a change of the in-layer plan ("ops"):
-        keep the scaling shares and times it ran at, for ``_refine_fixed_fraction``."""
-        self._moved = (kind, self._scaling(), agreed.times)
+        keep the scaling shares, times and offloading ranks, for ``_refine_fixed_fraction``."""
+        self._moved = (kind, self._scaling(), agreed.times, {o.rank for o in self.plan.offloads})
 
     def _refine_fixed_fraction(self, agreed: Agreed) -> None:
         """At the first agreement after a move or a change of the in-layer plan (its windows
@@ -518,14 +518,15 @@ class BalanceController:
         fixed fraction from the times before and after it (none where a rank changed speed
         by over ``1 + 2 threshold``). A move keeps the mean of the old ``fixed_fraction`` and
         the estimate (one noisy window moves it half-way); an in-layer change sets
-        ``ops_fraction`` to the median of every estimate so far (on small models the ops save
-        far less than their share of the GEMMs)."""
+        ``ops_fraction`` to the median of every estimate so far, from the offloading ranks'
+        times alone (a helper's include the ops' own costs, which no fixed fraction models)."""
         if self._moved is None:
             return
-        kind, old_scaling, before = self._moved
+        kind, old_scaling, before, offloading = self._moved
         self._moved = None
-        after, steady = agreed.times, 1 + 2 * self.settings.threshold
-        estimate = fixed_fraction_from_move(before, old_scaling, after, self._scaling(), steady)
+        after, steady, scaling = agreed.times, 1 + 2 * self.settings.threshold, self._scaling()
+        only = None if kind == "move" else offloading | {o.rank for o in self.plan.offloads}
+        estimate = fixed_fraction_from_move(before, old_scaling, after, scaling, steady, only)
         if estimate is None:
             return
         if kind == "move":

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from colossal_hetero.planner.plan import WIDTH_KEY_OF_KIND
@@ -210,6 +210,7 @@ def fixed_fraction_from_move(
     after: Sequence[float],
     new_shares: Sequence[float],
     steady: float = math.inf,
+    only: Collection[int] | None = None,
 ) -> float | None:
     """The fixed fraction ``phi`` that explains a move's measured times, or None.
 
@@ -226,18 +227,22 @@ def fixed_fraction_from_move(
     rank's times say anything about ``phi``: None. (Bench runs: a move one step before a 4x
     phase read 0.9; an 8x rank resized at the agreement its slowdown began took 1.9x longer
     for half its GEMM work, read 0.9.)
+
+    ``only``: the ranks that give estimates (all when None); the check covers every rank.
     """
     n = len(before)
     assert len(old_shares) == len(after) == len(new_shares) == n
     estimates = []
-    for t0, s0, t1, s1 in zip(before, old_shares, after, new_shares, strict=True):
+    for rank, (t0, s0, t1, s1) in enumerate(
+        zip(before, old_shares, after, new_shares, strict=True)
+    ):
         a, b = n * s0, n * s1
         if t0 <= 0 or t1 <= 0:
             continue
         work = b / a if a > 0 else math.inf
         if not min(1.0, work) / steady <= t1 / t0 <= max(1.0, work) * steady:
             return None
-        if abs(b - a) < MIN_SHARE_CHANGE:
+        if abs(b - a) < MIN_SHARE_CHANGE or (only is not None and rank not in only):
             continue
         r = t1 / t0
         denominator = (b - 1) - r * (a - 1)

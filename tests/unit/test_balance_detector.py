@@ -156,6 +156,20 @@ def test_fixed_fraction_from_a_move_refuses_a_moved_rank_slower_than_any_phi_all
     assert fixed_fraction_from_move(before, EVEN, after, scaled) == pytest.approx(0.9)
 
 
+def test_fixed_fraction_from_a_move_from_the_offloading_rank_alone():
+    """Phi 0.4; rank 3 (2x) migrates 0.9 of its GEMM columns to three helpers (n * share 1
+    -> 0.1, helpers 1 -> 1.3), whose times also carry the ops' own cost (x1.25, no fixed
+    fraction's doing). From every moved rank the median is far from 0.4; from rank 3 alone
+    (``only``) it is 0.4."""
+    phi, old = 0.4, EVEN
+    new = (0.325, 0.325, 0.325, 0.025)
+    before = [u * f for u, f in zip(work_units(old, phi), (1, 1, 1, 2), strict=True)]
+    after = [u * f for u, f in zip(work_units(new, phi), (1.25, 1.25, 1.25, 2), strict=True)]
+    mixed = fixed_fraction_from_move(before, old, after, new, 1.6)
+    assert mixed is not None and abs(mixed - phi) > 0.2
+    assert fixed_fraction_from_move(before, old, after, new, 1.6, {3}) == pytest.approx(phi)
+
+
 def test_fixed_fraction_from_a_move_needs_a_real_share_change():
     """No rank's ``n * share`` moved by 0.25: no estimate; estimates are clipped to [0, 0.9]."""
     small = (0.26, 0.24, 0.26, 0.24)
