@@ -6,23 +6,29 @@ running ``k``'s bursts and compute that depends on ``k`` all change with ``k`` a
 only at the running one (PP=4 on free 20 Mbit/s links: ``k = 3`` predicted level with ``k = 2``
 ran 10-15% slower). The step time ada measured at each ``k`` it ran does not have that error.
 :class:`MeasuredGuard` keeps the last measured step time of each ``k`` (the agreed slowest rank's
-schedule time, so the same on every rank) and applies three rules, in this order, at each
-retuning (``index`` counts retunings; a measurement is *recent* for ``memory`` retunings):
+schedule time, so the same on every rank). A measurement is *recent* for ``memory`` retunings,
+and *comparable* with the running ``k``'s when the two differ by less than the factor
+``comparable``: a larger difference is taken for a change of conditions (a tenant came or
+went), not of ``k``. At each retuning, in this order:
 
-1. **After an exploration** (rule 3 ran ``k`` for one retuning period in place of ``base``):
-   keep the explored ``k`` if it measured at least ``min_gain`` faster than ``base``'s recent
+1. **After an exploration** (rule 4 ran ``k`` for one period in place of ``base``): keep the
+   explored ``k`` if it measured at least ``min_gain`` faster than ``base``'s comparable
    measurement, else go back to ``base``.
-2. **A switch the measurements refute is not made**: when the simulator proposes a ``k`` other
-   than the running one and that ``k`` has a recent measurement more than ``min_gain`` slower
-   than the running ``k``'s, the running ``k`` stays.
-3. **Exploration**: when the simulator keeps the running ``k``, a neighbour ``k ± 1`` that fits
+2. **A switch the measurements refute is not made**: when the simulator proposes another ``k``
+   whose recent measurement is more than ``min_gain`` slower than the running ``k``'s, the
+   running ``k`` stays.
+3. **A measured faster ``k`` is taken back**: when the simulator keeps the running ``k`` but
+   another ``k`` that fits measured more than ``min_gain`` faster, recent and comparable, that
+   ``k`` runs (the fastest such).
+4. **Exploration**: when the simulator keeps the running ``k``, a neighbour ``k ± 1`` that fits
    the memory budget, has no recent measurement and is predicted within ``explore`` of the
    running ``k`` (the simulator cannot tell them apart) runs for one period (the one predicted
    faster; the smaller on a tie). It costs at most one period per neighbour every ``memory``
    retunings, at a ``k`` predicted at most ``explore`` slower.
 
-Measurements taken under other conditions (a tenant came or went) can mislead rules 1 and 2 for
-at most ``memory`` retunings; the simulator's proposal is followed again after that.
+So a ``k`` the simulator favours but that measured slower is run again once its measurement
+expires (one period every ``memory`` retunings), and a comparable measurement from before a
+change of conditions can mislead rules 1-3 until it expires.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ class MeasuredGuard:
     """Largest predicted slowdown of a neighbour worth one exploratory period."""
     memory: int = 8
     """Retunings a measurement stays recent."""
+    comparable: float = 1.25
+    """Largest ratio of two step times still compared as measurements of one condition."""
     times: dict[int, tuple[int, float]] = field(default_factory=dict)
     """Per ``k``: (retuning index, measured step seconds) of its last measurement."""
     explored_from: int | None = None
@@ -50,9 +58,9 @@ class MeasuredGuard:
         if self.min_gain < 0 or self.explore < 0:
             raise ValueError("min_gain, explore: fractions must be >= 0")
         if self.memory < 2:  # rule 1 compares with the retuning before
-            raise ValueError(
-                f"memory: measurements must stay recent >= 2 retunings, got {self.memory}"
-            )
+            raise ValueError(f"memory: must be >= 2 retunings, got {self.memory}")
+        if self.comparable < 1:
+            raise ValueError(f"comparable: a ratio >= 1, got {self.comparable}")
 
     def choose(
         self,
@@ -67,24 +75,26 @@ class MeasuredGuard:
         ``running`` ran the step measured (``measured_s`` seconds), ``proposed`` is the
         simulator's choice and ``predicted`` its time for every candidate that fits memory.
         Reasons: ``"explored-kept"``, ``"explored-back"`` (rule 1), ``"refuted"`` (rule 2),
-        ``"explore"`` (rule 3), ``"model"`` (the simulator's switch), ``"kept"``.
+        ``"measured"`` (rule 3), ``"explore"`` (rule 4), ``"model"`` (the simulator's switch),
+        ``"kept"``.
         """
         self.times[running] = (index, measured_s)
         recent = {k: s for k, (i, s) in self.times.items() if index - i < self.memory}
-        reason = ""
+        comparable = {
+            k: s
+            for k, s in recent.items()
+            if k in predicted and max(s, measured_s) < self.comparable * min(s, measured_s)
+        }
         if self.explored_from is not None:
             base, self.explored_from = self.explored_from, None
-            if base in predicted and base in recent:
-                if measured_s > recent[base] * (1 - self.min_gain):
-                    return base, "explored-back"
-                reason = "explored-kept"
+            if base in predicted and measured_s > comparable.get(base, 0.0) * (1 - self.min_gain):
+                return base, "explored-back"
+            return self._refute(running, measured_s, proposed, recent, predicted, "explored-kept")
         if proposed != running:
-            refuted = proposed in recent and recent[proposed] > measured_s * (1 + self.min_gain)
-            if refuted and running in predicted:
-                return running, reason or "refuted"
-            return proposed, "model"
-        if reason == "explored-kept":
-            return running, reason
+            return self._refute(running, measured_s, proposed, recent, predicted, "model")
+        faster = [k for k, s in comparable.items() if s < measured_s * (1 - self.min_gain)]
+        if faster:
+            return min(faster, key=lambda c: (comparable[c], c)), "measured"
         limit = predicted[running] * (1 + self.explore)
         options = [
             k
@@ -96,3 +106,20 @@ class MeasuredGuard:
         k = min(options, key=lambda c: (predicted[c], c))
         self.explored_from = running
         return k, "explore"
+
+    def _refute(
+        self,
+        running: int,
+        measured_s: float,
+        proposed: int,
+        recent: Mapping[int, float],
+        predicted: Mapping[int, float],
+        reason: str,
+    ) -> tuple[int, str]:
+        """Rule 2: the running ``k`` (with ``reason``) unless the proposal stands."""
+        if proposed == running:
+            return running, reason
+        slower = proposed in recent and recent[proposed] > measured_s * (1 + self.min_gain)
+        if slower and running in predicted:
+            return running, "explored-kept" if reason == "explored-kept" else "refuted"
+        return proposed, "model"

@@ -2,7 +2,7 @@
 
 The numbers follow one PP=4 run on free shaped links (milliseconds): the profile of a k = 3
 step predicts k = 1 / 2 / 3 at 370 / 298 / 267, while k = 3 measured 330 and k = 2 266.
-min_gain 3%, explore 15%, memory 8 retunings.
+min_gain 3%, explore 15%, memory 8 retunings, comparable within a factor 1.25.
 """
 
 from __future__ import annotations
@@ -75,6 +75,28 @@ def test_the_running_k_out_of_memory_is_never_kept():
     assert guard.choose(1, 3, 300.0, 1, fitting) == (1, "model")
 
 
+def test_a_model_switch_that_measured_slower_is_taken_back():
+    guard = _guard()
+    assert guard.choose(0, 1, 322.0, 2, AT_K3) == (2, "model")
+    assert guard.choose(1, 2, 277.0, 3, AT_K2) == (3, "model")  # 3 not measured yet
+    # k = 3 measured 330; k = 2's 277 < 330 * 0.97 = 320.1 and 330 / 277 = 1.19 < 1.25.
+    assert guard.choose(2, 3, 330.0, 3, AT_K3) == (2, "measured")
+    assert guard.choose(3, 2, 266.0, 3, AT_K2) == (2, "refuted")
+
+
+def test_measurements_across_a_change_of_conditions_are_not_compared():
+    under_tenant = {2: 620.0, 3: 600.0}
+    guard = _guard()
+    guard.times[2] = (0, 330.0)  # k = 2 on a free link
+    # Under a tenant k = 3 takes 600: 600 / 330 = 1.82 >= 1.25, so 2's 330 does not count as
+    # faster, and 2 (recent) is not explored either.
+    assert guard.choose(1, 3, 600.0, 3, under_tenant) == (3, "kept")
+    # An exploration that lands on the tenant's departure is inconclusive: back to k = 3.
+    guard = _guard()
+    assert guard.choose(0, 3, 600.0, 3, under_tenant) == (2, "explore")
+    assert guard.choose(1, 2, 330.0, 3, under_tenant) == (3, "explored-back")
+
+
 def test_ties_explore_the_smaller_neighbour_and_bad_settings_are_refused():
     flat = {1: 100.0, 2: 100.0, 3: 100.0}
     assert _guard().choose(0, 2, 100.0, 2, flat) == (1, "explore")
@@ -85,3 +107,5 @@ def test_ties_explore_the_smaller_neighbour_and_bad_settings_are_refused():
         MeasuredGuard(0.03, 0.15, memory=1)
     with pytest.raises(ValueError, match="^min_gain, explore:"):
         MeasuredGuard(-0.01, 0.15)
+    with pytest.raises(ValueError, match="^comparable:"):
+        MeasuredGuard(0.03, 0.15, comparable=0.9)
