@@ -1,7 +1,7 @@
 """``bench dynamic``, the spawned half: every variant of one model in one world, interleaved.
 
 One world of ``tp`` CPU ranks trains every variant side by side, one training step each per
-round (``bench.rounds``, order rotating), round ``i`` being step ``i`` of every variant, so
+round (``bench.rounds``, order balanced), round ``i`` being step ``i`` of every variant, so
 each meets the phase schedule (``dynamic_phases``) at the same step:
 
 - ``unperturbed``: stock ``HybridParallelPlugin``, even TP, no emulation;

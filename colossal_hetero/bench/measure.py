@@ -136,17 +136,6 @@ class TrainingRunner:
         return _summarise(self.rows, dist.get_world_size())
 
 
-def run_interleaved(runners: list[TrainingRunner], *, warmup: int, steps: int) -> None:
-    """Step every runner once per round, ``warmup`` unrecorded rounds then ``steps``.
-
-    The order rotates every round so no variant always runs first or last.
-    """
-    for step in range(warmup + steps):
-        shift = step % len(runners)
-        for runner in runners[shift:] + runners[:shift]:
-            runner.step(step, record=step >= warmup)
-
-
 def _gather(values: list[float], device: torch.device) -> list[float]:
     mine = torch.tensor(values, dtype=torch.float64, device=device)
     gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]

@@ -11,8 +11,13 @@ Every ``bench`` subcommand drives its variants through :func:`run_rounds`:
   ratio, e.g. ``lambda v: v["stock.step"] / v["planned.step"]``. Its reported value is the
   median of its per-round values with a paired bootstrap interval (``bench.stats``).
 
-Each round runs every variant once, in an order that rotates every round so no variant is
-always first. After ``min_rounds`` rounds the driver asks, once per round, whether to stop:
+Each round runs every variant once, in a carryover-balanced order (a Williams design,
+:func:`round_order`): over every ``n`` rounds (``2n`` for an odd number of variants) each
+variant runs first equally often and directly after each other variant equally often. A plain
+rotation would put every variant after the same neighbour in every round, and whatever that
+neighbour leaves behind (a draining link queue, a cold cache) would bias one ratio.
+
+After ``min_rounds`` rounds the driver asks, once per round, whether to stop:
 every figure's interval half-width is <= ``target_half_width`` (converged), or the time
 budget or ``max_rounds`` is spent. In a distributed benchmark the question goes through
 ``decide``, so that every rank runs the same rounds and issues the same collectives:
@@ -132,7 +137,7 @@ def run_rounds(
     decide: Decide | None = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> RoundsResult:
-    """Run ``variants`` in rotating rounds until ``policy`` says stop; see the module docstring.
+    """Run ``variants`` in balanced rounds until ``policy`` says stop; see the module docstring.
 
     ``decide`` defaults to a local decision (one process). Collectives: the variants' own,
     plus whatever ``decide`` issues once per round from round ``min_rounds`` on.
@@ -143,14 +148,14 @@ def run_rounds(
     decide = decide or _decide_locally
     started = clock()
     for index in range(policy.warmup):
-        for name in _rotated(names, index):
+        for name in round_order(names, index):
             variants[name](index, warmup=True)
     series: dict[str, list[float]] = {}
     done, stop = 0, False
     while not stop:
         index = policy.warmup + done
         recorded: dict[str, float] = {}
-        for name in _rotated(names, index):
+        for name in round_order(names, index):
             recorded.update(_named(name, variants[name](index, warmup=False)))
         if done and recorded.keys() != series.keys():
             raise ValueError(
@@ -194,9 +199,22 @@ def _decide_locally(propose: Callable[[], bool]) -> bool:
     return propose()
 
 
-def _rotated(names: list[str], index: int) -> list[str]:
-    shift = index % len(names)
-    return names[shift:] + names[:shift]
+def round_order(names: list[str], index: int) -> list[str]:
+    """Round ``index``'s order of ``names``: row ``index`` of a Williams design.
+
+    The base row is 0, 1, n-1, 2, n-2, ...; row r adds r (mod n) to every entry. For even n
+    the n rows hold every ordered pair of neighbours exactly once; for odd n the next n rows
+    are the first n reversed, and the 2n rows hold every ordered pair exactly twice.
+    """
+    n = len(names)
+    base = [0]
+    for j in range(1, n):
+        base.append((j + 1) // 2 if j % 2 else n - j // 2)
+    shift = index % n
+    row = [names[(b + shift) % n] for b in base]
+    if n % 2 and (index // n) % 2:
+        row.reverse()
+    return row
 
 
 def _named(name: str, values: Values | None) -> dict[str, float]:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 
 import numpy as np
 import pytest
 
-from colossal_hetero.bench.rounds import RoundsPolicy, run_rounds
+from colossal_hetero.bench.rounds import RoundsPolicy, round_order, run_rounds
 from colossal_hetero.bench.stats import Interval, median_interval, ratio_interval
 
 TRIALS = 400
@@ -93,7 +94,21 @@ def test_median_interval_contract():
     assert Interval(2.0, 1.9, 2.2).half_width == pytest.approx(0.075)  # (2.2 - 1.9) / 2 / 2
 
 
-def test_driver_rotates_order_and_names_series():
+def test_round_order_is_carryover_balanced():
+    for n in range(1, 8):
+        names = [str(i) for i in range(n)]
+        period = n if n % 2 == 0 else 2 * n
+        rows = [round_order(names, r) for r in range(period)]
+        assert all(sorted(row) == names for row in rows)  # each round runs each variant once
+        firsts = Counter(row[0] for row in rows)
+        assert all(firsts[name] == period // n for name in names)
+        pairs = Counter((a, b) for row in rows for a, b in zip(row, row[1:], strict=False))
+        expected = {(a, b): period // n for a in names for b in names if a != b}
+        assert dict(pairs) == expected  # every ordered neighbour pair equally often
+    assert round_order(list("abcd"), 5) == round_order(list("abcd"), 1)  # period n for even n
+
+
+def test_driver_balances_order_and_names_series():
     calls: list[tuple[str, int, bool]] = []
 
     def variant(name):
@@ -105,7 +120,7 @@ def test_driver_rotates_order_and_names_series():
 
     policy = RoundsPolicy(warmup=1, min_rounds=3, max_rounds=3, budget_s=1e9)
     result = run_rounds({n: variant(n) for n in "xyz"}, {}, policy)
-    assert [c[0] for c in calls] == list("xyzyzxzxyxyz")  # rotates every round
+    assert [c[0] for c in calls] == list("xyzyzxzxyzyx")  # Williams rows 0-3
     assert [c[2] for c in calls] == [True] * 3 + [False] * 9
     assert result.rounds == 3 and result.stopped_by == "max_rounds"
     assert result.series["y.step"] == [2.0, 3.0, 4.0]  # warm-up round 0 not recorded
