@@ -363,6 +363,22 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
+class StageTimeSpec:
+    """Measured seconds of one pipeline stage per micro-batch (forward + backward)."""
+
+    block_s: float
+    """One transformer block on this stage's devices (> 0)."""
+
+    fixed_s: float = 0.0
+    """The rest of the stage's pass, whatever its block count: embeddings, LM head and loss,
+    the schedule's Python (>= 0)."""
+
+    def __post_init__(self) -> None:
+        _require(self.block_s > 0, "block_s", f"must be > 0, got {self.block_s}")
+        _require(self.fixed_s >= 0, "fixed_s", f"must be >= 0, got {self.fixed_s}")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
 class PlanConfig:
     """How tensor-parallel widths and data-parallel shares are chosen (see docs/planner.md)."""
 
@@ -398,6 +414,12 @@ class PlanConfig:
     model_spec: Literal["hf", "fx"] = "hf"
     """Where the planner reads the model's layers: hf: from the transformers config; fx: from a
     torch.fx trace of the model (built on the meta device, no weights allocated)."""
+
+    stage_times: list[StageTimeSpec] = field(default_factory=list)
+    """Measured per-stage times, one entry per pipeline stage (a probe run, e.g. stock 1F1B on
+    the even split): with parallel.pp > 1 and mode auto the stage split balances
+    fixed_s + n * block_s over the stages instead of the modelled FLOP/s (docs/pipeline.md,
+    "Stage split"). Empty: split from the cluster's modelled speeds."""
 
     def __post_init__(self) -> None:
         _require(
@@ -443,6 +465,7 @@ class HeteroConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "emulation", _emulation_for(self.emulation, self.cluster))
+        _check_stage_times(self.plan, self.parallel)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -487,6 +510,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "emulation", _emulation_for(self.emulation, self.cluster))
+        _check_stage_times(self.plan, self.parallel)
 
     def plugin_config(self) -> HeteroConfig:
         """The part of the run the plugin consumes."""
@@ -498,3 +522,24 @@ class RunConfig:
             balancer=self.balancer,
             moe=self.moe,
         )
+
+
+def _check_stage_times(plan: PlanConfig, parallel: ParallelConfig) -> None:
+    """``plan.stage_times`` against the layout: one entry per stage of a pipeline that the
+    planner splits (pp > 1, mode auto, no configured ``parallel.num_layers_per_stage``)."""
+    times = plan.stage_times
+    if not times:
+        return
+    name = "plan.stage_times"
+    _require(parallel.pp > 1, name, f"needs parallel.pp > 1, got pp {parallel.pp}")
+    _require(
+        len(times) == parallel.pp,
+        name,
+        f"{len(times)} entries for parallel.pp = {parallel.pp} stages (one per stage)",
+    )
+    _require(plan.mode == "auto", name, f"needs plan.mode auto, got {plan.mode}")
+    _require(
+        not parallel.num_layers_per_stage,
+        name,
+        "parallel.num_layers_per_stage fixes the split already; give one of the two",
+    )

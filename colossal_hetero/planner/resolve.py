@@ -78,9 +78,10 @@ def unplanned_notice(config: HeteroConfig) -> str | None:
 
 def wants_stage_plan(config: HeteroConfig) -> bool:
     """Whether the run's pipeline stages are planned (pp > 1, ``plan.mode: auto``, unequal
-    devices, no explicit ``parallel.num_layers_per_stage``); else Colossal-AI's even split."""
-    parallel = config.parallel
-    auto = config.plan.mode == "auto" and is_heterogeneous(config.cluster)
+    devices or measured ``plan.stage_times``, no explicit ``parallel.num_layers_per_stage``);
+    else Colossal-AI's even split."""
+    parallel, plan = config.parallel, config.plan
+    auto = plan.mode == "auto" and (is_heterogeneous(config.cluster) or bool(plan.stage_times))
     return auto and parallel.pp > 1 and not parallel.num_layers_per_stage
 
 
@@ -122,9 +123,20 @@ def stage_plan_for(config: HeteroConfig, spec: ModelSpec, world_size: int) -> St
             layers_per_stage=split,
             num_microbatches=parallel.num_microbatches,
             k=k,
+            stage_times=_stage_times(config),
         )
     except ValueError as error:
         raise ConfigError(f"plan: infeasible pipeline stages: {error}") from None
+
+
+def _stage_times(config: HeteroConfig) -> Any:
+    """``plan.stage_times`` as the planner's ``StageTimes``, or None when not given."""
+    from colossal_hetero.planner.stages import StageTimes
+
+    times = config.plan.stage_times
+    if not times:
+        return None
+    return StageTimes(tuple(t.block_s for t in times), tuple(t.fixed_s for t in times))
 
 
 def wants_stage_widths(config: HeteroConfig) -> bool:

@@ -131,6 +131,9 @@ class StagePlan:
     """Predicted seconds per step of the even split with 1F1B and the same micro-batches."""
     configured: tuple[str, ...] = ()
     """Which of ``layers``, ``microbatches``, ``k`` the config fixed (the rest are planned)."""
+    measured_stage_s: tuple[float, float] | tuple[()] = ()
+    """With measured stage times (``plan.stage_times``): the slowest stage's measured seconds
+    per micro-batch on this split and on the even one; empty when split from the model."""
 
 
 def _costs(
@@ -162,40 +165,38 @@ def plan_stages(
     layers_per_stage: Sequence[int] = (),
     num_microbatches: int = 0,
     k: int = 0,
+    stage_times: StageTimes | None = None,
 ) -> StagePlan:
     """Layers per stage, micro-batches and ``k`` for ``pp`` stages of ``tp`` devices each (any
     data-parallel replicas: ``cluster`` lists ``pp * tp * dp`` devices in Colossal-AI's dp-outer
     order), training ``pipeline_batch`` samples per step in each pipeline.
 
     ``balance_ends``: count the first stage's embeddings and the last stage's head when
-    balancing (an LM head over a large vocabulary costs several blocks, so even equal devices
-    then get fewer blocks on the last stage). False balances the blocks alone, as Colossal-AI's
-    even split does: equal devices then get exactly that split. The predicted times count the
-    ends either way.
+    balancing (a large vocabulary's head costs several blocks). False balances the blocks
+    alone, as Colossal-AI's even split does (equal devices get exactly it). The predicted
+    times count the ends either way.
 
     ``layers_per_stage`` / ``num_microbatches`` / ``k``: keep these as given (a configured
     split, count or group size; ``k = 1`` for 1F1B) and plan only the rest; empty / 0: plan.
 
-    Raises ValueError when the blocks or their activations cannot fit the stages' memory.
+    ``stage_times``: measured seconds per micro-batch of each stage (``plan.stage_times``):
+    the split balances them (``split_from_times``, same memory caps), not the modelled FLOP/s;
+    micro-batches, ``k`` and the predicted steps still come from the model. Raises
+    ValueError when the blocks or their activations cannot fit the stages' memory.
     """
     costs = block_costs(spec)
-    dp = cluster.num_devices // (pp * tp)
-    flops = stage_speeds(cluster.speeds, pp, tp, dp)
-    room = stage_speeds(cluster.memory_bytes, pp, tp, dp)  # the same sum-then-min rule
-    room[0] -= costs.head_state_bytes
-    room[-1] -= costs.tail_state_bytes
-    link = boundary_bandwidths(cluster.bandwidths, pp, tp, dp)
+    flops, room, link = _stage_resources(costs, cluster, pp, tp)
     # Fixed per-layer work (Python, launches; probed on the fastest device): not scaled by speed.
     overhead = cluster.layer_overhead_flops / max(cluster.speeds)
 
     def choose(layers: list[int]) -> MicrobatchChoice:
-        split_costs = _costs(costs, layers, flops, room, link)
-        return choose_microbatches(split_costs, pipeline_batch, num_microbatches=m_fixed, k=k)
+        split = _costs(costs, layers, flops, room, link)
+        return choose_microbatches(split, pipeline_batch, num_microbatches=num_microbatches, k=k)
 
-    m_fixed = num_microbatches
-    layers = list(layers_per_stage) or _split(costs, flops, room, balance_ends, 1, 0.0)
+    given = list(layers_per_stage) or _measured_split(costs, stage_times, room)
+    layers = given or _split(costs, flops, room, balance_ends, 1, 0.0)
     choice = choose(layers)
-    if overhead > 0 and not layers_per_stage:  # per micro-batch: needs its size, so resplit
+    if overhead > 0 and not given:  # per micro-batch: needs its size, so resplit
         size = pipeline_batch // choice.num_microbatches
         layers = _split(costs, flops, room, balance_ends, size, overhead)
         choice = choose(layers)
@@ -210,6 +211,41 @@ def plan_stages(
         even_layers=tuple(even),
         even_step_s=_one_f_one_b_step(even_costs, pipeline_batch, m),
         configured=_configured(layers_per_stage, num_microbatches, k),
+        measured_stage_s=_slowest(None if layers_per_stage else stage_times, layers, even),
+    )
+
+
+def _stage_resources(
+    costs: BlockCosts, cluster: ClusterSpec, pp: int, tp: int
+) -> tuple[list[float], list[float], list[float]]:
+    """Each stage's FLOP/s, bytes of room for block states (its ends' states taken) and each
+    boundary's bandwidth."""
+    dp = cluster.num_devices // (pp * tp)
+    flops = stage_speeds(cluster.speeds, pp, tp, dp)
+    room = stage_speeds(cluster.memory_bytes, pp, tp, dp)  # the same sum-then-min rule
+    room[0] -= costs.head_state_bytes
+    room[-1] -= costs.tail_state_bytes
+    return flops, room, boundary_bandwidths(cluster.bandwidths, pp, tp, dp)
+
+
+def _slowest(
+    times: StageTimes | None, layers: list[int], even: list[int]
+) -> tuple[float, float] | tuple[()]:
+    """The slowest stage's measured seconds on ``layers`` and on ``even`` (none: ``()``)."""
+    if times is None:
+        return ()
+    return max(times.stage_seconds(layers)), max(times.stage_seconds(even))
+
+
+def _measured_split(costs: BlockCosts, times: StageTimes | None, room: list[float]) -> list[int]:
+    """The blocks over the stages balancing measured ``times`` (``split_from_times``), no stage
+    holding more blocks than ``room`` bytes of states allow; ``[]`` without times."""
+    if times is None:
+        return []
+    if len(times.block_s) != len(room):
+        raise ValueError(f"stage_times: {len(times.block_s)} stages for pp {len(room)}")
+    return split_from_times(
+        costs.num_blocks, times, memory_bytes=room, layer_bytes=costs.block_state_bytes
     )
 
 
@@ -274,12 +310,21 @@ def format_stage_plan(plan: StagePlan) -> str:
     def how(name: str) -> str:
         return "   (configured)" if name in plan.configured else ""
 
+    lines = [
+        "pipeline stages (planned):",
+        f"  stage TFLOP/s         {speeds}",
+        f"  layers per stage      {list(plan.layers_per_stage)}"
+        f"   (even: {list(plan.even_layers)}){how('layers')}",
+    ]
+    if plan.measured_stage_s:
+        mine, even = plan.measured_stage_s
+        lines.append(
+            f"  split from            plan.stage_times: slowest stage {mine * 1e3:.3g} ms"
+            f" per micro-batch (even split: {even * 1e3:.3g} ms)"
+        )
     return "\n".join(
         [
-            "pipeline stages (planned):",
-            f"  stage TFLOP/s         {speeds}",
-            f"  layers per stage      {list(plan.layers_per_stage)}"
-            f"   (even: {list(plan.even_layers)}){how('layers')}",
+            *lines,
             f"  micro-batches         {plan.num_microbatches}{how('microbatches')}",
             f"  kFkB group size k     {plan.k}{how('k')}",
             f"  predicted step        {plan.step_s * 1e3:.3g} ms"
