@@ -1,0 +1,112 @@
+"""A short timed trial of candidate stage splits, from a plain Booster training loop.
+
+Measured stage times (``plan.stage_times``) cannot tell splits apart that they predict within a
+few percent of each other: a block's time moves by ~10% with the machine's load and with what
+the neighbouring stage runs beside it. The way out is to run each near-best split for a few
+steps and keep the fastest. :func:`pick_split` is that trial:
+
+- the caller builds one runner per candidate (a plugin with ``parallel.num_layers_per_stage``
+  set to it) and passes ``step_seconds(candidate, i)``, which runs step ``i`` of that candidate
+  and returns this rank's seconds;
+- step ``i`` runs the candidates in an order rotated by ``i`` (no candidate always first after
+  another's warm caches or a draining link);
+- each step's seconds are the slowest rank's (one ``all_reduce`` MAX on ``group``): a
+  pipeline step lasts as long as its slowest stage;
+- each candidate's score is the median of its steps; the least median wins, ties to the
+  earlier candidate (list the plugin's own split first).
+
+Contract: every rank of ``group`` calls with the same candidates in the same order and the same
+``steps`` (``step_seconds`` may run collectives: every rank runs the same steps in the same
+order). Every rank then gets the same pick, as all of them see the same reduced seconds.
+Candidates come from ``planner.stages.near_best_splits`` (:func:`split_candidates`).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from colossal_hetero.planner.stages import StageTimes, near_best_splits
+
+
+@dataclass(frozen=True, slots=True)
+class SplitTrial:
+    """The candidates, each one's per-step seconds (slowest rank's), and the pick."""
+
+    candidates: tuple[tuple[int, ...], ...]
+    steps_s: tuple[tuple[float, ...], ...]
+    best: int
+    """Index of the picked candidate."""
+
+    @property
+    def split(self) -> list[int]:
+        return list(self.candidates[self.best])
+
+    @property
+    def medians_s(self) -> list[float]:
+        return [statistics.median(s) if s else float("inf") for s in self.steps_s]
+
+
+def split_candidates(
+    num_layers: int,
+    times: StageTimes,
+    first: Sequence[int] | None = None,
+    *,
+    slack: float = 0.12,
+    limit: int = 3,
+) -> list[list[int]]:
+    """``first`` (e.g. the split the plugin planned from ``times``), then the fastest other
+    splits ``times`` predict within ``1 + slack`` of the best (``near_best_splits``): at most
+    ``limit`` in all."""
+    near = near_best_splits(num_layers, times, slack=slack, limit=limit)
+    head = [list(first)] if first else []
+    return (head + [s for s in near if s not in head])[:limit]
+
+
+def rotated(count: int, step: int) -> list[int]:
+    """The candidates' order in step ``step``: ``0..count-1`` rotated left by ``step``."""
+    shift = step % count
+    return [*range(shift, count), *range(shift)]
+
+
+def pick_split(
+    candidates: Sequence[Sequence[int]],
+    step_seconds: Callable[[int, int], float],
+    steps: int,
+    group: Any = None,
+    device: torch.device | str = "cpu",
+) -> SplitTrial:
+    """Run ``steps`` steps of every candidate (``step_seconds(index, step)``: this rank's
+    seconds for step ``step`` of ``candidates[index]``) and pick the one whose median slowest-
+    rank step is least; see the module docstring for the contract. One candidate: no steps run.
+    ``group``: the process group the ranks agree over (None: the world); ``device``: where its
+    backend reduces (the ranks' accelerator under NCCL). Collective."""
+    if not candidates:
+        raise ValueError("pick_split: no candidate splits")
+    if steps < 1:
+        raise ValueError(f"pick_split: steps must be >= 1, got {steps}")
+    layers = {sum(c) for c in candidates}
+    sizes = {len(c) for c in candidates}
+    if len(layers) != 1 or len(sizes) != 1 or any(n < 1 for c in candidates for n in c):
+        raise ValueError(
+            "pick_split: candidates must split the same layers over the same stages, "
+            f"each stage >= 1, got {[list(c) for c in candidates]}"
+        )
+    frozen = tuple(tuple(c) for c in candidates)
+    if len(frozen) == 1:
+        return SplitTrial(frozen, ((),), 0)
+    seen: list[list[float]] = [[] for _ in frozen]
+    for step in range(steps):
+        for index in rotated(len(frozen), step):
+            seconds = float(step_seconds(index, step))
+            mine = torch.tensor([seconds], dtype=torch.float64, device=device)
+            dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
+            seen[index].append(float(mine.item()))
+    medians = [statistics.median(s) for s in seen]
+    best = min(range(len(frozen)), key=lambda i: (medians[i], i))
+    return SplitTrial(frozen, tuple(tuple(s) for s in seen), best)
