@@ -47,6 +47,9 @@ period (``MeasuredGuard.explore``): predicted from a profile measured at another
 at k = 3 put k = 2 within 12% of it, where k = 2 ran 10-15% faster."""
 MEMORY = 8
 """Retunings a measured step time stays recent (``MeasuredGuard.memory``)."""
+MEASURED_MARGIN = 0.10
+"""Measured step times closer than this do not overrule the simulator (``MeasuredGuard.margin``):
+on the shared 2-core host one k's steps moved 5-10% round to round."""
 
 
 class RecordWriter(Protocol):
@@ -124,7 +127,7 @@ def install_schedule(engine: Any, config: HeteroConfig, rank: int) -> AdaKSeamCo
         # Decided before the next step's first pass: k changes one step after the step it
         # was measured on, not two (that step waits for the gather's rest, if any).
         early=True,
-        guard=MeasuredGuard(min_gain=MIN_GAIN, explore=EXPLORE, memory=MEMORY),
+        guard=MeasuredGuard(margin=MEASURED_MARGIN, explore=EXPLORE, memory=MEMORY),
     )
     return AdaKSeamController(controller, config)
 
