@@ -13,11 +13,13 @@ interleaved round by round on the rounds helper, through three phases:
   of PP=4, one of stage 0's two tensor-parallel ranks of PP=2 x TP=2), no preemption. The
   planned variants are told the devices' speeds (``cluster.devices``, ``plan.mode: auto``), so
   the plugin plans each stage's tensor-parallel widths (uneven on the stage with the slow
-  device), and use the split planned from each stage's measured per-block and fixed seconds
-  at those speeds and widths (``pipeline_worker.measure_stage_times``, then
-  ``planner.stages.split_from_times``), taken at the start of the run on Colossal-AI's 1F1B;
-  the near-tied splits the measurement cannot separate are then run a few steps each, and the
-  fastest is kept (``pipeline_worker.try_splits``).
+  device), and are given each stage's per-block and fixed seconds measured at those speeds
+  and widths at the start of the run on Colossal-AI's 1F1B (``pipeline_worker.
+  measure_stage_times``) as ``plan.stage_times``: the plugin plans the split from them, as for
+  a user. The near-tied splits the measurement cannot separate are then run a few steps each
+  with ``pipeline.split_trial.pick_split`` and the fastest is kept
+  (``pipeline_worker.try_splits``; a split other than the plugin's is then configured as
+  ``parallel.num_layers_per_stage``, the user recipe of docs/pipeline.md).
 
 Every figure is a median of per-round ratios of the slowest rank's step times (paired: one
 round's variants saw the same load and network state) with a bootstrap 95% interval
@@ -96,6 +98,9 @@ class BenchSpec:
     fast_gbps: float = FAST_GBPS
     slow_factor: float = 2.0
     settle_s: float = 0.3
+    drain_s: float = 1.0
+    """Extra wait before the first free round after a tenant stretch (its bytes still queued
+    on the link; ``pipeline_worker.Phases.drain_s``)."""
     network_mode: str = "shaped"
     phases: dict[str, dict[str, int]] = field(default_factory=dict)
     shares: list[float] = field(default_factory=list)

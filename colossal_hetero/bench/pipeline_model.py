@@ -19,6 +19,7 @@ from colossal_hetero.config.schema import (
     NetworkEmulationConfig,
     ParallelConfig,
     PlanConfig,
+    StageTimeSpec,
 )
 
 ROW = ("step", "pipe", "k", "peak_bytes", "stretch_s")
@@ -82,16 +83,21 @@ def build_configs(
     it). On equal devices they run ``plan.mode: even``; on phase (c)'s devices (``slow``) they
     are told each device's speed (``cluster.devices``) with ``plan.mode: auto``, so the plugin
     plans every stage's tensor-parallel widths for its devices (``planner.stage_widths``;
-    uneven on a stage with the half-speed device) on the configured split."""
+    uneven on a stage with the half-speed device) on the configured split. A ``slow`` set whose
+    spec carries ``stage_times`` (``[[block_s, fixed_s], ...]``, measured) and no ``layers``
+    leaves the split to the plugin: ``plan.stage_times``, as a user configures it."""
     from colossal_hetero.plugin.engine import engine_kwargs
 
-    layers = list(spec["splits"][split] if layers is None else layers)
+    times = spec.get("stage_times") if split == "slow" and layers is None else None
+    layers = [] if times else list(spec["splits"][split] if layers is None else layers)
     network = network_config(spec, spec["network_mode"])
     emulation = EmulationConfig(network=network)
     world = spec["pp"] * spec["tp"]
     speeds = device_speeds(world, spec["slow_ranks"], spec["slow_factor"])
     cluster = ClusterConfig(devices=[DeviceSpec(speed=s) for s in speeds])
-    planned = PlanConfig(mode="auto") if split == "slow" else PlanConfig(mode="even")
+    measured = [StageTimeSpec(block_s=b, fixed_s=f) for b, f in times or ()]
+    planned = PlanConfig(mode="auto", stage_times=measured)
+    planned = planned if split == "slow" else PlanConfig(mode="even")
 
     def hetero(schedule: str, k: int = 1, budget: float | None = None) -> HeteroConfig:
         parallel = ParallelConfig(

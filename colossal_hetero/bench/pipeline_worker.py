@@ -18,9 +18,11 @@ Variants (names used in the JSON):
 
 Phases (a) and (b) share one set (equal speeds: the planned split is the planner's for equal
 stages); phase (c) slows one device to half speed (``bench.pipeline_stretch``) and uses a second
-set planned for that: told the devices' speeds, so each stage's TP widths are planned, on the
-split chosen by ``measure_stage_times`` and ``try_splits`` (``stock`` is shared: its even split
-and widths ignore speeds).
+set planned for that: told the devices' speeds, so each stage's TP widths are planned, and
+the stage times ``measure_stage_times`` takes (``plan.stage_times``), so the plugin plans the
+split; ``try_splits`` then runs the user's trial (``pipeline.split_trial``) of that split
+against its near ties (``stock`` is shared: its even split and widths ignore speeds). The first
+free round after a tenant stretch waits ``drain_s`` more (``Phases.drain_s``).
 
 Each step returns the slowest rank's seconds (``step``: execute_pipeline + optimizer step,
 ``pipe``: execute_pipeline alone), the ``k`` it ran, each stage's peak activation bytes
@@ -31,10 +33,8 @@ forward/backward times and message bytes at the round's link rate.
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -61,24 +61,20 @@ from colossal_hetero.pipeline.profile import (
     vector_width,
 )
 from colossal_hetero.pipeline.schedule import KFKBSchedule
+from colossal_hetero.pipeline.split_trial import SplitTrial, pick_split, split_candidates
 from colossal_hetero.pipeline.tuner import stage_of_rank
-from colossal_hetero.planner.stages import StageTimes, near_best_splits, split_from_times
+from colossal_hetero.planner.stages import StageTimes
 
 WARM_SEED = 10**6
 """Batch seed of each variant's unrecorded first step (rounds use their global number)."""
-SPLIT_SLACK = 0.02
-"""Phase (c)'s split: splits predicted within 2% of the best are one to the measurement (3-step
-medians under load; PP=2 x TP=2, one run: [4, 8] predicted 0.6% ahead of [5, 7] ran 1.03x
-even, [5, 7] in another run 1.20x), so the one moving fewest blocks from even is taken."""
-
-
 TRIAL_SLACK = 0.12
 TRIAL_SPLITS = 3
 TRIAL_STEPS = 3
-"""Phase (c)'s split trial (``try_splits``): candidates within 12% of the best predicted, at
-most 3, 3 steps each. 12%: under load a stage's measured block time moved by 10-14% between
-runs and splits (PP=2 x TP=2's full-speed stage: 10.6 and 12.0 ms in two runs, 8.4 to 9.4 ms
-over the splits of one experiment), so a 5% window left ``[4, 8]`` out (predicted 11% behind)."""
+"""Phase (c)'s split trial (``try_splits``, ``pipeline.split_trial.pick_split``): the plugin's
+split and candidates within 12% of the best predicted, at most 3, 3 steps each. 12%: under
+load a stage's measured block time moved by 10-14% between runs and splits (PP=2 x TP=2's
+full-speed stage: 10.6 and 12.0 ms in two runs, 8.4 to 9.4 ms over the splits of one
+experiment), so a 5% window left ``[4, 8]`` out (predicted 11% behind)."""
 
 
 class InFlightMeter:
@@ -208,10 +204,19 @@ class Phases:
         number = self.offset + index
         if number != self._reported:  # the round's first step: report, let the tenant settle
             report_bench_step(self.rank, number)
-            time.sleep(self.spec["settle_s"])
+            time.sleep(self.spec["settle_s"] + self.drain_s(number))
             dist.barrier()
             self._reported = number
         return number
+
+    def drain_s(self, number: int) -> float:
+        """Extra wait before round ``number`` when it is the first free round after a tenant
+        stretch: the link's queue still drains the tenant's bytes, and whichever variant ran
+        first paid for it (PP=4, phase b: the variant first in that round 516-593 ms, 311 ms
+        in the other free round), the same variant every run as the rotation is fixed."""
+        shares = self.spec["shares"]
+        after = 0 < number < len(shares) and shares[number - 1] < 1.0 <= shares[number]
+        return float(self.spec.get("drain_s", 0.0)) if after else 0.0
 
     def variant(self, runner: Runner) -> Variant:
         spec, layout = self.spec, self.layout
@@ -313,12 +318,15 @@ def run_pipeline_worker(
     stock.stretch = stretch
     probe = _probe(spec, device, stock, stretch)
     measured = measure_stage_times(probe, stretch, phases.layout, spec)
-    tried = try_splits(spec, device, measured, stretch)
-    planned = min(tried, key=lambda t: t.median_s)
-    measured["trial"] = [{"split": t.split, "median_s": t.median_s} for t in tried]
-    measured["split"] = planned.split
-    slow_spec = {**spec, "splits": {**spec["splits"], "slow": planned.split}}
-    slow = _build_set(slow_spec, "slow", device, {"stock": stock, "planned_1f1b": planned.runner})
+    tried, trial = try_splits(spec, device, measured, stretch)
+    measured.update(_trial_record(trial))
+    # The plugin's split (index 0) stays the plugin's (plan.stage_times); another the trial
+    # picked is configured as a user would: parallel.num_layers_per_stage.
+    times = measured["stage_times"] if trial.best == 0 else None
+    slow_spec = {**spec, "splits": {**spec["splits"], "slow": trial.split}, "stage_times": times}
+    slow = _build_set(
+        slow_spec, "slow", device, {"stock": stock, "planned_1f1b": tried[trial.best]}
+    )
     for runner in slow.values():
         if runner.stretch is None:  # stock and the tried splits have theirs
             stretch.attach(runner.blocks)
@@ -341,7 +349,7 @@ def run_pipeline_worker(
         }
         for split, runners in (("equal", equal), ("slow", slow))
     }
-    every = (*equal.values(), *slow.values(), probe, *(t.runner for t in tried))
+    every = (*equal.values(), *slow.values(), probe, *tried)
     for runner in {id(r): r for r in every}.values():
         close = getattr(runner.plugin, "close", None)
         if close is not None:
@@ -363,52 +371,61 @@ def _probe(spec: dict[str, Any], device: torch.device, stock: Runner, stretch: S
     return probe
 
 
-@dataclass
-class Tried:
-    """A candidate split of phase (c), its Colossal-AI 1F1B runner and its trial steps."""
-
-    split: list[int]
-    runner: Runner
-    steps_s: list[float] = field(default_factory=list)
-
-    @property
-    def median_s(self) -> float:
-        return statistics.median(self.steps_s) if self.steps_s else math.inf
+def _split_runner(
+    spec: dict[str, Any], device: torch.device, stretch: Stretch, layers: list[int] | None
+) -> Runner:
+    """Colossal-AI's 1F1B with the planned widths on ``layers``, or (None) on the split the
+    plugin plans from ``spec["stage_times"]`` (``plan.stage_times``); warmed, stretched."""
+    model_cfg, configs = build_configs(spec, "slow", device, layers=layers)
+    plugin = _plugins({"planned_1f1b": configs["planned_1f1b"]}, device)["planned_1f1b"]
+    runner = Runner("planned_1f1b", plugin, model_cfg, spec)
+    runner.step(seed=WARM_SEED)
+    stretch.attach(runner.blocks)
+    runner.stretch = stretch
+    return runner
 
 
 def try_splits(
     spec: dict[str, Any], device: torch.device, measured: dict[str, Any], stretch: Stretch
-) -> list[Tried]:
-    """Phase (c)'s candidate splits, each on Colossal-AI's 1F1B with the planned widths, and,
-    when there are several, ``TRIAL_STEPS`` steps of each (rotating order, slowest rank's
-    step; all ranks see the same gathered times, so they pick the same).
-
-    The candidates: the measured split (``measure_stage_times``), then the fastest of those
-    the measured times predict within ``TRIAL_SLACK`` of the best
-    (``planner.stages.near_best_splits``), ``TRIAL_SPLITS`` in all. The stage times cannot
-    separate them: a block's time moves by ~10% with the load and what the other stage runs
-    beside it (PP=2 x TP=2: ``[4, 8]``, predicted 2% behind ``[5, 7]``, ran 6% ahead of it in
-    every round of one experiment). Collective."""
+) -> tuple[list[Runner], SplitTrial]:
+    """Phase (c)'s split as a user gets it: the plugin plans it from the measured stage times
+    (``plan.stage_times``), then ``pipeline.split_trial.pick_split`` runs it and the fastest
+    other splits those times predict within ``TRIAL_SLACK`` of the best
+    (``split_candidates``; ``TRIAL_SPLITS`` in all, each on Colossal-AI's 1F1B with the
+    planned widths) ``TRIAL_STEPS`` steps each, stretched, and keeps the least median of the
+    slowest rank's step. The stage times cannot separate near ties: a block's time moves by
+    ~10% with the load and what the other stage runs beside it (PP=2 x TP=2: ``[4, 8]``,
+    predicted 2% behind ``[5, 7]``, ran 6% ahead of it in every round of one experiment).
+    Returns the candidates' runners (the plugin's first) and the trial. Collective."""
+    spec = {**spec, "stage_times": measured["stage_times"]}
+    runners = [_split_runner(spec, device, stretch, None)]
+    first = list(runners[0].plugin.stage_plan.layers_per_stage)
     times = StageTimes(tuple(measured["block_s"]), tuple(measured["fixed_s"]))
-    near = near_best_splits(spec["layers"], times, slack=TRIAL_SLACK, limit=TRIAL_SPLITS)
-    splits = [measured["split"], *(s for s in near if s != measured["split"])][:TRIAL_SPLITS]
-    tried = []
-    for split in splits:
-        model_cfg, configs = build_configs(spec, "slow", device, layers=split)
-        plugin = _plugins({"planned_1f1b": configs["planned_1f1b"]}, device)["planned_1f1b"]
-        runner = Runner("planned_1f1b", plugin, model_cfg, spec)
-        runner.step(seed=WARM_SEED)
-        stretch.attach(runner.blocks)
-        runner.stretch = stretch
-        tried.append(Tried(split, runner))
-    if len(tried) == 1:
-        return tried
+    candidates = split_candidates(
+        spec["layers"], times, first, slack=TRIAL_SLACK, limit=TRIAL_SPLITS
+    )
+    runners += [_split_runner(spec, device, stretch, c) for c in candidates[1:]]
+
+    def step_seconds(index: int, step: int) -> float:
+        return runners[index].step(seed=WARM_SEED + step)[0]
+
     stretch.enabled = True
-    for i in range(TRIAL_STEPS):
-        for t in tried[i % len(tried) :] + tried[: i % len(tried)]:
-            t.steps_s.append(max(row[0] for row in _gather(t.runner.step(seed=WARM_SEED + i))))
+    trial = pick_split(candidates, step_seconds, TRIAL_STEPS)
     stretch.enabled = False
-    return tried
+    return runners, trial
+
+
+def _trial_record(trial: SplitTrial) -> dict[str, Any]:
+    """The trial for the JSON: candidates (the plugin's first), their steps, the pick."""
+    rows = zip(trial.candidates, trial.steps_s, trial.medians_s, strict=True)
+    return {
+        "plugin_split": list(trial.candidates[0]),
+        "trial": [
+            {"split": list(c), "steps_s": list(s), "median_s": m if s else None} for c, s, m in rows
+        ],
+        "split": trial.split,
+        "chosen_by": "plugin (plan.stage_times)" if trial.best == 0 else "trial",
+    }
 
 
 def _stage_widths(runner: Runner) -> list[dict[str, list[int]]]:
@@ -422,7 +439,7 @@ def _stage_widths(runner: Runner) -> list[dict[str, list[int]]]:
 def measure_stage_times(
     stock: Runner, stretch: Stretch, layout: list[int], spec: dict[str, Any], steps: int = 3
 ) -> dict[str, Any]:
-    """Phase (c)'s split, planned from each stage's measured per-block and fixed seconds.
+    """Each stage's measured per-block and fixed seconds, for phase (c)'s split.
 
     ``stock`` (Colossal-AI's 1F1B on the even split, with the planned variants' TP widths:
     ``_probe``) runs ``steps`` steps (after one unrecorded) with ``stretch`` on, every rank at
@@ -430,9 +447,8 @@ def measure_stage_times(
     forward + backward per micro-batch (the stretch's timed block passes, over the passes
     run, times two) and the rest of the stage's own passes per micro-batch (forward_step +
     backward_step, ``InFlightMeter.busy_s``, less its blocks): embeddings, head and loss,
-    Python. Per stage the median over steps of its slowest rank; the planner
-    (``planner.stages.split_from_times`` with ``SPLIT_SLACK``) then balances
-    ``fixed + n * block``. Collective.
+    Python. Per stage the median over steps of its slowest rank: ``plan.stage_times``, from
+    which the plugin balances ``fixed + n * block`` (``try_splits``). Collective.
     """
     assert stock.meter is not None
     m, pp = spec["m"], spec["pp"]
@@ -455,12 +471,10 @@ def measure_stage_times(
     times = StageTimes(
         tuple(stage_median(s, 0) for s in range(pp)), tuple(stage_median(s, 1) for s in range(pp))
     )
-    split = split_from_times(spec["layers"], times, slack=SPLIT_SLACK)
     return {
         "block_s": list(times.block_s),
         "fixed_s": list(times.fixed_s),
-        "split": split,
-        "slack": SPLIT_SLACK,
+        "stage_times": [[b, f] for b, f in zip(times.block_s, times.fixed_s, strict=True)],
     }
 
 

@@ -265,3 +265,46 @@ def test_phase_c_variants_plan_uneven_widths_on_the_slow_devices_stage():
     assert stage0["heads"][0] < stage0["heads"][1] and sum(stage0["heads"]) == 4
     assert stage0["ffn"][0] < stage0["ffn"][1] and sum(stage0["ffn"]) == 512
     assert stage1["heads"] == (2, 2) and stage1["ffn"] == (256, 256)
+
+
+def test_phase_c_planned_split_comes_from_the_plugin_given_stage_times():
+    """With measured ``stage_times`` in the spec and no layers, the planned variants carry
+    ``plan.stage_times`` and no split, and the plugin's stage plan is the hand-computed one."""
+    import torch
+
+    from colossal_hetero.bench.pipeline_model import build_configs
+    from colossal_hetero.planner.resolve import stage_plan_for, wants_stage_plan
+    from tests.unit.test_planner_stage_times import _spec
+
+    pp4, _ = build_specs(quick=True, network_mode="model")
+    # Stage 1 (the half-speed device) 20 ms a block, the others 10 ms; stage 3's head 30 ms.
+    times = [[0.01, 0.0], [0.02, 0.0], [0.01, 0.0], [0.01, 0.03]]
+    spec = {**pp4.to_dict(), "stage_times": times}
+    _, slow = build_configs(spec, "slow", torch.device("cpu"))
+    for name in ("planned_1f1b", "k1", "ada"):
+        config = slow[name]
+        assert config.parallel.num_layers_per_stage == [] and wants_stage_plan(config)
+        assert [[t.block_s, t.fixed_s] for t in config.plan.stage_times] == times
+    # 12 blocks: [4, 2, 4, 2] has slowest stages 40 ms (0, 1, 2) and 20 + 30 = 50 ms (3);
+    # [4, 2, 5, 1]: 50 ms on stage 2, 40 on stage 3: both 50 ms, no split has less
+    # (a 40 ms bound holds at most 4 + 2 + 4 + 1 = 11 blocks).
+    plan = stage_plan_for(slow["planned_1f1b"], _spec(12), 4)
+    got = plan.layers_per_stage
+    assert sum(got) == 12 and plan.measured_stage_s[0] == pytest.approx(0.05)
+    # An explicit split (a trial's pick) overrides: no stage times, the configured layers.
+    _, fixed = build_configs(spec, "slow", torch.device("cpu"), layers=[4, 2, 4, 2])
+    assert fixed["k1"].parallel.num_layers_per_stage == [4, 2, 4, 2]
+    assert fixed["k1"].plan.stage_times == []
+
+
+def test_first_free_round_after_a_tenant_stretch_drains():
+    from colossal_hetero.bench.pipeline_worker import Phases
+
+    pp4, _ = build_specs(quick=True, network_mode="model")
+    spec = pp4.to_dict()
+    phases = Phases(spec, rank=0)
+    waits = {n: phases.drain_s(n) for n in range(len(spec["shares"]))}
+    # Quick plan: stretches in rounds 6-8 and 10-12 (test_round_plan_and_tenant_trace), so
+    # rounds 9 (phase b) and 13 (phase c's first) wait; no other round does.
+    assert {n for n, w in waits.items() if w > 0} == {9, 13}
+    assert waits[9] == spec["drain_s"] == 1.0
