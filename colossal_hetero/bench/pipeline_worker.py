@@ -250,7 +250,13 @@ def _figures(variants: list[str]) -> dict[str, Figure]:
     return {f"{name}_vs_stock": over_stock(name) for name in variants if name != "stock"}
 
 
-def _plugins(configs: dict[str, HeteroConfig | dict[str, Any]], device: torch.device) -> dict:
+def _plugins(
+    configs: dict[str, HeteroConfig | dict[str, Any]],
+    device: torch.device,
+    workload: tuple[int, int] | None = None,
+) -> dict:
+    """Each variant's plugin; ``workload`` (global batch, sequence length) for the plugin's
+    stage plan (its micro-batch size)."""
     from colossalai.booster.plugin import HybridParallelPlugin
 
     from colossal_hetero.plugin import HeteroParallelPlugin
@@ -260,8 +266,13 @@ def _plugins(configs: dict[str, HeteroConfig | dict[str, Any]], device: torch.de
         if isinstance(config, dict):  # stock: HybridParallelPlugin keyword arguments
             built[name] = HybridParallelPlugin(**config)
         else:
-            built[name] = HeteroParallelPlugin(config)
+            built[name] = HeteroParallelPlugin(config, workload=workload)
     return built
+
+
+def _workload(spec: dict[str, Any]) -> tuple[int, int]:
+    """(global batch, sequence length): what the plugins plan stages and widths for."""
+    return spec["batch_size"], spec["seq_len"]
 
 
 def _budget_from(runner: Runner, spec: dict[str, Any]) -> float:
@@ -280,13 +291,14 @@ def _build_set(
     runners = dict(shared)
     ada_config = configs.pop("ada")
     configs = {name: config for name, config in configs.items() if name not in shared}
-    for name, plugin in _plugins(configs, device).items():
+    for name, plugin in _plugins(configs, device, _workload(spec)).items():
         runners[name] = Runner(name, plugin, model_cfg, spec)
         runners[name].step(seed=WARM_SEED)  # warm: lazy initialisation, first allocations
     budget = _budget_from(runners["k1"], spec)
     assert isinstance(ada_config, HeteroConfig)
     ada_config = build_configs(spec, split, device, ada_budget_mib=budget)[1]["ada"]
-    runners["ada"] = Runner("ada", _plugins({"ada": ada_config}, device)["ada"], model_cfg, spec)
+    plugin = _plugins({"ada": ada_config}, device, _workload(spec))["ada"]
+    runners["ada"] = Runner("ada", plugin, model_cfg, spec)
     runners["ada"].step(seed=WARM_SEED)
     runners["ada"].budget_mib = budget  # type: ignore[attr-defined]
     return runners
@@ -364,7 +376,7 @@ def _probe(spec: dict[str, Any], device: torch.device, stock: Runner, stretch: S
     if spec["tp"] == 1:
         return stock
     model_cfg, configs = build_configs(spec, "slow", device, layers=spec["splits"]["even"])
-    plugin = _plugins({"probe": configs["planned_1f1b"]}, device)["probe"]
+    plugin = _plugins({"probe": configs["planned_1f1b"]}, device, _workload(spec))["probe"]
     probe = Runner("probe", plugin, model_cfg, spec)
     stretch.attach(probe.blocks)
     probe.stretch = stretch
@@ -377,8 +389,8 @@ def _split_runner(
     """Colossal-AI's 1F1B with the planned widths on ``layers``, or (None) on the split the
     plugin plans from ``spec["stage_times"]`` (``plan.stage_times``); warmed, stretched."""
     model_cfg, configs = build_configs(spec, "slow", device, layers=layers)
-    plugin = _plugins({"planned_1f1b": configs["planned_1f1b"]}, device)["planned_1f1b"]
-    runner = Runner("planned_1f1b", plugin, model_cfg, spec)
+    plugin = _plugins({"planned_1f1b": configs["planned_1f1b"]}, device, _workload(spec))
+    runner = Runner("planned_1f1b", plugin["planned_1f1b"], model_cfg, spec)
     runner.step(seed=WARM_SEED)
     stretch.attach(runner.blocks)
     runner.stretch = stretch

@@ -303,6 +303,12 @@ def _one_f_one_b_step(costs: PipelineCosts, pipeline_batch: int, m: int) -> floa
         return math.inf
 
 
+def _ratio(plan: StagePlan) -> str:
+    """The even split's predicted step over the plan's; a plan for micro-batches of no sample
+    (a batch smaller than the configured count: no workload known) predicts nothing."""
+    return f"{plan.even_step_s / plan.step_s:.2f}x" if plan.step_s > 0 else "no prediction"
+
+
 def format_stage_plan(plan: StagePlan) -> str:
     """A few lines for ``colossal-hetero plan``."""
     speeds = ", ".join(f"{f / 1e12:.3g}" for f in plan.stage_flops)
@@ -328,7 +334,6 @@ def format_stage_plan(plan: StagePlan) -> str:
             f"  micro-batches         {plan.num_microbatches}{how('microbatches')}",
             f"  kFkB group size k     {plan.k}{how('k')}",
             f"  predicted step        {plan.step_s * 1e3:.3g} ms"
-            f"   (even split, 1F1B: {plan.even_step_s * 1e3:.3g} ms,"
-            f" {plan.even_step_s / plan.step_s:.2f}x)",
+            f"   (even split, 1F1B: {plan.even_step_s * 1e3:.3g} ms, {_ratio(plan)})",
         ]
     )

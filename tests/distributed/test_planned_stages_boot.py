@@ -15,7 +15,7 @@ import torch
 from colossalai.booster import Booster
 
 from colossal_hetero.config import ClusterConfig, HeteroConfig, ParallelConfig, PlanConfig
-from colossal_hetero.config.schema import DeviceSpec
+from colossal_hetero.config.schema import DeviceSpec, StageTimeSpec
 from colossal_hetero.models import build_model, loss_from_outputs
 from colossal_hetero.plugin import HeteroParallelPlugin
 from tests.dist_utils import run_distributed
@@ -84,6 +84,19 @@ def _run(rank, world_size, device):
     fixed = replace(planned.parallel, num_microbatches=plan.num_microbatches)
     _, want, _, _ = _train(replace(planned, parallel=fixed))
     assert len(losses) == (2 if rank == 1 else 0)
+    assert all(map(torch.equal, losses, want)), (losses, want)
+    # Measured stage times on declared-equal devices (plan.stage_times): stage 1's block 4x
+    # stage 0's, so [3, 1] (30 vs 40 ms) beats [2, 2] (20 vs 80 ms): the plugin holds it.
+    times = [StageTimeSpec(block_s=0.01), StageTimeSpec(block_s=0.04)]
+    measured = HeteroConfig(
+        parallel=ParallelConfig(pp=2, num_microbatches=M),
+        plan=PlanConfig(mode="auto", reference_tflops=1.0, stage_times=times),
+    )
+    plan, losses, blocks, _ = _train(measured)
+    assert plan is not None and list(plan.layers_per_stage) == [3, 1], plan
+    assert blocks == ({"0", "1", "2"} if rank == 0 else {"3"}), blocks
+    explicit = replace(explicit, parallel=replace(explicit.parallel, num_layers_per_stage=[3, 1]))
+    _, want, _, _ = _train(explicit)
     assert all(map(torch.equal, losses, want)), (losses, want)
 
 
