@@ -45,7 +45,9 @@ class BalancerConfig:
     """A flagged rank is released when its slowdown falls below 1 + release (< threshold)."""
 
     stable_tolerance: float = 0.1
-    """Relative change of any rank's slowdown that restarts the stability count."""
+    """Relative change of any rank's slowdown that restarts the stability count; also how far
+    the measured planning speeds may drift from those the current widths were planned for
+    before a re-plan is considered."""
 
     stable_steps: int = 10
     """Steps the slowdown vector must stay stable before a re-plan is considered."""

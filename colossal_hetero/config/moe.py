@@ -19,8 +19,10 @@ class MoeConfig:
     optimizer reduces the gradients and this section's reducer settings are unused."""
 
     chunk_kib: int = 256
-    """Size of one gradient all-reduce chunk, KiB (the largest, with chunk_efficiency). Chunks
-    are fixed by parameter shapes, never by routing, so every rank issues the same
+    """Target size of one gradient all-reduce chunk, KiB (the largest, with chunk_efficiency).
+    Each gradient group is cut into max(1, group // size) equal chunks, so a chunk holds
+    between this size and twice it (no small tail chunk paying a whole all-reduce latency).
+    Chunks are fixed by parameter shapes, never by routing, so every rank issues the same
     all-reduces."""
 
     chunk_efficiency: float = 0.0
