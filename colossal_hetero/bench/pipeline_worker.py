@@ -200,20 +200,26 @@ class Phases:
         """Global number of the running phase's first round (its warm-up included)."""
         self._reported = -1
 
-    def _enter_round(self, index: int) -> int:
+    def _enter_round(self, index: int) -> tuple[int, bool]:
+        """The round's global number, and whether this step is the first after a tenant
+        stretch (its variant then runs one unrecorded step first: ``drain_s``)."""
         number = self.offset + index
-        if number != self._reported:  # the round's first step: report, let the tenant settle
-            report_bench_step(self.rank, number)
-            time.sleep(self.spec["settle_s"] + self.drain_s(number))
-            dist.barrier()
-            self._reported = number
-        return number
+        if number == self._reported:
+            return number, False
+        report_bench_step(self.rank, number)  # the round's first step: let the tenant settle
+        drain = self.drain_s(number)
+        time.sleep(self.spec["settle_s"] + drain)
+        dist.barrier()
+        self._reported = number
+        return number, drain > 0
 
     def drain_s(self, number: int) -> float:
         """Extra wait before round ``number`` when it is the first free round after a tenant
         stretch: the link's queue still drains the tenant's bytes, and whichever variant ran
         first paid for it (PP=4, phase b: the variant first in that round 516-593 ms, 311 ms
-        in the other free round), the same variant every run as the rotation is fixed."""
+        in the other free round), the same variant every run as the rotation is fixed. A wait
+        alone left it ~1.3x its median against the others' (one run, load 14), so that
+        variant also runs one unrecorded step on the link first."""
         shares = self.spec["shares"]
         after = 0 < number < len(shares) and shares[number - 1] < 1.0 <= shares[number]
         return float(self.spec.get("drain_s", 0.0)) if after else 0.0
@@ -222,7 +228,9 @@ class Phases:
         spec, layout = self.spec, self.layout
 
         def run(index: int, *, warmup: bool) -> dict[str, float] | None:
-            number = self._enter_round(index)
+            number, drain = self._enter_round(index)
+            if drain:  # unrecorded: what the tenant left on the link is paid here
+                runner.step(seed=WARM_SEED)
             rows = _gather(runner.step(seed=number))
             if warmup:
                 return None

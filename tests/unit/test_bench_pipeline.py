@@ -308,3 +308,30 @@ def test_first_free_round_after_a_tenant_stretch_drains():
     # rounds 9 (phase b) and 13 (phase c's first) wait; no other round does.
     assert {n for n, w in waits.items() if w > 0} == {9, 13}
     assert waits[9] == spec["drain_s"] == 1.0
+
+
+def test_the_first_step_after_a_stretch_is_preceded_by_an_unrecorded_one(monkeypatch):
+    from colossal_hetero.bench import pipeline_worker as worker
+
+    pp4, _ = build_specs(quick=True, network_mode="model")
+    spec = {**pp4.to_dict(), "settle_s": 0.0, "drain_s": 1e-6}
+    seeds: list[int] = []
+
+    class FakeRunner:
+        kfkb = False
+
+        def step(self, seed: int) -> list[float]:
+            seeds.append(seed)
+            return [0.1, 0.1, 1.0, 0.0, 0.0]
+
+    monkeypatch.setattr(worker, "report_bench_step", lambda rank, number: None)
+    monkeypatch.setattr(worker.dist, "barrier", lambda: None)
+    monkeypatch.setattr(worker, "_gather", lambda row: [row] * 4)
+    phases = worker.Phases(spec, rank=0)
+    first, second = phases.variant(FakeRunner()), phases.variant(FakeRunner())
+    phases.offset = 5  # phase b: its round 4 is global round 9, the first free after 6-8
+    for index in range(6):
+        first(index, warmup=False)
+        second(index, warmup=False)
+    # Round 9's first variant ran the unrecorded step, then its own; nobody else did.
+    assert seeds == [5, 5, 6, 6, 7, 7, 8, 8, worker.WARM_SEED, 9, 9, 10, 10]
