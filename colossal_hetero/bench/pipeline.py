@@ -14,10 +14,10 @@ interleaved round by round on the rounds helper, through three phases:
   planned variants are told the devices' speeds (``cluster.devices``, ``plan.mode: auto``), so
   the plugin plans each stage's tensor-parallel widths (uneven on the stage with the slow
   device), and are given each stage's per-block and fixed seconds measured at those speeds
-  and widths at the start of the run on Colossal-AI's 1F1B (``pipeline_worker.
-  measure_stage_times``) as ``plan.stage_times``: the plugin plans the split from them, as for
-  a user. The near-tied splits the measurement cannot separate are then run a few steps each
-  with ``pipeline.split_trial.pick_split`` and the fastest is kept
+  and widths at the start of the run on Colossal-AI's 1F1B
+  (``pipeline_worker.measure_stage_times``) as ``plan.stage_times``: the plugin plans the
+  split from them, as for a user. The near-tied splits the measurement cannot separate are
+  then run a few steps each with ``pipeline.split_trial.pick_split`` and the fastest is kept
   (``pipeline_worker.try_splits``; a split other than the plugin's is then configured as
   ``parallel.num_layers_per_stage``, the user recipe of docs/pipeline.md).
 
@@ -156,9 +156,9 @@ def planned_splits(layers: int, pp: int, tp: int, slow_ranks: Sequence[int], fac
     """Colossal-AI's even split and the planner's splits for equal devices and phase (c)'s.
 
     ``slow`` here counts device speed alone (every second of a block stretched, the slow
-    stage's TP widths uneven in proportion to speed); the ranks replace it with the split
-    planned from measured stage times (``measure_stage_times``), which the result records as
-    ``measured_split``."""
+    stage's TP widths uneven in proportion to speed); the ranks replace it with the split the
+    plugin plans from measured stage times (``plan.stage_times``) or its trial picks, which
+    the result records as ``measured_split``."""
     equal = split_layers(layers, stage_speeds([1.0] * (pp * tp), pp, tp, 1))
     speeds = device_speeds(pp * tp, slow_ranks, factor)
     slow = split_layers(layers, stage_speeds(speeds, pp, tp, 1))
