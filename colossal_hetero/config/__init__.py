@@ -18,6 +18,7 @@ from colossal_hetero.config.schema import (
     PreemptionSpec,
     RunConfig,
     SlowdownSpec,
+    StageTimeSpec,
     TrainConfig,
 )
 
@@ -39,6 +40,7 @@ __all__ = [
     "PreemptionSpec",
     "RunConfig",
     "SlowdownSpec",
+    "StageTimeSpec",
     "TrainConfig",
     "dump_config",
     "from_dict",
