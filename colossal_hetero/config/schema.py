@@ -419,7 +419,7 @@ class PlanConfig:
     """Measured per-stage times, one entry per pipeline stage (a probe run, e.g. stock 1F1B on
     the even split): with parallel.pp > 1 and mode auto the stage split balances
     fixed_s + n * block_s over the stages instead of the modelled FLOP/s (docs/pipeline.md,
-    "Stage split"). Empty: split from the cluster's modelled speeds."""
+    "Measured stage times and the split trial"). Empty: split from the modelled speeds."""
 
     def __post_init__(self) -> None:
         _require(
