@@ -153,12 +153,12 @@ class Runner:
     def step(self, seed: int) -> list[float]:
         """One training step; this rank's row (``pipeline_model.ROW``), not yet gathered."""
         batch = text_batch(self.spec["batch_size"], self.spec["seq_len"], seed)
-        k = self.k
         slept = 0.0 if self.stretch is None else self.stretch.slept_s
         dist.barrier()
         started = time.perf_counter()
         self.booster.execute_pipeline(iter([batch]), self.model, self.criterion, self.optimizer)
         piped = time.perf_counter()
+        k = self.k  # the k this step ran: ada decides as a step starts (before_step)
         self.optimizer.step()
         self.optimizer.zero_grad()
         ended = time.perf_counter()
