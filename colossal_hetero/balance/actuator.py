@@ -5,13 +5,16 @@ from the agreed detector vector only). Each rank sets, on each of its resizable 
 (``layers.linear.ResizableParallelModule``), the ``local_op`` its position needs:
 
 - a ZERO-resized straggler: ``ZeroResize`` over its kept columns (priority selection on its
-  own weight shard: ``PriorityTracker``, refreshed at every agreement, stale scores kept);
+  own weight shard: ``PriorityTracker``, refreshed at every agreement on every rank, with
+  or without ops, so that scores exist before a rank straggles and survive ``clear``;
+  dropped columns keep their stale scores);
 - migrating stragglers and their helpers: one ``MultiMigration`` (the migrated slices are the
   same on every rank: contiguous slices of the columns in index order; a migrate+resize
   straggler drops its lowest-priority remaining columns, which only it needs to know);
 - everyone else: no op.
 
-Ops live only while a plan is attached; ``clear`` removes them (recovery, a width move). The
+Ops live only while a plan is attached; ``clear`` removes them (recovery, a probe, a width
+move) and keeps the scores (a tracker whose weight changed shape rebases itself). The
 layers skip any op in eval and under no_grad. Freezing dropped columns in the optimizer
 (``balancer.freeze_dropped``) wraps the inner optimizer's ``step`` (fp32 master weights under
 mixed precision), see :meth:`LayerOps.install_freeze`.
@@ -68,7 +71,7 @@ class LayerOps:
     def __init__(self, model: nn.Module, *, impute_value: float = 0.0) -> None:
         self.model, self.impute_value = model, impute_value
         self.plan = InLayerPlan()
-        self._trackers: dict[int, PriorityTracker] = {}
+        self._trackers: dict[int, PriorityTracker] = {}  # by layer index; see ``refresh``
         self._migrations: list[MultiMigration] = []
         self.bytes_retired = 0  # bytes sent by migrations already removed
 
@@ -81,44 +84,41 @@ class LayerOps:
         return self.bytes_retired + sum(op.bytes_sent for op in self._migrations)
 
     def clear(self) -> None:
-        """Remove every op (back to the plain layers); priority scores are forgotten."""
+        """Remove every op (back to the plain layers); priority scores are kept."""
         self.bytes_retired = self.bytes_sent
         for layer in self.layers():
             layer.local_op = None
-        self._migrations, self._trackers = [], {}
+        self._migrations = []
         self.plan = InLayerPlan()
 
     def apply(self, plan: InLayerPlan) -> None:
         """Attach ``plan`` (the same on every rank) to every resizable layer."""
-        trackers = self._trackers
         self.clear()
-        self._trackers = trackers  # a straggler that stays keeps its scores
         self.plan = plan
         for index, layer in enumerate(self.layers()):
             layer.local_op = self._op_for(index, layer, plan)
-        mine = plan.of(self._rank())
-        if mine is None or mine.dropped == 0:
-            self._trackers = {}
 
     def refresh(self) -> None:
-        """Priority update at a period boundary (an agreement): on a ZERO-resizing straggler,
-        refresh each layer's scores from its weight change and re-select the kept columns
-        (same count: the op's work does not change). Local only, no communication."""
+        """Priority period boundary (an agreement), on every rank, ops attached or not:
+        each layer's scores get the L1 weight change of the columns this rank computed since
+        the last boundary (every column where it dropped none; dropped ones keep their stale
+        score). A ZERO-resizing straggler then re-selects its kept columns (same count: the
+        op's work does not change). Local only, no communication."""
         offload = self.plan.of(self._rank())
-        if offload is None or offload.dropped == 0:
-            return
+        resizing = offload is not None and offload.dropped > 0
         for index, layer in enumerate(self.layers()):
-            tracker, op = self._trackers.get(index), layer.local_op
-            if tracker is None or op is None:
-                continue
+            tracker, op = self._tracker(index, layer), layer.local_op
             width = reduction_width(layer, layer.rank)
+            dropped = _dropped(layer)
+            computed = torch.arange(width) if dropped is None else complement(dropped.cpu(), width)
+            tracker.refresh(layer.weight, computed)
+            if not resizing:
+                continue
             if isinstance(op, ZeroResize):
-                tracker.refresh(layer.weight, op.kept.cpu())
                 op.kept = _top(tracker.scores, op.kept.numel(), width).to(op.kept.device)
             elif isinstance(op, MultiMigration):
                 for mig in op.ops:
                     if mig.straggler == layer.rank:
-                        tracker.refresh(layer.weight, mig.split.compute.cpu())
                         mig.split = _local_split(mig.split, tracker.scores, width)
 
     def freeze_targets(self, optimizer: Any) -> list[tuple[nn.Parameter, int, torch.Tensor]]:
@@ -180,9 +180,11 @@ class LayerOps:
         return ZeroResize(layer.rank, kept, impute_value=self.impute_value)
 
     def _tracker(self, index: int, layer: ResizableParallelModule) -> PriorityTracker:
+        """Layer ``index``'s tracker, made on first use (scores at ones, the weight now as the
+        snapshot), or anew when a width move changed its reduction width; one whose weight
+        changed shape otherwise keeps its scores and rebases at its next ``refresh``."""
         tracker = self._trackers.get(index)
-        width = reduction_width(layer, layer.rank)
-        if tracker is None or tracker.scores.numel() != width:
+        if tracker is None or tracker.scores.numel() != reduction_width(layer, layer.rank):
             tracker = PriorityTracker(layer.weight, reduction_dim(layer))
             self._trackers[index] = tracker
         return tracker

@@ -75,3 +75,65 @@ def _check(rank: int, world_size: int, device: torch.device) -> None:
 @pytest.mark.dist
 def test_actuator_attaches_freezes_and_clears():
     run_distributed(_check, world_size=1, force_cpu=True)
+
+
+def _bump(layer: nn.Module, change: list[float]) -> None:
+    """Add ``change[j]`` to column j of the first output row: the column's L1 change, by hand."""
+    with torch.no_grad():
+        layer.weight[0] += torch.tensor(change, dtype=layer.weight.dtype)
+
+
+def _top_half(scores: list[float]) -> list[int]:
+    """Brute force: the columns of the len/2 highest scores (ties to the lower index)."""
+    order = sorted(range(len(scores)), key=lambda j: (-scores[j], j))
+    return sorted(order[: len(scores) // 2])
+
+
+def _check_history(rank: int, world_size: int, device: torch.device) -> None:
+    del rank, world_size, device
+    group = dist.new_group([0])
+    plan = InLayerPlan((Offload(0, "resize", 0.5, 0.0, 2.0),))
+    model = _model(group)
+    layers = [model[0], model[2]]
+    ops = LayerOps(model)
+    ops.refresh()  # first boundary: trackers snapshot the weights, no op attached
+    # a period without ops: every column's change is recorded (powers of two: exact in fp32)
+    before = {K: [0.25, 4.0, 0.5, 1.0, 8.0, 0.125, 2.0, 16.0], N: [2.0, 0.5, 8.0, 1.0, 4.0, 0.25]}
+    for layer in layers:
+        _bump(layer, before[layer.weight.shape[1]])
+    ops.refresh()
+    ops.apply(plan)  # the first kept half comes from that history, not from the index
+    for layer in layers:
+        expect = _top_half(before[layer.weight.shape[1]])
+        assert layer.local_op.kept.tolist() == expect
+    # a resized period: kept columns get their new change, dropped ones keep the stale score
+    # even though they moved too (momentum drift is not the column's training)
+    during = {K: [0.0625] * K, N: [0.0625] * N}
+    scores = {}
+    for layer in layers:
+        width = layer.weight.shape[1]
+        kept = layer.local_op.kept.tolist()
+        _bump(layer, during[width])
+        scores[width] = [during[width][j] if j in kept else before[width][j] for j in range(width)]
+    ops.refresh()
+    for layer in layers:
+        assert layer.local_op.kept.tolist() == _top_half(scores[layer.weight.shape[1]])
+    # a probe: ops off for a window, scores kept; re-attached at once, the same kept set
+    kept_now = [layer.local_op.kept.tolist() for layer in layers]
+    ops.clear()
+    ops.apply(plan)
+    assert [layer.local_op.kept.tolist() for layer in layers] == kept_now
+    # ops off for a period at full width: every column's real change replaces its score
+    ops.clear()
+    after = {K: [1.0, 0.5, 4.0, 0.25, 2.0, 8.0, 0.125, 16.0], N: [0.5, 4.0, 0.25, 2.0, 8.0, 1.0]}
+    for layer in layers:
+        _bump(layer, after[layer.weight.shape[1]])
+    ops.refresh()
+    ops.apply(plan)
+    for layer in layers:
+        assert layer.local_op.kept.tolist() == _top_half(after[layer.weight.shape[1]])
+
+
+@pytest.mark.dist
+def test_actuator_scores_from_history_survive_probe():
+    run_distributed(_check_history, world_size=1, force_cpu=True)

@@ -280,3 +280,17 @@ def test_mean_imputed_linear_against_autograd_reference():
     err_mean = (full - mean_imputed_linear(x0, w0, b0, kept, dropped)).norm()
     err_zero = (full - resized_linear(x0, w0, b0, kept)).norm()
     assert err_mean < 0.5 * err_zero, (err_mean, err_zero)
+
+
+def test_tracker_rebases_after_a_width_move():
+    # column-parallel after a move: rows moved, the same K input features -> scores kept
+    tracker = PriorityTracker(torch.zeros(2, 4), dim=1)
+    tracker.refresh(torch.tensor([[0.5, 0.0, 2.0, 1.0], [0.0] * 4]), torch.arange(4))
+    assert tracker.scores.tolist() == [0.5, 0.0, 2.0, 1.0]
+    moved = torch.full((3, 4), 7.0)  # three rows now: no change can be measured this period
+    assert tracker.refresh(moved, torch.arange(4)).tolist() == [0.5, 0.0, 2.0, 1.0]
+    bumped = moved.clone()
+    bumped[1, 1] += 4.0  # the next period measures against the new snapshot
+    assert tracker.refresh(bumped, torch.tensor([1])).tolist() == [0.5, 4.0, 2.0, 1.0]
+    # row-parallel after a move: the rank's K changed -> other columns, scores start afresh
+    assert tracker.refresh(torch.zeros(3, 6), torch.arange(6)).tolist() == [1.0] * 6

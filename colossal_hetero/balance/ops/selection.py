@@ -141,6 +141,10 @@ class PriorityTracker:
     scores start at ones; ``refresh`` at each period boundary sets the computed columns'
     scores to their L1 change since the last boundary, keeps the others' stale scores, and
     snapshots the weight. Deterministic, so replicated weights give replicated scores.
+
+    The actuator refreshes it at every period boundary whether or not an op is attached
+    (every column computed while none is), so that the first kept set of a new straggler is
+    chosen by the columns' recent change, not by index, and scores outlive a detach.
     """
 
     def __init__(self, weight: torch.Tensor, dim: int) -> None:
@@ -149,8 +153,19 @@ class PriorityTracker:
         self.snapshot = weight.detach().clone()
 
     def refresh(self, weight: torch.Tensor, computed: torch.Tensor) -> torch.Tensor:
-        """Update the scores from ``weight`` now; ``computed`` = columns computed last period."""
+        """Update the scores from ``weight`` now; ``computed`` = columns computed last period.
+
+        A weight whose shape changed (a width move) cannot be compared with the snapshot:
+        the scores are kept when its reduction width is unchanged (the columns are the same
+        input features; only the output rows moved), reset to ones otherwise, and the
+        weight is snapshotted for the next period.
+        """
+        if weight.shape != self.snapshot.shape:
+            if weight.shape[self.dim] != self.scores.numel():
+                self.scores = torch.ones(weight.shape[self.dim], dtype=torch.float64)
+            self.snapshot = weight.detach().clone()
+            return self.scores
         change = column_change(weight, self.snapshot, self.dim)
         self.scores = update_scores(self.scores, change, computed.cpu())
-        self.snapshot = weight.detach().clone()
+        self.snapshot.copy_(weight.detach())
         return self.scores
