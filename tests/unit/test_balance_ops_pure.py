@@ -294,3 +294,20 @@ def test_tracker_rebases_after_a_width_move():
     assert tracker.refresh(bumped, torch.tensor([1])).tolist() == [0.5, 4.0, 2.0, 1.0]
     # row-parallel after a move: the rank's K changed -> other columns, scores start afresh
     assert tracker.refresh(torch.zeros(3, 6), torch.arange(6)).tolist() == [1.0] * 6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_tracker_refresh_equals_column_change(dtype, dim):
+    generator = torch.Generator().manual_seed(dim)
+    old = torch.randn(24, 40, generator=generator).to(dtype)
+    new = (old.float() + 0.01 * torch.randn(24, 40, generator=generator)).to(dtype)
+    tracker = PriorityTracker(old, dim=dim)
+    got = tracker.refresh(new, torch.arange(old.shape[dim]))
+    reference = column_change(new, old, dim)  # float64 of the same stored values
+    # each difference rounds once in the weight's dtype (exact in bf16 where the values are
+    # within 2x of each other, Sterbenz), then <= 40 terms summed in fp32
+    eps = torch.finfo(dtype).eps
+    terms = old.shape[1 - dim]
+    torch.testing.assert_close(got, reference, rtol=eps + terms * 2**-23, atol=0.0)
+    assert torch.equal(tracker.snapshot, new)  # the next period starts from the new weight

@@ -165,7 +165,9 @@ class PriorityTracker:
                 self.scores = torch.ones(weight.shape[self.dim], dtype=torch.float64)
             self.snapshot = weight.detach().clone()
             return self.scores
-        change = column_change(weight, self.snapshot, self.dim)
+        # column_change in place: a temporary the weight's size cost ~25x the arithmetic (CPU)
+        diff = self.snapshot.sub_(weight.detach()).abs_()
+        change = diff.sum(dim=1 - self.dim, dtype=torch.float32).double().cpu()
         self.scores = update_scores(self.scores, change, computed.cpu())
         self.snapshot.copy_(weight.detach())
         return self.scores
