@@ -31,6 +31,7 @@ from colossal_hetero.balance.inlayer import InLayerPlan, Offload
 from colossal_hetero.balance.ops.migrate import Migration
 from colossal_hetero.balance.ops.multi import MultiMigration
 from colossal_hetero.balance.ops.resize import (
+    IMPUTE_MODES,
     FreezeTargets,
     ZeroResize,
     complement,
@@ -66,10 +67,16 @@ class LayerOps:
     Args:
         model: the (unwrapped) model shard; its resizable layers are found once per attach.
         impute_value: the value dropped gradient entries get (resize.py).
+        impute: a resized straggler's imputation, ``"zero"`` or ``"mean"`` (resize.py;
+            a migrate+resize straggler's dropped columns always take ``impute_value``).
     """
 
-    def __init__(self, model: nn.Module, *, impute_value: float = 0.0) -> None:
-        self.model, self.impute_value = model, impute_value
+    def __init__(
+        self, model: nn.Module, *, impute_value: float = 0.0, impute: str = "zero"
+    ) -> None:
+        if impute not in IMPUTE_MODES:
+            raise ValueError(f"impute must be one of {IMPUTE_MODES}, got {impute!r}")
+        self.model, self.impute_value, self.impute = model, impute_value, impute
         self.plan = InLayerPlan()
         self._trackers: dict[int, PriorityTracker] = {}  # by layer index; see ``refresh``
         self._migrations: list[MultiMigration] = []
@@ -177,7 +184,7 @@ class LayerOps:
             return None
         tracker = self._tracker(index, layer)
         kept = _top(tracker.scores, width - drop, width).to(layer.weight.device)
-        return ZeroResize(layer.rank, kept, impute_value=self.impute_value)
+        return ZeroResize(layer.rank, kept, impute=self.impute, impute_value=self.impute_value)
 
     def _tracker(self, index: int, layer: ResizableParallelModule) -> PriorityTracker:
         """Layer ``index``'s tracker, made on first use (scores at ones, the weight now as the

@@ -132,8 +132,16 @@ def _check_history(rank: int, world_size: int, device: torch.device) -> None:
     ops.apply(plan)
     for layer in layers:
         assert layer.local_op.kept.tolist() == _top_half(after[layer.weight.shape[1]])
+    ops.clear()
+    LayerOps(model, impute="mean").apply(plan)  # the resized ops impute the inputs' mean
+    assert all(layer.local_op.impute == "mean" for layer in layers)
 
 
 @pytest.mark.dist
 def test_actuator_scores_from_history_survive_probe():
     run_distributed(_check_history, world_size=1, force_cpu=True)
+
+
+def test_actuator_refuses_an_unknown_imputation():
+    with pytest.raises(ValueError, match="impute must be one of"):
+        LayerOps(nn.Linear(2, 2), impute="stale")
