@@ -61,9 +61,9 @@ from colossal_hetero.pipeline.profile import (
     vector_width,
 )
 from colossal_hetero.pipeline.schedule import KFKBSchedule
-from colossal_hetero.pipeline.split_trial import SplitTrial, pick_split, split_candidates
+from colossal_hetero.pipeline.split_trial import SplitTrial, pick_split
 from colossal_hetero.pipeline.tuner import stage_of_rank
-from colossal_hetero.planner.stages import StageTimes
+from colossal_hetero.planner.stages import StageTimes, split_candidates
 
 WARM_SEED = 10**6
 """Batch seed of each variant's unrecorded first step (rounds use their global number)."""
@@ -430,7 +430,7 @@ def try_splits(
         return runners[index].step(seed=WARM_SEED + step)[0]
 
     stretch.enabled = True
-    trial = pick_split(candidates, step_seconds, TRIAL_STEPS)
+    trial = pick_split(candidates, step_seconds, TRIAL_STEPS, device=device)
     stretch.enabled = False
     return runners, trial
 

@@ -18,7 +18,8 @@ steps and keep the fastest. :func:`pick_split` is that trial:
 Contract: every rank of ``group`` calls with the same candidates in the same order and the same
 ``steps`` (``step_seconds`` may run collectives: every rank runs the same steps in the same
 order). Every rank then gets the same pick, as all of them see the same reduced seconds.
-Candidates come from ``planner.stages.near_best_splits`` (:func:`split_candidates`).
+Candidates come from ``planner.stages.split_candidates`` (the plugin's split, then the
+near-best ones its stage times predict).
 """
 
 from __future__ import annotations
@@ -30,8 +31,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from colossal_hetero.planner.stages import StageTimes, near_best_splits
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,22 +51,6 @@ class SplitTrial:
         return [statistics.median(s) if s else float("inf") for s in self.steps_s]
 
 
-def split_candidates(
-    num_layers: int,
-    times: StageTimes,
-    first: Sequence[int] | None = None,
-    *,
-    slack: float = 0.12,
-    limit: int = 3,
-) -> list[list[int]]:
-    """``first`` (e.g. the split the plugin planned from ``times``), then the fastest other
-    splits ``times`` predict within ``1 + slack`` of the best (``near_best_splits``): at most
-    ``limit`` in all."""
-    near = near_best_splits(num_layers, times, slack=slack, limit=limit)
-    head = [list(first)] if first else []
-    return (head + [s for s in near if s not in head])[:limit]
-
-
 def rotated(count: int, step: int) -> list[int]:
     """The candidates' order in step ``step``: ``0..count-1`` rotated left by ``step``."""
     shift = step % count
@@ -79,7 +62,8 @@ def pick_split(
     step_seconds: Callable[[int, int], float],
     steps: int,
     group: Any = None,
-    device: torch.device | str = "cpu",
+    *,
+    device: torch.device,
 ) -> SplitTrial:
     """Run ``steps`` steps of every candidate (``step_seconds(index, step)``: this rank's
     seconds for step ``step`` of ``candidates[index]``) and pick the one whose median slowest-

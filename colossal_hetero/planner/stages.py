@@ -308,3 +308,19 @@ def choose_microbatches(
     best = min(times.values())
     m = min(c for c, t in times.items() if t <= best * (1 + 1e-9))
     return MicrobatchChoice(m, decisions[m], times)
+
+
+def split_candidates(
+    num_layers: int,
+    times: StageTimes,
+    first: Sequence[int] | None = None,
+    *,
+    slack: float = 0.12,
+    limit: int = 3,
+) -> list[list[int]]:
+    """``first`` (e.g. the split the plugin planned from ``times``), then the fastest other
+    splits ``times`` predict within ``1 + slack`` of the best (:func:`near_best_splits`): at most
+    ``limit`` in all."""
+    near = near_best_splits(num_layers, times, slack=slack, limit=limit)
+    head = [list(first)] if first else []
+    return (head + [s for s in near if s not in head])[:limit]

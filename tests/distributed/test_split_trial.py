@@ -13,6 +13,7 @@ and a mean over steps [4, 2] (2.0 < 4.2).
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from colossal_hetero.pipeline.split_trial import pick_split
@@ -33,14 +34,16 @@ def _run(rank, world_size, device):
         calls.append((index, step))
         return SECONDS[rank][index][step]
 
-    trial = pick_split(CANDIDATES, step_seconds, steps=3, group=group)
+    trial = pick_split(CANDIDATES, step_seconds, steps=3, group=group, device=torch.device("cpu"))
     assert trial.split == [2, 4] and trial.best == 2
     assert trial.steps_s == ((3.0, 3.0, 3.0), (2.0, 2.0, 2.0), (1.8, 9.0, 1.8))
     assert trial.medians_s == [3.0, 2.0, 1.8]
     # Rotating order: step i starts with candidate i.
     assert calls == [(0, 0), (1, 0), (2, 0), (1, 1), (2, 1), (0, 1), (2, 2), (0, 2), (1, 2)]
     # Equal medians: the earlier candidate (the plugin's own split, listed first) wins.
-    tie = pick_split(CANDIDATES, lambda index, step: 1.0 + rank, steps=2)
+    tie = pick_split(
+        CANDIDATES, lambda index, step: 1.0 + rank, steps=2, device=torch.device("cpu")
+    )
     assert tie.best == 0 and tie.medians_s == [2.0, 2.0, 2.0]
 
 

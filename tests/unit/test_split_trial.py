@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from colossal_hetero.pipeline.split_trial import (
-    SplitTrial,
-    pick_split,
-    rotated,
-    split_candidates,
-)
-from colossal_hetero.planner.stages import StageTimes
+from colossal_hetero.pipeline.split_trial import SplitTrial, pick_split, rotated
+from colossal_hetero.planner.stages import StageTimes, split_candidates
+
+CPU = torch.device("cpu")
 
 
 def test_rotation_puts_every_candidate_first_once_per_cycle():
@@ -35,10 +33,10 @@ def test_one_candidate_runs_nothing_and_bad_input_is_refused():
     def never(index: int, step: int) -> float:
         raise AssertionError("no step should run")
 
-    trial = pick_split([[2, 2]], never, steps=3)
+    trial = pick_split([[2, 2]], never, steps=3, device=CPU)
     assert trial == SplitTrial(((2, 2),), ((),), 0) and trial.split == [2, 2]
     for bad in ([], [[2, 2], [3, 2]], [[2, 2], [1, 1, 2]], [[4, 0], [2, 2]]):
         with pytest.raises(ValueError, match="^pick_split: "):
-            pick_split(bad, never, steps=3)
+            pick_split(bad, never, steps=3, device=CPU)
     with pytest.raises(ValueError, match="steps must be >= 1"):
-        pick_split([[2, 2], [3, 1]], never, steps=0)
+        pick_split([[2, 2], [3, 1]], never, steps=0, device=CPU)
