@@ -328,12 +328,14 @@ def format_stage_plan(plan: StagePlan) -> str:
             f"  split from            plan.stage_times: slowest stage {mine * 1e3:.3g} ms"
             f" per micro-batch (even split: {even * 1e3:.3g} ms)"
         )
+    # With measured stage times only the split follows them; the step is still the model's.
+    modelled = " (modelled speeds)" if plan.measured_stage_s else ""
     return "\n".join(
         [
             *lines,
             f"  micro-batches         {plan.num_microbatches}{how('microbatches')}",
             f"  kFkB group size k     {plan.k}{how('k')}",
-            f"  predicted step        {plan.step_s * 1e3:.3g} ms"
+            f"  predicted step        {plan.step_s * 1e3:.3g} ms{modelled}"
             f"   (even split, 1F1B: {plan.even_step_s * 1e3:.3g} ms, {_ratio(plan)})",
         ]
     )
