@@ -165,9 +165,11 @@ class PriorityTracker:
                 self.scores = torch.ones(weight.shape[self.dim], dtype=torch.float64)
             self.snapshot = weight.detach().clone()
             return self.scores
-        # column_change in place: a temporary the weight's size cost ~25x the arithmetic (CPU)
+        # column_change in place: a temporary the weight's size cost ~25x the arithmetic (CPU).
+        # Summed in at least fp32, and in fp64 for fp64 weights (exact tests compare there).
         diff = self.snapshot.sub_(weight.detach()).abs_()
-        change = diff.sum(dim=1 - self.dim, dtype=torch.float32).double().cpu()
+        accumulate = torch.promote_types(diff.dtype, torch.float32)
+        change = diff.sum(dim=1 - self.dim, dtype=accumulate).double().cpu()
         self.scores = update_scores(self.scores, change, computed.cpu())
         self.snapshot.copy_(weight.detach())
         return self.scores
