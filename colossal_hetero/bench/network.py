@@ -92,17 +92,23 @@ RATE_DEFINED = (
 """Patterns whose time the configured rate alone defines (``shaped_rate_max_error``)."""
 
 
-def _merge(results: list[dict[str, list[float]]]) -> dict[str, float]:
-    """Median per pattern over the rank that timed it."""
+def _pooled(results: list[dict[str, list[float]]]) -> dict[str, list[float]]:
+    """Every repeat's seconds per pattern, over the rank that timed it."""
     merged: dict[str, list[float]] = {}
     for result in results:
         for name, times in result.items():
             merged.setdefault(name, []).extend(times)
-    return {name: statistics.median(times) for name, times in merged.items()}
+    return merged
 
 
-def run_shaped_phase(phase: Phase) -> tuple[dict[str, float], int]:
-    """Medians on shaped links, and how many of the launch's namespaces remain afterwards."""
+def _merge(results: list[dict[str, list[float]]]) -> dict[str, float]:
+    """Median per pattern over the rank that timed it."""
+    return {name: statistics.median(times) for name, times in _pooled(results).items()}
+
+
+def run_shaped_repeats(phase: Phase) -> tuple[dict[str, list[float]], int]:
+    """Every repeat's seconds on shaped links, and how many of the launch's namespaces remain
+    afterwards."""
     results, leftovers = run_shaped_ranks(
         run_patterns,
         phase.world,
@@ -111,7 +117,13 @@ def run_shaped_phase(phase: Phase) -> tuple[dict[str, float], int]:
         phase=asdict(phase),
         mode="shaped",
     )
-    return _merge(results), leftovers
+    return _pooled(results), leftovers
+
+
+def run_shaped_phase(phase: Phase) -> tuple[dict[str, float], int]:
+    """Medians on shaped links, and how many of the launch's namespaces remain afterwards."""
+    repeats, leftovers = run_shaped_repeats(phase)
+    return {name: statistics.median(times) for name, times in repeats.items()}, leftovers
 
 
 def run_model_phase(phase: Phase) -> dict[str, float]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from colossal_hetero.bench.network import phases, predictions, run_shaped_phase
+from colossal_hetero.bench.network import phases, predictions, run_shaped_phase, run_shaped_repeats
 from colossal_hetero.bench.shaped_spawn import run_bench_ranks
 from colossal_hetero.cli import launch_command
 from colossal_hetero.config import ConfigError
@@ -50,14 +51,20 @@ RATE_TOLERANCE = 0.15  # the issue's bound; measured 2-6% (TCP/IP headers are ~3
 
 
 def test_rates_and_all_to_all_behind_all_reduce():
-    # 2 ranks, 7 repeats of every pattern: the median then rides out the odd transfer that
-    # real TCP delays about 2x (seen in 3 of 21 runs with the bench's 3 repeats, idle host)
+    # 2 ranks, 7 repeats of every pattern. The rate is checked on each pattern's fastest
+    # repeat: a shaped link cannot carry the bytes faster than its rate, so the fastest repeat
+    # sits at the rate when the shaping is right and below it when it is missing. Single
+    # repeats run about 2x slow, most likely when gloo's rendezvous notice queues behind the
+    # other direction's bulk data and the two directions serialise (docs/cpu-and-emulation.md);
+    # in one idle CI run at least 4 of 7 all-to-all repeats did, so even the median can be 2x.
     phase = replace(phases(quick=True)[0], repeats=7)
-    shaped, leftovers = run_shaped_phase(phase)
+    repeats, leftovers = run_shaped_repeats(phase)
+    shaped = {name: statistics.median(times) for name, times in repeats.items()}
     predicted = predictions(phase)
     for name in ("allreduce", "p2p", "alltoall"):
-        error = abs(shaped[name] - predicted[name]) / predicted[name]
-        assert error <= RATE_TOLERANCE, (name, shaped[name], predicted[name])
+        fastest = min(repeats[name])
+        error = abs(fastest - predicted[name]) / predicted[name]
+        assert error <= RATE_TOLERANCE, (name, sorted(repeats[name]), predicted[name])
     # Queued behind the large all-reduce's data, the small all-to-all waits: the env notes
     # measured 11x (57 ms vs 5 ms); this bed gives about 6-8x; the issue asks for > 3.
     ratio = shaped["small_alltoall_behind"] / shaped["small_alltoall_alone"]
