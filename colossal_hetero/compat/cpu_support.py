@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import types
 from collections.abc import Callable
 from typing import Any
 
@@ -177,42 +176,17 @@ def _patch_zero() -> None:
     setattr(LowLevelZeroOptimizer, _MARK, True)
 
 
-def _device_safe_set_device(device: Any) -> None:
-    """``set_device`` that ignores CPU devices (what the modeling code meant)."""
-    if isinstance(device, torch.device) and device.type != "cuda":
-        return
-    from colossal_hetero.utils.device import bind_device
-
-    bind_device(device if isinstance(device, torch.device) else torch.device("cuda", device))
-
-
-def _torch_view_without_cpu_set_device() -> types.SimpleNamespace:
-    """A `torch` stand-in whose cuda.set_device skips CPU devices; all else is torch itself."""
-
-    class _Cuda(types.ModuleType):
-        def __getattr__(self, name: str) -> Any:
-            return getattr(torch.cuda, name)
-
-    class _Torch(types.ModuleType):
-        def __getattr__(self, name: str) -> Any:
-            return getattr(torch, name)
-
-    cuda = _Cuda("torch.cuda")
-    cuda.set_device = _device_safe_set_device  # type: ignore[attr-defined]
-    view = _Torch("torch")
-    view.cuda = cuda  # type: ignore[attr-defined]
-    return view  # type: ignore[return-value]
-
-
 def _patch_modeling_set_device() -> None:
     import importlib
+
+    from colossal_hetero.utils.device import torch_view_without_cpu_set_device
 
     view = None
     for name in _MODELING_MODULES:
         module = importlib.import_module(name)
         if getattr(module, _MARK, False):
             continue
-        view = view or _torch_view_without_cpu_set_device()
+        view = view or torch_view_without_cpu_set_device()
         setattr(module, "torch", view)  # noqa: B010 (the module's global, read at call time)
         setattr(module, _MARK, True)
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import types
+from typing import Any
+
 import torch
 
 from colossal_hetero.config.schema import DeviceKind
@@ -102,3 +105,28 @@ def local_device(local_rank: int, local_world_size: int) -> torch.device:
 def detected_device_kind(local_world_size: int) -> DeviceKind:
     """``cuda`` when every local rank can have its own GPU, else ``cpu``."""
     return "cuda" if cuda_device_count() >= local_world_size else "cpu"
+
+
+def set_device_ignoring_cpu(device: Any) -> None:
+    """``torch.cuda.set_device`` as Colossal-AI's modeling code means it when it passes a
+    tensor's device: an index or CUDA device becomes current, a CPU device is ignored."""
+    bind_device(device if isinstance(device, torch.device) else torch.device("cuda", device))
+
+
+def torch_view_without_cpu_set_device() -> types.ModuleType:
+    """A ``torch`` stand-in whose ``cuda.set_device`` is :func:`set_device_ignoring_cpu`;
+    every other attribute is torch's own."""
+
+    class _Cuda(types.ModuleType):
+        def __getattr__(self, name: str) -> Any:
+            return getattr(torch.cuda, name)
+
+    class _Torch(types.ModuleType):
+        def __getattr__(self, name: str) -> Any:
+            return getattr(torch, name)
+
+    cuda = _Cuda("torch.cuda")
+    cuda.set_device = set_device_ignoring_cpu  # type: ignore[attr-defined]
+    view = _Torch("torch")
+    view.cuda = cuda  # type: ignore[attr-defined]
+    return view

@@ -131,9 +131,9 @@ def test_p2p_check_keeps_nccl_semantics_for_gloo_group():
 
 
 def test_modeling_torch_view_is_torch_for_everything_else():
-    from colossal_hetero.compat.cpu_support import _torch_view_without_cpu_set_device
+    from colossal_hetero.utils.device import torch_view_without_cpu_set_device
 
-    view = _torch_view_without_cpu_set_device()
+    view = torch_view_without_cpu_set_device()
     assert view.zeros is torch.zeros
     assert view.cuda.is_available is torch.cuda.is_available
     view.cuda.set_device(torch.device("cpu"))  # a no-op, not an error
