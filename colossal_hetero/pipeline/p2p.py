@@ -18,6 +18,15 @@ per message (``time.time()``: when a message went onto the link, or when a block
 returned; see ``pipeline/profile.py`` for how link time follows from them). The boxes call
 ``torch.distributed.isend``/``irecv`` by name at call time, so the emulation interceptor sees
 them too: its model books them on the link timeline and its per-kind metrics count them as p2p.
+
+**Messages split over a tensor-parallel group** (:class:`TPSlice`). Under 1D tensor parallelism
+every rank of a stage's TP group holds the same hidden states between blocks (the row-parallel
+all-reduce leaves them replicated; so are the input gradients after the column-parallel one),
+and each TP rank sends its copy to its counterpart in the next stage. With a ``TPSlice`` the
+sender puts only its ``1/size`` of each tensor (flattened, equal contiguous pieces) on its link,
+and the receiver rebuilds the tensor with one ``all_gather`` on its TP group (a fast link inside
+the stage) when it takes the message: each stage link carries ``1/size`` of the bytes. A tensor
+whose element count ``size`` does not divide travels whole; so does the metadata.
 """
 
 from __future__ import annotations
@@ -61,14 +70,48 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+@dataclass(frozen=True, slots=True)
+class TPSlice:
+    """This rank's share of messages replicated over its tensor-parallel group: piece ``index``
+    of ``size`` (the rank's position in ``group``, which has ``size`` ranks)."""
+
+    group: dist.ProcessGroup
+    index: int
+    size: int
+
+    def splits(self, numel: int) -> bool:
+        """Whether a tensor of ``numel`` elements travels in pieces (else whole)."""
+        return self.size > 1 and numel > 0 and numel % self.size == 0
+
+    def piece(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's contiguous piece of the contiguous ``tensor`` (a view), or all of it."""
+        if not self.splits(tensor.numel()):
+            return tensor
+        return tensor.view(-1).chunk(self.size)[self.index]
+
+    def gather(self, tensor: torch.Tensor) -> None:
+        """Fill the other ranks' pieces of ``tensor`` (this rank's piece already holds its own)."""
+        if not self.splits(tensor.numel()):
+            return
+        pieces = list(tensor.view(-1).chunk(self.size))
+        own = pieces[self.index].clone()
+        dist.all_gather(pieces, own, group=self.group)
+
+
 class Outbox:
     """Sends objects to ``dst`` (global rank) on ``group`` without waiting for them to land.
 
     Sent tensors stay referenced until :meth:`finish` (a send reads its buffer until it is done).
     """
 
-    def __init__(self, dst: int, group: dist.ProcessGroup, device: torch.device) -> None:
-        self.dst, self.group, self.device = dst, group, device
+    def __init__(
+        self,
+        dst: int,
+        group: dist.ProcessGroup,
+        device: torch.device,
+        tp: TPSlice | None = None,
+    ) -> None:
+        self.dst, self.group, self.device, self.tp = dst, group, device, tp
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
         self._sent = 0
         self._every_message_has_header = False
@@ -76,7 +119,8 @@ class Outbox:
         """This step's traffic (:meth:`take_log` hands it over and starts a fresh one)."""
 
     def send(self, obj: Any) -> int:
-        """Post the sends of ``obj``; returns the bytes of its tensors (metadata excluded)."""
+        """Post the sends of ``obj``; returns the bytes of its tensors put on this link
+        (metadata excluded; this rank's pieces only under a :class:`TPSlice`)."""
         metadata, tensors = create_send_metadata(obj, strict=False, return_tensor=True)
         has_objects = bool(metadata.non_tensor_obj_idx)
         if self._sent == 0:
@@ -88,13 +132,17 @@ class Outbox:
             payload = raw.to(self.device)
             self._isend(torch.tensor([payload.numel()], dtype=torch.int64, device=self.device))
             self._isend(payload)
+        sent = 0
         for tensor in tensors:
-            self._isend(tensor.detach().contiguous())
+            piece = tensor.detach().contiguous()
+            piece = piece if self.tp is None else self.tp.piece(piece)
+            self._isend(piece)
+            sent += _nbytes(piece)
         self._sent += 1
         # After the isends returned: an emulated slow device's stretch of the pass happens at
         # the first of them, so this is when the output really went onto the link.
         self.log.times.append(time.time())
-        return sum(_nbytes(t) for t in tensors)
+        return sent
 
     def _isend(self, tensor: torch.Tensor) -> None:
         work = dist.isend(tensor, dst=self.dst, group=self.group)
@@ -129,11 +177,18 @@ class Inbox:
     micro-batch saves). Messages that carry non-tensor objects each need their own header;
     then the next receive is posted when the previous message has been taken. Received tensors
     are fresh buffers with the sender's ``requires_grad`` (the schedule's backward reads their
-    ``.grad``).
+    ``.grad``). Under a :class:`TPSlice` each receive fills this rank's piece of the buffer, and
+    ``get`` gathers the other pieces from the TP group.
     """
 
-    def __init__(self, src: int, group: dist.ProcessGroup, device: torch.device) -> None:
-        self.src, self.group, self.device = src, group, device
+    def __init__(
+        self,
+        src: int,
+        group: dist.ProcessGroup,
+        device: torch.device,
+        tp: TPSlice | None = None,
+    ) -> None:
+        self.src, self.group, self.device, self.tp = src, group, device, tp
         self._count = self._taken = self._posted = 0
         self._metadata: P2PMetadata | None = None
         self._header: tuple[dist.Work, torch.Tensor] | None = None
@@ -158,9 +213,13 @@ class Inbox:
         posted = self._queue.popleft()
         for work in posted.works:
             work.wait()
+        for buffer, needs_grad in zip(posted.buffers, posted.requires_grad, strict=True):
+            if self.tp is not None:
+                self.tp.gather(buffer)
+            buffer.requires_grad_(needs_grad)
         waited = time.perf_counter() - start
         self.log.wait_s += waited
-        self.log.nbytes += sum(_nbytes(b) for b in posted.buffers)
+        self.log.nbytes += sum(_nbytes(p) for p in posted.pieces)
         self.log.times.append(time.time() if waited > BLOCKED_S else NOT_BLOCKED)
         self.log.posted.append(posted.at)
         self.log.asked.append(asked)
@@ -202,19 +261,24 @@ class Inbox:
     def _post_tensors(self) -> None:
         """Post the receives of the next message's tensors (FIFO per link pairs them up)."""
         assert self._metadata is not None
-        buffers = [
-            torch.empty(m.shape, dtype=m.dtype, device=self.device, requires_grad=m.requires_grad)
-            for m in self._metadata.tensor_metadata
-        ]
-        works = [dist.irecv(b, src=self.src, group=self.group) for b in buffers]
-        self._queue.append(_Posted([w for w in works if w is not None], buffers, time.time()))
+        metas = self._metadata.tensor_metadata
+        # requires_grad is set once the buffer is complete (after the TP gather, if any).
+        buffers = [torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in metas]
+        pieces = [b if self.tp is None else self.tp.piece(b) for b in buffers]
+        works = [dist.irecv(p, src=self.src, group=self.group) for p in pieces]
+        grads = [bool(m.requires_grad) for m in metas]
+        posted = _Posted([w for w in works if w is not None], buffers, pieces, grads, time.time())
+        self._queue.append(posted)
         self._posted += 1
 
 
 @dataclass(slots=True)
 class _Posted:
-    """One message's posted receives: their works, the buffers they fill, when posted."""
+    """One message's posted receives: their works, the buffers they fill (``pieces``: the parts
+    received on the link), the buffers' ``requires_grad``, when posted."""
 
     works: list[dist.Work]
     buffers: list[torch.Tensor]
+    pieces: list[torch.Tensor]
+    requires_grad: list[bool]
     at: float

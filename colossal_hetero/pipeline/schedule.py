@@ -47,7 +47,7 @@ from torch.nn import Module
 
 from colossal_hetero.emulation.router import flush_compute
 from colossal_hetero.pipeline.order import Step, check_pipeline_args, kfkb_order
-from colossal_hetero.pipeline.p2p import Inbox, LinkLog, Outbox
+from colossal_hetero.pipeline.p2p import Inbox, LinkLog, Outbox, TPSlice
 from colossal_hetero.pipeline.profile import NOT_BLOCKED, RankRecord
 
 
@@ -69,7 +69,8 @@ class StepStats:
     step_s: float
     """Wall seconds of the whole step's schedule on this rank."""
     message_bytes: int
-    """Tensor bytes of one activation message to the next stage (0 on the last stage)."""
+    """Tensor bytes of one activation message this rank put on its link to the next stage (0 on
+    the last stage; its ``1/tp`` piece when messages are split over a TP group)."""
     activation_bytes: int
     """Most bytes autograd saved for one micro-batch's backward (parameters excluded; storages
     shared by several saved tensors counted once): what one in-flight micro-batch costs."""
@@ -141,6 +142,10 @@ class KFKBSchedule(OneForwardOneBackwardSchedule):
         stage_manager: the plugin's pipeline stage manager.
         num_microbatches / microbatch_size: as for ``OneForwardOneBackwardSchedule``.
         k: group size, ``1 <= k <= num_microbatches`` (checked when the batch is split).
+        tp_group: the stage's 1D tensor-parallel group, whose ranks hold the same activations
+            and input gradients: each rank then sends only its ``1/tp`` of every message and the
+            receiving stage gathers the rest over its TP group (:class:`~colossal_hetero.
+            pipeline.p2p.TPSlice`). None, or a group of one rank: whole messages.
 
     After each training step ``peak_saved`` holds the most micro-batches whose activations the
     stage kept at once (``min(k * (p - s), m)`` by construction), ``last_stats`` this rank's
@@ -155,6 +160,7 @@ class KFKBSchedule(OneForwardOneBackwardSchedule):
         num_microbatches: int | None = None,
         microbatch_size: int | None = None,
         k: int = 1,
+        tp_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__(stage_manager, num_microbatches, microbatch_size)
         if k < 1:
@@ -177,10 +183,11 @@ class KFKBSchedule(OneForwardOneBackwardSchedule):
             )
         first, last = stage_manager.is_first_stage(), stage_manager.is_last_stage()
         prev, nxt = stage_manager.get_prev_rank(), stage_manager.get_next_rank()
-        self._to_next = None if last else Outbox(nxt, group, device)
-        self._to_prev = None if first else Outbox(prev, group, device)
-        self._from_prev = None if first else Inbox(prev, group, device)
-        self._from_next = None if last else Inbox(nxt, group, device)
+        tp = _tp_slice(tp_group)
+        self._to_next = None if last else Outbox(nxt, group, device, tp)
+        self._to_prev = None if first else Outbox(prev, group, device, tp)
+        self._from_prev = None if first else Inbox(prev, group, device, tp)
+        self._from_next = None if last else Inbox(nxt, group, device, tp)
 
     def set_k(self, k: int) -> None:
         """Use group size ``k`` from the next step on (call on every pipeline rank alike)."""
@@ -294,6 +301,13 @@ class KFKBSchedule(OneForwardOneBackwardSchedule):
             asked_next=tuple(logs["from_next"].asked),
             overhead_s=_overhead_s(stats, step_s, logs),
         )
+
+
+def _tp_slice(group: dist.ProcessGroup | None) -> TPSlice | None:
+    """This rank's :class:`TPSlice` of ``group``; None without a group of several ranks."""
+    if group is None or dist.get_world_size(group) < 2:
+        return None
+    return TPSlice(group, dist.get_rank(group), dist.get_world_size(group))
 
 
 def _overhead_s(stats: _StatsBuilder, step_s: float, logs: dict[str, LinkLog]) -> float:

@@ -101,7 +101,11 @@ def install_schedule(engine: Any, config: HeteroConfig, rank: int) -> AdaKSeamCo
     if parallel.pp_schedule == "1f1b":
         return None
     schedule = KFKBSchedule(  # planned m and k (0) are set at configure (plugin/planning.py)
-        engine.stage_manager, num_microbatches=parallel.num_microbatches, k=parallel.pp_k or 1
+        engine.stage_manager,
+        num_microbatches=parallel.num_microbatches,
+        k=parallel.pp_k or 1,
+        # 1D TP replicates activations over the stage's TP group: each rank sends its 1/tp.
+        tp_group=engine.tp_group if parallel.tp > 1 else None,
     )
     engine.scheduler = schedule
     if parallel.pp_schedule != "ada_kfkb":

@@ -1,6 +1,8 @@
 """KFKBSchedule on gloo ranks, tiny GPT-2: loss and gradients equal Colossal-AI's 1F1B.
 
-2 ranks (PP=2) by default; 4 ranks (PP=4, PP=2 x DP=2, PP=2 x uneven TP=2) marked slow.
+2 ranks (PP=2) by default; 4 ranks (PP=4, PP=2 x DP=2, PP=2 x uneven TP=2) marked slow. Under
+TP each rank sends half of every message and the receiving stage gathers the halves (TPSlice):
+the rebuilt tensors must still give 1F1B's gradients bit for bit.
 
 Exact equality in fp32: kFkB runs the same forward_step/backward_step as 1F1B, and on every stage
 forwards and backwards each run in increasing micro-batch order, so the last stage sums the loss
@@ -106,7 +108,9 @@ def _check_layout(
         batch = _batch(2 * m)
         reference = _step(booster, model, optimizer, criterion, batch)
         stage, p = engine.stage_manager.stage, engine.stage_manager.num_stages
-        schedule = KFKBSchedule(engine.stage_manager, num_microbatches=m, k=ks[0])
+        tp = config.parallel.tp  # TP ranks send 1/tp of each message, the receivers gather
+        group = engine.tp_group if tp > 1 else None
+        schedule = KFKBSchedule(engine.stage_manager, num_microbatches=m, k=ks[0], tp_group=group)
         engine.scheduler = schedule
         saved_bytes = set()
         for k in ks:  # one schedule, k changed between steps
@@ -116,9 +120,10 @@ def _check_layout(
             assert schedule.peak_saved == min(k * (p - stage), m)
             stats = schedule.last_stats
             assert stats is not None and stats.forward_s > 0 and stats.backward_s > 0
-            # One activation message: hidden states [micro-batch 2, seq 16, hidden 32] in fp32.
+            # One activation message: hidden states [micro-batch 2, seq 16, hidden 32] in fp32,
+            # of which each of the tp ranks puts 1/tp on its link.
             last = engine.stage_manager.is_last_stage()
-            assert stats.message_bytes == (0 if last else 2 * 16 * GPT2.hf["n_embd"] * 4)
+            assert stats.message_bytes == (0 if last else 2 * 16 * GPT2.hf["n_embd"] * 4 // tp)
             saved_bytes.add(stats.activation_bytes)
         # The same micro-batch computation saves the same tensors whatever the order.
         assert len(saved_bytes) == 1 and saved_bytes.pop() > 0
