@@ -146,12 +146,8 @@ class BalanceController:
     ) -> None:
         self.settings, self.tp_size, self.tp_rank = settings, tp_size, tp_rank
         self.group_index, self.planned_for = group_index, planned_for
-        self.weight_bytes, self.actuator, self.device, self.log = (
-            weight_bytes,
-            actuator,
-            device,
-            log,
-        )
+        self.weight_bytes, self.actuator, self.device = weight_bytes, actuator, device
+        self.log = log
         detector = DetectorSettings(
             settings.smoothing, settings.threshold, settings.release, settings.stable_tolerance
         )
@@ -308,10 +304,11 @@ class BalanceController:
         times = tuple(unit * s * b for s, b in zip(view.slowdown, base, strict=True))
         semi = decide(self._semi_inputs(view.agreed, view.widths, times), self._semi_settings())
         extra: dict[str, Any] = {"semi": asdict(semi)}
-        # Without a bridge (bridge_off) a re-plan that pays is the only action left.
+        # Without a bridge (bridge_off), a re-plan that pays is the only action left.
         bridgeless = self.bridge_off is not None and semi.replan_value > 0
-        # No rank flagged, widths planned for other speeds: re-plan as mode replan would.
-        idle = not view.stragglers and self.plan.empty
+        # No op running and none to pick (no rank flagged, or widths that even the times):
+        # re-plan as mode replan would where the widths were planned for other speeds.
+        idle = self.plan.empty and (not view.stragglers or semi.action == "none")
         if semi.action == "replan" or bridgeless or idle:
             decision, gain, act = self._replan_outcome(step, view, times)
             if act is not None:

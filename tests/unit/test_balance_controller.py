@@ -445,3 +445,33 @@ def test_a_sudden_straggler_is_re_planned_at_once_a_mild_one_waits(monkeypatch):
     assert [r["step"] for r in controller.log.records if r["decision"]["action"] == "resize"] == [
         11
     ]
+
+
+class _Proportional(_Cluster):
+    """The planner's stand-in splits ffn in proportion to the speeds it is handed."""
+
+    def plan(self, speeds: tuple[float, ...]) -> dict[str, tuple[int, ...]]:
+        first = round(96 * speeds[0] / sum(speeds))
+        return {"ffn": (first, 96 - first)}
+
+
+def test_semi_re_plans_when_the_refitted_fraction_moves_the_plan(monkeypatch):
+    """Configured phi 0.1, the cluster's 0.2, threshold 0.3 (the benchmark's): the move at 8
+    (planning speeds (1, 0.2), ffn (80, 16)) leaves rank 1 at 1.87 ms against 1.53 ms, 1.22x,
+    under the threshold, so SEMI sees no straggler in the times. The first window after the
+    move refits phi to 0.15: rank 1 reads 1.867 / 0.433 units against 1.533 / 1.567, 4.4x,
+    planning speeds (1, 0.148), off the plan's 0.2 by over stable_tolerance. semi re-plans to
+    (84, 12) as mode replan does, where both ranks take 1.6 ms (the cluster's balance:
+    0.2 + 0.8 x 2 x 84/96 = 4 x (0.2 + 0.8 x 2 x 12/96)). Before session 9 semi kept the
+    widths ("no straggler")."""
+    moves = {}
+    for mode in ("replan", "semi"):
+        cluster = _Proportional()
+        controller = _controller(cluster, mode, monkeypatch, fixed_fraction=0.1)
+        controller.settings = replace(controller.settings, threshold=0.3, release=0.1)
+        controller.detector = StragglerDetector(2, DetectorSettings(1.0, 0.3, 0.1, 0.1))
+        _drive(controller, cluster, 29)
+        moves[mode] = cluster.moves
+        assert controller.fixed_fraction == pytest.approx(0.15)
+    assert moves["semi"] == moves["replan"] == [{"ffn": (80, 16)}, {"ffn": (84, 12)}]
+    assert cluster.times(20) == pytest.approx([1.6e-3, 1.6e-3])
