@@ -21,7 +21,7 @@ history (the first step) nothing goes before the flush. ``fit`` off: the span ho
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -99,6 +99,8 @@ class MoeComm:
     events: list[CommEvent] = field(default_factory=list)
     gaps: GapModel = field(default_factory=GapModel)
     chooser: Any = None  # moe.pipeline_auto: a PipelineChooser, run by MoeStepLog
+    split_step: bool = True  # step each group's parameters once reduced (moe/split_step.py)
+    optim_steps: list[tuple[str, float, float]] = field(default_factory=list)
     _open: int = 0
     _count: int = 0
     _calls: list[tuple[float, float]] = field(default_factory=list)
@@ -166,10 +168,14 @@ class MoeComm:
         for reducer in self.reducers.values():
             reducer.mark_idle(params)
 
-    def flush(self) -> None:
+    def flush(self, on_reduced: Callable[[str, ChunkedGradReducer], None] | None = None) -> None:
         """Flush every reducer (before the optimizer step), unless no backward ran since the
         last flush: a rank whose experts got no tokens flushes its expert reducer all the
         same, because its dense gradients arrived (every data-parallel rank runs backward).
+
+        ``on_reduced(name, reducer)`` is called for each reducer whose gradients are all
+        reduced while another reducer still has a chunk on the wire (moe/split_step.py steps
+        that group's parameters then, overlapping the other group's transfer).
 
         Chunks are waited oldest launch first across the groups, each wait refilling its
         group's window at once (waiting one group to the end first left the other's queued
@@ -185,19 +191,37 @@ class MoeComm:
         reducers = list(self.reducers.values())
         for reducer in reducers:  # every group's chunks on the wire together
             reducer.launch_rest()
+        early: set[int] = set()
         while True:  # the oldest chunk of any group first, refilling its group's window
             waiting = [(r.oldest_launch(), i) for i, r in enumerate(reducers)]
             pending = [(t, i) for t, i in waiting if t is not None]
             if not pending:
                 break
             reducers[min(pending)[1]].wait_oldest()
+            if on_reduced is not None:
+                self._report_reduced(on_reduced, early)
         for reducer in reducers:
             reducer.wait_all()
+
+    def _report_reduced(
+        self, on_reduced: Callable[[str, ChunkedGradReducer], None], early: set[int]
+    ) -> None:
+        """Call ``on_reduced`` for each reducer, not yet reported, with nothing left to launch
+        or wait for while another still has a chunk on the wire."""
+        items = list(self.reducers.items())
+        for i, (name, reducer) in enumerate(items):
+            if i in early or not reducer.reduced:
+                continue
+            others = [r for j, (_, r) in enumerate(items) if j != i]
+            if any(r.oldest_launch() is not None for r in others):
+                early.add(i)
+                on_reduced(name, reducer)
 
     def clear(self) -> None:
         """Start a new step's log (and a2a call sequence)."""
         self._calls = []
         self.events.clear()
+        self.optim_steps.clear()
         for reducer in self.reducers.values():
             reducer.clear_log()
 
@@ -206,7 +230,8 @@ class MoeComm:
     ) -> list[tuple[str, str, int, float, float, int]]:
         """This step's events ``(kind, group, id, t_launch, t_done, nbytes)`` sorted by launch;
         times in seconds from ``origin`` (default: the first launch). Chunks carry their
-        reducer's name as ``group``; a2a calls and spans carry ``ep``."""
+        reducer's name as ``group``; a2a calls and spans carry ``ep``; an optimizer step of
+        one group's parameters inside the flush (kind ``step``) carries the group's name."""
         rows: list[LogRow] = []
         for event in self.events:
             done = event.t_done if event.t_done is not None else event.t_launch
@@ -219,6 +244,8 @@ class MoeComm:
                 done = chunk.t_done if chunk.t_done is not None else chunk.t_launch
                 nbytes = sizes.get(chunk.id, 0) * reducer.chunks[chunk.id].dtype.itemsize
                 rows.append(("chunk", name, chunk.id, chunk.t_launch, done, nbytes))
+        for name, t_start, t_end in self.optim_steps:  # early optimizer steps (split_step.py)
+            rows.append(("step", name, 0, t_start, t_end, 0))
         rows.sort(key=lambda row: row[3])
         start = origin if origin is not None else (rows[0][3] if rows else 0.0)
         return [(k, g, i, a - start, b - start, n) for k, g, i, a, b, n in rows]

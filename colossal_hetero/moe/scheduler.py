@@ -337,6 +337,17 @@ class ChunkedGradReducer:
         self.window_until = None
         self._pump()
 
+    @property
+    def reduced(self) -> bool:
+        """Whether, inside a flush (after :meth:`launch_rest`), every chunk has been launched
+        and waited: the gradients of :attr:`parameters` hold their final values."""
+        return all(self._ready) and not self._inflight and self._next >= len(self.chunks)
+
+    @property
+    def parameters(self) -> list[nn.Parameter]:
+        """The parameters whose gradients this reducer reduces, in its order."""
+        return list(self._params)
+
     def oldest_launch(self) -> float | None:
         """Launch time of this reducer's oldest chunk on the wire; None when none is."""
         return self._inflight[0].event.t_launch if self._inflight else None

@@ -12,7 +12,8 @@ The reducers then run on the step seam:
   group's gradient (``max(1, total // size)`` equal chunks, so no small tail chunk pays a
   whole all-reduce latency);
 - the boosted optimizer's ``step`` first flushes both reducers, so every gradient is reduced
-  before the update (and before clipping);
+  before the update (and before clipping); a group reduced while the other is still on the
+  wire is stepped then, on its own, where that is the same update (moe/split_step.py);
 - :class:`MoeStepLog`, a seam controller, starts each step's event log and, with a metrics
   folder, writes it as one record per step to ``moe_rank{r}.jsonl`` (with the placement in
   the first record); with ``moe.pipeline_auto`` it feeds the pipelining choice
@@ -21,7 +22,6 @@ The reducers then run on the step seam:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,7 @@ from colossal_hetero.moe.placement import Placement
 from colossal_hetero.moe.policy import HeteroMixtralForCausalLMPolicy
 from colossal_hetero.moe.profile import profile_groups
 from colossal_hetero.moe.scheduler import ChunkedGradReducer
+from colossal_hetero.moe.split_step import flush_then_step
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +123,7 @@ def install_reducers(
         reducers[name].set_profile(*profile)
     comm.attach(reducers)
     if optimizer is not None:
-        optimizer.step = _flush_first(optimizer.step, comm.flush)
+        optimizer.step = flush_then_step(optimizer, optimizer.step, comm)
     return reducers
 
 
@@ -133,14 +134,6 @@ def _evened(params: list[nn.Parameter], size: int) -> int:
         return size
     itemsize = params[0].dtype.itemsize
     return even_chunk_bytes(sum(p.numel() for p in params) * itemsize, size, itemsize)
-
-
-def _flush_first(step: Callable[..., Any], flush: Callable[[], None]) -> Callable[..., Any]:
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        flush()
-        return step(*args, **kwargs)
-
-    return wrapped
 
 
 class MoeStepLog:
