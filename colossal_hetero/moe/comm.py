@@ -192,6 +192,8 @@ class MoeComm:
         for reducer in reducers:  # every group's chunks on the wire together
             reducer.launch_rest()
         early: set[int] = set()
+        if on_reduced is not None:  # a group whose chunks all ended during backward
+            self._report_reduced(on_reduced, early)
         while True:  # the oldest chunk of any group first, refilling its group's window
             waiting = [(r.oldest_launch(), i) for i, r in enumerate(reducers)]
             pending = [(t, i) for t, i in waiting if t is not None]

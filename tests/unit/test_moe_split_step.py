@@ -153,3 +153,20 @@ def test_flush_then_step_steps_a_reduced_group_while_the_other_is_on_the_wire() 
     assert [len(g["params"]) for g in opt.optim.param_groups] == [4]
     for a, b in zip(params, reference, strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_group_reduced_during_backward_is_stepped_before_the_flush_waits() -> None:
+    params = _params(torch.float32)
+    opt = _wrapped(params, "fp32", "sgd")
+    log: list = []
+    comm = MoeComm()
+    expert = _FakeReducer(params[:2], [], log)  # its chunks all ended before the flush
+    dense = _FakeReducer(params[2:], [3.0], log)
+    comm.attach({"dense": dense, "expert": expert})  # type: ignore[dict-item]
+    opt.step = flush_then_step(opt, opt.step, comm)  # type: ignore[method-assign]
+    opt.optim.register_step_pre_hook(
+        lambda o, *_: log.append(("optim", [len(g["params"]) for g in o.param_groups]))
+    )
+    _set_grads(params, 0)
+    opt.step()
+    assert log == [("optim", [2]), ("wait", 3.0), ("optim", [2])]
