@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-BENCHMARKS = ("static", "network", "pipeline", "dynamic", "moe", "tp2d")
+BENCHMARKS = ("static", "network", "pipeline", "dynamic", "moe", "tp2d", "kernels")
 """The names ``colossal-hetero bench`` takes."""
 
 
@@ -51,4 +51,8 @@ def run_benchmark(
         from colossal_hetero.bench.tp2d_report import run_tp2d_benchmark
 
         return run_tp2d_benchmark(quick=quick, json_path=json_path)
+    if name == "kernels":  # one device: GEMM time vs shard width, ZERO-resizing's saving
+        from colossal_hetero.bench.kernels import run_kernels_benchmark
+
+        return run_kernels_benchmark(quick=quick, json_path=json_path)
     raise ValueError(f"bench: unknown benchmark {name!r}; known: {', '.join(BENCHMARKS)}")

@@ -87,6 +87,11 @@ SUPPORTED_DEVICE_TYPES = ("cuda", "cpu")
 """Device types the plugin runs on (what Booster's ``supported_devices`` reports)."""
 
 
+def device_name(device: torch.device) -> str:
+    """The GPU's product name (``NVIDIA H100 80GB HBM3``), or ``cpu``."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
 def device_kind(device: torch.device) -> DeviceKind:
     """The ``cluster.device`` value that names ``device``'s type."""
     return "cuda" if device.type == "cuda" else "cpu"
