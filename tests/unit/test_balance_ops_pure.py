@@ -14,6 +14,7 @@ import torch
 from colossal_hetero.balance.ops import (
     PriorityTracker,
     column_change,
+    column_norm,
     kept_count,
     kept_fraction,
     migrated_fraction,
@@ -311,3 +312,37 @@ def test_tracker_refresh_equals_column_change(dtype, dim):
     terms = old.shape[1 - dim]
     torch.testing.assert_close(got, reference, rtol=eps + terms * 2**-23, atol=0.0)
     assert torch.equal(tracker.snapshot, new)  # the next period starts from the new weight
+
+
+def test_magnitude_tracker_scores_every_column_by_its_norm():
+    # norms by hand: columns (3, 4) -> 5, (0, 0) -> 0, (1, 0) -> 1, (0, 2) -> 2
+    weight = torch.tensor([[3.0, 0.0, 1.0, 0.0], [4.0, 0.0, 0.0, 2.0]])
+    tracker = PriorityTracker(weight, dim=1, rule="magnitude")
+    assert tracker.scores.tolist() == [5.0, 0.0, 1.0, 2.0]
+    assert column_norm(weight.t(), dim=0).tolist() == [5.0, 0.0, 1.0, 2.0]  # Conv1D layout
+    assert select_kept(tracker.scores, 0.5).tolist() == [0, 3]
+    # columns 1 and 2 dropped for a period: their scores are fresh all the same (no stale
+    # score, no snapshot), so a dropped column that grew wins its place back at once
+    grown = torch.tensor([[3.0, 6.0, 1.0, 0.0], [0.0, 8.0, 0.0, 2.0]])
+    scores = tracker.refresh(grown, computed=torch.tensor([0, 3]))
+    assert scores.tolist() == [3.0, 10.0, 1.0, 2.0]
+    assert select_kept(scores, 0.5).tolist() == [0, 1]
+    # a width move needs no rebasing: the new shard's columns are scored as they are
+    assert tracker.refresh(torch.ones(4, 3), torch.arange(3)).tolist() == [2.0] * 3
+    with pytest.raises(ValueError, match="priority rule"):
+        PriorityTracker(weight, dim=1, rule="gradient")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_magnitude_tracker_against_float64_brute_force(dtype):
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(24, 40, generator=generator).to(dtype)
+    for dim in (0, 1):
+        got = PriorityTracker(weight, dim=dim, rule="magnitude").scores
+        stored = weight.double()  # the same stored values, summed exactly enough in float64
+        columns = stored.t() if dim == 1 else stored
+        reference = [sum(v * v for v in col.tolist()) ** 0.5 for col in columns]
+        # float64 sum of <= 40 squares of exactly representable values, then one sqrt
+        torch.testing.assert_close(
+            got, torch.tensor(reference, dtype=torch.float64), rtol=64 * 2**-52, atol=0.0
+        )

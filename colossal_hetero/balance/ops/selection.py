@@ -82,6 +82,19 @@ def column_change(weight: torch.Tensor, snapshot: torch.Tensor, dim: int) -> tor
     return diff.sum(dim=1 - dim).cpu()
 
 
+def column_norm(weight: torch.Tensor, dim: int) -> torch.Tensor:
+    """||W_j||_2 over the other dim for each column j along ``dim`` (float64 [K] on the CPU).
+
+    The ``"magnitude"`` priority: a column's weight norm bounds what dropping it removes from
+    the layer's output, ||x_j W_j^T||_F = ||x_j|| ||W_j|| for input feature x_j.
+    """
+    return weight.detach().double().pow(2).sum(dim=1 - dim).sqrt().cpu()
+
+
+PRIORITY_RULES = ("change", "magnitude")
+"""Scores a :class:`PriorityTracker` keeps (see its docstring)."""
+
+
 def update_scores(
     scores: torch.Tensor, change: torch.Tensor, computed: torch.Tensor
 ) -> torch.Tensor:
@@ -136,30 +149,48 @@ def split_migration(
 
 
 class PriorityTracker:
-    """One layer's priority scores (the digest's A.4 rule) on one rank's weight shard.
+    """One layer's priority scores on one rank's weight shard; higher is kept first.
 
-    scores start at ones; ``refresh`` at each period boundary sets the computed columns'
-    scores to their L1 change since the last boundary, keeps the others' stale scores, and
-    snapshots the weight. Deterministic, so replicated weights give replicated scores.
+    ``rule="change"`` (the default; the digest's A.4 rule): scores start at ones; ``refresh``
+    at each period boundary sets the computed columns' scores to their L1 change since the
+    last boundary, keeps the others' stale scores, and snapshots the weight.
 
-    The actuator refreshes it at every period boundary whether or not an op is attached
-    (every column computed while none is), so that the first kept set of a new straggler is
-    chosen by the columns' recent change, not by index, and scores outlive a detach.
+    ``rule="magnitude"``: every column's score is its weight norm now (:func:`column_norm`),
+    dropped columns included (their weights are local, so no score is stale and no snapshot
+    is kept). Under AdamW every trained column moves by about the learning rate per step, so
+    the change rule ranks columns almost at random and its stale scores (measured at an
+    earlier, higher learning rate) churn the kept set; the norm ranks them by how much of
+    the output they carry (docs/balancing-ops.md has the digits measurements).
+
+    Deterministic, so replicated weights give replicated scores. The actuator refreshes it
+    at every period boundary whether or not an op is attached (every column computed while
+    none is), so that the first kept set of a new straggler is chosen by the scores, not by
+    index, and scores outlive a detach.
     """
 
-    def __init__(self, weight: torch.Tensor, dim: int) -> None:
-        self.dim = dim
-        self.scores = torch.ones(weight.shape[dim], dtype=torch.float64)
-        self.snapshot = weight.detach().clone()
+    def __init__(self, weight: torch.Tensor, dim: int, rule: str = "change") -> None:
+        if rule not in PRIORITY_RULES:
+            raise ValueError(f"priority rule must be one of {PRIORITY_RULES}, got {rule!r}")
+        self.dim, self.rule = dim, rule
+        if rule == "magnitude":
+            self.scores = column_norm(weight, dim)
+            self.snapshot: torch.Tensor | None = None
+        else:
+            self.scores = torch.ones(weight.shape[dim], dtype=torch.float64)
+            self.snapshot = weight.detach().clone()
 
     def refresh(self, weight: torch.Tensor, computed: torch.Tensor) -> torch.Tensor:
-        """Update the scores from ``weight`` now; ``computed`` = columns computed last period.
+        """Update the scores from ``weight`` now; ``computed`` = columns computed last period
+        (the magnitude rule scores every column and ignores it).
 
-        A weight whose shape changed (a width move) cannot be compared with the snapshot:
-        the scores are kept when its reduction width is unchanged (the columns are the same
-        input features; only the output rows moved), reset to ones otherwise, and the
-        weight is snapshotted for the next period.
+        Change rule: a weight whose shape changed (a width move) cannot be compared with the
+        snapshot: the scores are kept when its reduction width is unchanged (the columns are
+        the same input features; only the output rows moved), reset to ones otherwise, and
+        the weight is snapshotted for the next period.
         """
+        if self.snapshot is None:
+            self.scores = column_norm(weight, self.dim)
+            return self.scores
         if weight.shape != self.snapshot.shape:
             if weight.shape[self.dim] != self.scores.numel():
                 self.scores = torch.ones(weight.shape[self.dim], dtype=torch.float64)
