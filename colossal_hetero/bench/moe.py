@@ -64,12 +64,16 @@ VARIANTS = {  # name: (priority, fit_gaps, max_inflight, pipeline_chunks, pipeli
     "ours_pipe": (True, True, MAX_INFLIGHT, PIPELINE, False, False),
     "ours_pack": (True, True, MAX_INFLIGHT, 1, False, True),
     "ours_all": (True, True, MAX_INFLIGHT, PIPELINE_MOST, True, False),
+    "ours_nosplit": (True, True, MAX_INFLIGHT, PIPELINE_MOST, True, False),
 }
 """``ours_all`` ("all on"): priority, gap fitting, and a2a/expert pipelining as its cost model
 chooses. Expert packing (``ours_pack``, priority on with packing) is left out: it does not
 combine with pipelining, and it made the step slower (0.83x priority on, 12.7% fewer a2a
 bytes; docs/moe.md). Speed-aware placement is the even one on equal devices (its
-re-placement needs fp32: the heterogeneous case measures it)."""
+re-placement needs fp32: the heterogeneous case measures it). ``ours_nosplit`` is all on with
+the optimizer stepped once after the whole flush (``SPLIT_OFF``; all on steps the group reduced
+first while the other is still on the wire, moe/split_step.py)."""
+SPLIT_OFF = ("ours_nosplit",)
 
 _TIMED = ("all_reduce", "all_to_all_single", "reduce_scatter_tensor", "all_gather_into_tensor")
 _NOT_BUILT = {
@@ -242,7 +246,7 @@ def moe_worker(rank: int, world_size: int, device: torch.device, *, quick: bool)
     quiet_third_party_warnings()
     torch.set_num_threads(1)  # ours first: our plugin installs Colossal-AI's CPU fixes (compat/)
     chunk_kib, profiles = _profiled_chunk_kib()
-    ours = {name: _build_ours(chunk_kib, *setting) for name, setting in VARIANTS.items()}
+    ours = _build_variants(chunk_kib)
     logs: dict[str, list[tuple[float, list]]] = {name: [] for name in ours}
     stock = _build_stock(device)
     batches = _Batches(rank, world_size)
@@ -296,6 +300,14 @@ def moe_worker(rank: int, world_size: int, device: torch.device, *, quick: bool)
     }
 
 
+def _build_variants(chunk_kib: int) -> dict[str, tuple[Any, Any, Any, Any]]:
+    """Every variant of ours (``VARIANTS``), those of ``SPLIT_OFF`` stepping all at once."""
+    ours = {name: _build_ours(chunk_kib, *setting) for name, setting in VARIANTS.items()}
+    for name in SPLIT_OFF:
+        ours[name][3].moe_log.comm.split_step = False
+    return ours
+
+
 def _stock_variant(
     rank: int, stock: tuple, batch: Callable[[int], Any], agreed: Callable[[list[float]], list]
 ) -> Callable[..., dict[str, float]]:
@@ -326,6 +338,7 @@ def _ratios() -> dict[str, Callable[[Mapping[str, float]], float]]:
         "ours_hold_vs_stock": lambda v: v["stock.step"] / v["ours_hold.step"],
         "on_vs_off": lambda v: v["ours_off.step"] / v["ours_on.step"],
         "on_vs_hold": lambda v: v["ours_hold.step"] / v["ours_on.step"],
+        "split_vs_not": lambda v: v["ours_nosplit.step"] / v["ours_all.step"],
     }
 
 
@@ -466,6 +479,7 @@ def summarise(result: dict, network_mode: str) -> dict[str, Any]:
         "priority_off_vs_colossalai_moe": float(figures["ours_off_vs_stock"]["value"]),
         "priority_on_vs_off": float(figures["on_vs_off"]["value"]),
         "fit_vs_hold": float(figures["on_vs_hold"]["value"]),
+        "all_on_split_step_vs_not": float(figures["split_vs_not"]["value"]),
         "a2a_under_allreduce_over_alone": med("ours_on.a2a_under") / med("ours_on.a2a_alone"),
         "a2a_under_allreduce_over_alone_priority_off": med("ours_off.a2a_under")
         / med("ours_off.a2a_alone"),
@@ -557,6 +571,7 @@ def run_moe_benchmark(*, quick: bool, json_path: str = "", network: str = "shape
             "ours_pipe": f"fitted chunks and a2a/expert pipelining forced to {PIPELINE} ranges",
             "ours_pack": "fitted chunks and expert packing",
             "ours_all": "all on: fitted chunks, pipelining as its cost model chooses",
+            "ours_nosplit": "all on, the optimizer stepped once after the whole flush",
         }
         png = Path(json_path).with_suffix(".timeline.png")
         plot_timelines({titles[k]: v for k, v in logs.items()}, png)

@@ -272,7 +272,7 @@ class ChunkedGradReducer:
             self._ratios.append((event.t_done - event.t_launch) / base)
         flat = entry.flat
         if self._divisor is not None and self._divisor != 1:
-            flat = flat / self._divisor
+            flat.div_(self._divisor)  # our own buffer (torch.cat made it)
         offset = 0
         for s in entry.chunk.segments:
             grad = self._params[s.param].grad
