@@ -32,6 +32,7 @@ from colossalai.tensor.moe_tensor.api import set_moe_tensor_ep_group
 from torch.distributed import ProcessGroup
 
 from colossal_hetero.moe.comm import MoeComm, Span
+from colossal_hetero.moe.folded import PairHistory, folded_dispatch, header_fits
 from colossal_hetero.moe.packed import packed_exchange
 from colossal_hetero.moe.pipelined import pipelined_exchange
 from colossal_hetero.moe.placement import Placement
@@ -71,6 +72,22 @@ class _Dispatch(torch.autograd.Function):
         return out, None, None, None
 
 
+class _FoldedDispatch(torch.autograd.Function):
+    """Forward: the dispatch a2a with the routing counts folded in (moe/folded.py); returns
+    the received rows and the counts per (peer, held expert). Backward: as :class:`_Dispatch`."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, counts: torch.Tensor, block: Any) -> Any:
+        received, peer_counts, send, recv = folded_dispatch(block, x, counts, block.fold_history)
+        ctx.send, ctx.recv, ctx.block = send, recv, block
+        ctx.mark_non_differentiable(peer_counts)
+        return received, peer_counts
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, _: Any) -> Any:
+        return _Dispatch.backward(ctx, grad)[0], None, None
+
+
 class _Combine(torch.autograd.Function):
     """Forward: the combine a2a. Backward: opens the backward span, then the reverse a2a."""
 
@@ -96,6 +113,8 @@ class HeteroEPMixtralSparseMoeBlock(EPMixtralSparseMoeBlock):
     packing: bool = False  # moe.packing: one row per (token, rank), combined there (packed.py)
     pipeline_chunks: int = 1  # token ranges of a2a/expert pipelining (pipelined.py)
     dispatched_rows: int = 0  # rows the last training forward dispatched (pipeline_choice.py)
+    fold_counts: bool = True  # the routing counts inside the dispatch a2a (folded.py)
+    fold_history: PairHistory | None = None
 
     @staticmethod
     def from_native_module(  # type: ignore[override]
@@ -155,6 +174,23 @@ class HeteroEPMixtralSparseMoeBlock(EPMixtralSparseMoeBlock):
             slot_of[expert] = slot
         self.slot_of = torch.tensor(slot_of, dtype=torch.long)
         self.device_sizes = [len(placement.experts_on(d)) for d in range(self.ep_size)]
+        self.fold_history = None  # counts per pair start again under a new placement
+
+    def _fold_history(self) -> PairHistory | None:
+        """This block's per-pair row counts (moe/folded.py); None with ``fold_counts`` off."""
+        if not self.fold_counts:
+            return None
+        if getattr(self, "fold_history", None) is None:
+            self.fold_history = PairHistory(self.ep_size)
+        return self.fold_history
+
+    def _may_fold(self, dispatch: torch.Tensor) -> bool:
+        """Whether this forward may fold the counts (the same answer on every ep rank): the
+        header fits a row, and no pipelining choice is still measuring the counts a2a."""
+        chooser = self.comm.chooser
+        if chooser is not None and chooser.record is None:
+            return False
+        return header_fits(dispatch.shape[1] * dispatch.element_size(), self.device_sizes)
 
     def expert_parameters(self) -> list[torch.nn.Parameter]:
         """The parameters of the experts this rank holds (reduced over their replicas)."""
@@ -196,8 +232,15 @@ class HeteroEPMixtralSparseMoeBlock(EPMixtralSparseMoeBlock):
         dispatch = x[order // self.top_k]
         counts = torch.bincount(slots, minlength=self.num_experts)
         local = len(self.held)
-        # Each rank learns, from every peer, how many rows each of its experts gets.
-        peer_counts = _all_to_all_counts(counts, self.device_sizes, local, self)
+        send = [int(c.sum()) for c in counts.split(self.device_sizes)]
+        # Each rank learns, from every peer, how many rows each of its experts gets: in the
+        # dispatch itself once the block has a history (moe/folded.py), else by an a2a first.
+        history = self._fold_history()
+        folded = history is not None and history.ready and self._may_fold(dispatch)
+        if folded:
+            received, peer_counts = _FoldedDispatch.apply(dispatch, counts, self)
+        else:
+            peer_counts = _all_to_all_counts(counts, self.device_sizes, local, self)
         if self.training and torch.is_grad_enabled():  # held experts no token reaches here
             reached = peer_counts.view(self.ep_size, local).sum(dim=0).tolist()
             idle = [
@@ -208,9 +251,11 @@ class HeteroEPMixtralSparseMoeBlock(EPMixtralSparseMoeBlock):
             ]
             if idle:
                 self.comm.idle(idle)
-        send = [int(c.sum()) for c in counts.split(self.device_sizes)]
         recv = peer_counts.view(self.ep_size, local).sum(dim=1).tolist()
-        received = _Dispatch.apply(dispatch, send, recv, self)
+        if not folded:
+            received = _Dispatch.apply(dispatch, send, recv, self)
+        if history is not None:
+            history.record(send, recv)
         pieces = received.split(peer_counts.tolist())
         outputs = []
         for index, piece in enumerate(pieces):

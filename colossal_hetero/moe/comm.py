@@ -145,6 +145,17 @@ class MoeComm:
             self._ungate()
 
     @contextmanager
+    def gated(self, group: ProcessGroup) -> Iterator[None]:
+        """Hold gradient chunks back (priority on) around traffic on ``group`` that is not an
+        a2a call of the step's fixed sequence (moe/folded.py's point-to-point overflow rows);
+        not logged, no window."""
+        self._gate(group)
+        try:
+            yield
+        finally:
+            self._ungate()
+
+    @contextmanager
     def a2a_call(self, group: ProcessGroup, nbytes: int) -> Iterator[CommEvent]:
         """Gate and log one a2a call, from before it is issued until it has completed; then
         open the window up to the next call's expected start (``fit``)."""
