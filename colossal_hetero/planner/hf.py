@@ -79,16 +79,20 @@ def _attention(
     tokens: int,
     bias: bool,
     opens: bool,
+    min_groups: int = 0,
 ) -> list[LayerSpec]:
     """QKV projection, head-local attention core and output projection of one block.
 
     ``qkv`` is (layer name, its Hugging Face modules joined by "|"), so separate q/k/v modules
     and GPT-2's fused c_attn both become one layer. Widths count query features; each device
-    holds whole key/value heads with their group of query heads.
+    holds whole key/value heads with their group of query heads, and at least ``min_groups``
+    of them (0 where the policy runs a rank with no heads: GPT-2 and Llama, see
+    policies.zero_heads; 1 for BERT and ViT, whose stock attention needs a head).
     """
     hidden_dim = ShardDim(hidden)
     q_width = heads * head_dim
-    heads_dim = ShardDim(q_width, head_dim * (heads // kv_heads), aligned=False, min_units=1)
+    group = head_dim * (heads // kv_heads)
+    heads_dim = ShardDim(q_width, group, aligned=False, min_units=min_groups)
     qkv_features = q_width + 2 * kv_heads * head_dim
     name, modules = qkv
     return [
@@ -368,6 +372,7 @@ def _encoder_block(p: str, cfg: Any, tokens: int, *, bert: bool) -> list[LayerSp
         tokens=tokens,
         bias=bool(getattr(cfg, "qkv_bias", True)),
         opens=bert,
+        min_groups=1,
     )
     if bert:
         layers.append(_norm(f"{p}.attention.output.LayerNorm", hidden, tokens, params=2 * hidden))

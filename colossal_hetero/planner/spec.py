@@ -207,8 +207,9 @@ class ShardDim:
     aligned: bool = True
     """Whether the planner's ``alignment`` option also applies (False for head dims)."""
     min_units: int = 0
-    """Granules every rank must hold: 1 for heads (transformers' attention cannot run with
-    no head, so a rank holds at least one key/value group), 0 where a rank may hold none."""
+    """Granules every rank must hold: 0 where a rank may hold none (GPT-2 and Llama heads,
+    whose policies run a rank with no heads, MLP and vocabulary widths), 1 where a stock layer
+    cannot run empty (BERT and ViT attention: a rank holds at least one key/value group)."""
 
     def __post_init__(self) -> None:
         if self.size < 1 or self.granularity < 1 or self.min_units < 0:

@@ -21,6 +21,7 @@ import contextlib
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch.distributed as dist
@@ -114,6 +115,16 @@ class ResizablePolicy:
 
     def replace_forwards(self, policy: dict) -> None:
         """Hook: replace forwards in ``policy`` (e.g. for a loss over uneven vocab shards)."""
+
+    @staticmethod
+    def wrap_forward(policy: dict, owner: type, wrapper: Any) -> None:
+        """Replace ``owner``'s forward by ``wrapper(self, ..., stock=previous forward)``, where
+        the previous forward is what the stock policy installed, else the class's own."""
+        description = policy.setdefault(owner, ModulePolicyDescription())
+        methods = dict(description.method_replacement or {})
+        stock = methods.get("forward", getattr(owner, "forward"))  # noqa: B009
+        methods["forward"] = partial(wrapper, stock=stock)
+        description.method_replacement = methods
 
     # -- the rewrite --------------------------------------------------------------------
     @property

@@ -1,9 +1,9 @@
 """Resizable TP policy for transformers' GPT2LMHeadModel.
 
 Widths: ``heads`` (c_attn is fused Q|K|V, split head by head; c_proj rows), ``ffn`` (c_fc,
-mlp.c_proj) and ``vocab`` (wte and the tied lm_head share one shard). Every rank needs at
-least one head. GPT-2 must run with eager attention under shardformer forwards (the plugin
-switches it; see colossal_hetero.compat.attention).
+mlp.c_proj) and ``vocab`` (wte and the tied lm_head share one shard). A rank may hold no
+heads (policies.zero_heads runs its attention). GPT-2 must run with eager attention under
+shardformer forwards (the plugin switches it; see colossal_hetero.compat.attention).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from colossal_hetero.layers import (
 )
 from colossal_hetero.policies.base import LayerSpec, ResizablePolicy
 from colossal_hetero.policies.forwards import gpt2_lm_forward
+from colossal_hetero.policies.zero_heads import gpt2_attention_forward
 
 
 class ResizableGPT2LMHeadPolicy(ResizablePolicy, GPT2LMHeadModelPolicy):
@@ -35,6 +36,9 @@ class ResizableGPT2LMHeadPolicy(ResizablePolicy, GPT2LMHeadModelPolicy):
             "ffn": config.n_inner or 4 * config.n_embd,
             "vocab": config.vocab_size,
         }
+
+    def min_widths(self) -> dict[str, int]:
+        return {"heads": 0}  # zero_heads.gpt2_attention_forward runs a rank with none
 
     def layer_specs(self) -> list[LayerSpec]:
         from transformers.models.gpt2.modeling_gpt2 import GPT2Block, GPT2LMHeadModel, GPT2Model
@@ -61,7 +65,9 @@ class ResizableGPT2LMHeadPolicy(ResizablePolicy, GPT2LMHeadModelPolicy):
         }
 
     def replace_forwards(self, policy: dict) -> None:
-        from transformers.models.gpt2.modeling_gpt2 import GPT2LMHeadModel
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Attention, GPT2LMHeadModel
+
+        self.wrap_forward(policy, GPT2Attention, gpt2_attention_forward)
 
         description = policy.setdefault(GPT2LMHeadModel, ModulePolicyDescription())
         methods = dict(description.method_replacement or {})

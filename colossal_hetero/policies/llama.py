@@ -2,8 +2,8 @@
 
 Widths: ``heads`` (query heads; q_proj and o_proj), from which each rank's key/value heads
 follow (heads / (num_attention_heads / num_key_value_heads), so counts are multiples of the
-query-group size), ``ffn`` (gate_proj, up_proj, down_proj) and ``vocab`` (embed_tokens,
-lm_head).
+query-group size; zero is allowed, see policies.zero_heads), ``ffn`` (gate_proj, up_proj,
+down_proj) and ``vocab`` (embed_tokens, lm_head).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from colossal_hetero.layers import (
 )
 from colossal_hetero.policies.base import LayerSpec, ResizablePolicy
 from colossal_hetero.policies.forwards import lm_forward_with_uneven_loss
+from colossal_hetero.policies.zero_heads import llama_attention_forward
 
 
 class ResizableLlamaForCausalLMPolicy(ResizablePolicy, LlamaForCausalLMPolicy):
@@ -45,7 +46,7 @@ class ResizableLlamaForCausalLMPolicy(ResizablePolicy, LlamaForCausalLMPolicy):
         return {"heads": self._group_size()}
 
     def min_widths(self) -> dict[str, int]:
-        return {"heads": self._group_size()}
+        return {"heads": 0}  # zero_heads.llama_attention_forward runs a rank with none
 
     def head_dim(self) -> int:
         config = self.model.config
@@ -89,7 +90,9 @@ class ResizableLlamaForCausalLMPolicy(ResizablePolicy, LlamaForCausalLMPolicy):
         }
 
     def replace_forwards(self, policy: dict) -> None:
-        from transformers.models.llama.modeling_llama import LlamaForCausalLM
+        from transformers.models.llama.modeling_llama import LlamaAttention, LlamaForCausalLM
+
+        self.wrap_forward(policy, LlamaAttention, llama_attention_forward)
 
         description = policy.setdefault(LlamaForCausalLM, ModulePolicyDescription())
         methods = dict(description.method_replacement or {})

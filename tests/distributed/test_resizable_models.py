@@ -69,6 +69,9 @@ VIT = ModelConfig(
 )
 GPT2_WIDTHS = {"heads": (3, 1), "ffn": (80, 16), "vocab": (200, 56)}
 LLAMA_WIDTHS = {"heads": (2, 4), "ffn": (0, 64), "vocab": (31, 225)}  # a zero-width MLP shard
+# Zero-width attention shards: one rank holds no heads (policies/zero_heads.py).
+GPT2_NO_HEADS = {"heads": (0, 4), "ffn": (80, 16), "vocab": (200, 56)}
+LLAMA_NO_HEADS = {"heads": (6, 0), "ffn": (16, 48), "vocab": (31, 225)}
 
 
 def _batch(
@@ -317,7 +320,8 @@ def _check_bad_widths():
     """Widths that do not fit the model (or the alignment) fail at boost, on every rank."""
     cases = [
         ({"ffn": (88, 8)}, {"ffn": 16}, "multiple of 16"),
-        ({"heads": (4, 0)}, None, "at least 1"),
+        ({"heads": (5, -1)}, None, "at least 0"),
+        ({"heads": (0, 0)}, None, "sums to 0"),
         ({"vocab": (200, 50)}, None, "sums to 250"),
     ]
     for widths, align, message in cases:
@@ -340,13 +344,16 @@ def _models(rank, world_size, device, folder):
     prepare_device(device)
     _check_parity(GPT2, GPT2_WIDTHS)
     _check_parity(LLAMA, LLAMA_WIDTHS)
+    _check_parity(GPT2, GPT2_NO_HEADS)
+    _check_parity(LLAMA, LLAMA_NO_HEADS)
     _check_bad_widths()
     _check_parity(BERT, {"heads": (1, 3), "ffn": (60, 4), "vocab": (300, 20)}, _mlm_batch())
     _check_parity(VIT, {"heads": (3, 1), "ffn": (0, 64)}, _image_batch())
-    _check_checkpoint(GPT2, GPT2_WIDTHS, {"heads": (1, 3), "vocab": (0, 256)}, folder, rank)
-    _check_checkpoint(LLAMA, LLAMA_WIDTHS, {}, folder, rank)
-    _check_resize(GPT2, GPT2_WIDTHS, {"heads": (1, 3), "ffn": (8, 88), "vocab": (56, 200)})
-    _check_resize(LLAMA, LLAMA_WIDTHS, {"heads": (4, 2), "ffn": (40, 24), "vocab": (256, 0)})
+    _check_checkpoint(GPT2, GPT2_WIDTHS, {"heads": (0, 4), "vocab": (0, 256)}, folder, rank)
+    _check_checkpoint(LLAMA, LLAMA_NO_HEADS, {}, folder, rank)
+    # into zero heads before step 2, out of them inside step 4
+    _check_resize(GPT2, GPT2_WIDTHS, {"heads": (4, 0), "ffn": (8, 88), "vocab": (56, 200)})
+    _check_resize(LLAMA, LLAMA_WIDTHS, {"heads": (0, 6), "ffn": (40, 24), "vocab": (256, 0)})
     _check_training(GPT2, GPT2_WIDTHS)
     _check_training(LLAMA, LLAMA_WIDTHS)
 

@@ -210,3 +210,42 @@ def test_a_plan_file_with_bad_yaml_is_one_line_naming_plan_path(tmp_path):
     message = str(info.value)
     assert message.startswith("plan.path: ") and "invalid YAML at line" in message
     assert "\n" not in message
+
+
+def test_very_slow_device_gets_no_heads_and_equal_devices_the_even_split(tmp_path):
+    """A rank 50x slower than the others: its proportional share of 8 heads is 0.05 head,
+    which rounds to 0 for GPT-2 (its policy runs a rank with no heads) and to the one-group
+    floor for BERT (whose stock attention needs a head). Equal devices still split evenly."""
+    model = _model(hidden=256, heads=8)
+    plan = search_plan(_compute_only([1.0, 1.0, 0.02, 1.0]), model, space="megatron")
+    assert plan.widths["heads"][2] == 0 and sum(plan.widths["heads"]) == 8
+    assert plan.layer("transformer.h.0.attn.c_attn").widths[2] == 0
+    assert plan.layer("transformer.h.0.attn.c_proj").widths[2] == 0
+    qkv = plan.layer("transformer.h.0.attn.c_attn").widths
+    assert f"out: [{qkv[0]}, {qkv[1]}, 0, {qkv[3]}]" in format_plan(plan)  # the printout
+    dump_plan(plan, tmp_path / "plan.yaml")
+    assert load_plan(tmp_path / "plan.yaml").widths == plan.widths  # and the plan file
+    even = search_plan(_compute_only([1.0] * 4), model, space="megatron")
+    assert even.widths["heads"] == (2, 2, 2, 2)
+    bert = types.SimpleNamespace(
+        model_type="bert",
+        hidden_size=256,
+        num_attention_heads=8,
+        num_hidden_layers=2,
+        intermediate_size=1024,
+        vocab_size=512,
+        max_position_embeddings=128,
+        type_vocab_size=2,
+    )
+    bert_model = model_spec_from_hf(bert, batch_size=8, seq_len=64, dtype_bytes=2)
+    bert_plan = search_plan(_compute_only([1.0, 1.0, 0.02, 1.0]), bert_model, space="megatron")
+    assert bert_plan.widths["heads"][2] == 1
+
+
+def test_all_zero_speeds_or_shares_name_the_field():
+    with pytest.raises(ValueError, match="device 2: speed"):
+        ClusterSpec.from_relative([1.0, 1.0, 0.0, 1.0])
+    from colossal_hetero.planner import round_widths
+
+    with pytest.raises(ValueError, match="ratios must not all be zero"):
+        round_widths(8, [0.0, 0.0], granularity=2)
