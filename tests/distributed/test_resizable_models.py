@@ -252,7 +252,8 @@ def _check_resize(model_cfg, widths, other_widths, steps=6):
     same shard shapes; tests/restart.py says why a never-resized run is no reference)."""
     resizes = {2: (other_widths, "before"), 4: (widths, "inside")}
     losses, state = _train(model_cfg, widths, steps, resizes)
-    expected_losses, expected_state = [], {}
+    expected_losses: list[float] = []
+    expected_state: dict[str, torch.Tensor] = {}
     for phase_widths, first, last in ((widths, 0, 2), (other_widths, 2, 4), (widths, 4, steps)):
         run = _Run(model_cfg, phase_widths, optimizer="adam")
         try:
