@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -34,7 +35,7 @@ _POLICY = {
 
 
 def _random_model(rng: np.random.Generator) -> ModelConfig:
-    arch = str(rng.choice(["gpt2", "llama", "llama", "bert"]))
+    arch: Any = str(rng.choice(["gpt2", "llama", "llama", "bert"]))
     heads = int(rng.choice([2, 3, 4, 6, 8, 12]))
     head_dim = int(rng.choice([4, 8]))
     width, ffn = heads * head_dim, int(rng.integers(8, 200))
@@ -54,7 +55,7 @@ def _random_model(rng: np.random.Generator) -> ModelConfig:
 def _layers_accept(arch: str, hf_config, widths: dict, tp: int) -> dict:
     """The resizable policy's own check of ``widths`` (totals, units, minimums)."""
     policy = _POLICY[arch](widths)
-    policy.model = SimpleNamespace(config=hf_config)  # what the width methods read
+    policy.model = cast(Any, SimpleNamespace(config=hf_config))  # what the width methods read
     return resolve_widths(
         widths, policy.width_totals(), tp, units=policy.width_units(), min_width=policy.min_widths()
     )
