@@ -15,8 +15,10 @@ class), inside Colossal-AI's naive (fp32) or bf16 wrapper, with no gradient clip
 global norm) and no fp16 loss scaling (its overflow check spans every gradient). Otherwise,
 and for a step with a closure, the flush is followed by one ordinary step.
 
-The early step calls the wrapper's class ``step`` on the restricted parameter groups, so
-wrappers on the instance (the step seam's end-of-step hook) run once, with the final step.
+The early step calls the wrapper's class ``step`` on parameter groups restricted to the
+group's parameters, so wrappers on the instance (the step seam's end-of-step hook) run once,
+with the final step. The final step runs over the whole groups with the early parameters'
+gradients hidden (None), because the seam's controllers may change the groups inside it.
 """
 
 from __future__ import annotations
@@ -75,6 +77,24 @@ def restricted(optimizer: Any, params: Sequence[torch.nn.Parameter], keep: bool)
             group["params"] = original
 
 
+@contextmanager
+def hidden_grads(optimizer: Any, params: Sequence[torch.nn.Parameter]) -> Iterator[None]:
+    """Within the block the (master) gradients of ``params`` are None, so a step over all
+    parameter groups skips them (torch optimizers skip parameters without a gradient); they
+    are put back after. The groups themselves are left alone: the step seam's controllers,
+    which run inside the final step, may change them (expert re-placement, moe/replace.py)."""
+    masters = getattr(optimizer, "working_to_master_map", {})
+    saved = [(m, m.grad) for m in (masters.get(p, p) for p in params)]
+    for master, _ in saved:
+        master.grad = None
+    try:
+        yield
+    finally:
+        for master, grad in saved:
+            if master.grad is None:
+                master.grad = grad
+
+
 def flush_then_step(optimizer: Any, step: Callable[..., Any], comm: MoeComm) -> Callable[..., Any]:
     """``optimizer.step`` (``step``: the instance's current one) that flushes ``comm``'s
     reducers first, stepping each group reduced early on its own (see the module)."""
@@ -96,7 +116,7 @@ def flush_then_step(optimizer: Any, step: Callable[..., Any], comm: MoeComm) -> 
         comm.flush(on_reduced)
         if not early:
             return step()
-        with restricted(optimizer, early, keep=False):
+        with hidden_grads(optimizer, early):
             return step()
 
     return wrapped

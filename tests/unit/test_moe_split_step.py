@@ -15,7 +15,12 @@ from colossalai.amp.naive_amp.mixed_precision_optimizer import MixedPrecisionOpt
 from colossalai.interface import OptimizerWrapper
 
 from colossal_hetero.moe.comm import MoeComm
-from colossal_hetero.moe.split_step import flush_then_step, restricted, splittable
+from colossal_hetero.moe.split_step import (
+    flush_then_step,
+    hidden_grads,
+    restricted,
+    splittable,
+)
 
 
 def _params(dtype: torch.dtype) -> list[torch.nn.Parameter]:
@@ -55,7 +60,7 @@ def test_split_steps_equal_one_step(precision: str, kind: str) -> None:
         opt_whole.step()
         with restricted(opt_split, first, keep=True):
             type(opt_split).step(opt_split)
-        with restricted(opt_split, first, keep=False):
+        with hidden_grads(opt_split, first):
             opt_split.step()
         opt_whole.zero_grad()
         opt_split.zero_grad()
@@ -84,6 +89,11 @@ def test_splittable_refuses_global_updates() -> None:
     assert not splittable(OptimizerWrapper(Custom(_params(torch.float32))))
     assert not splittable(torch.optim.LBFGS(_params(torch.float32)))
     assert splittable(torch.optim.AdamW(_params(torch.float32)))
+
+
+def _with_grads(optim: torch.optim.Optimizer) -> list[int]:
+    """Per group: how many parameters a step would update (those with a gradient)."""
+    return [sum(p.grad is not None for p in g["params"]) for g in optim.param_groups]
 
 
 class _FakeReducer:
@@ -127,14 +137,12 @@ def test_flush_then_step_steps_a_reduced_group_while_the_other_is_on_the_wire() 
     seam_calls = []
 
     def seam_step() -> None:  # the instance's step, as the step seam wraps it
-        log.append(("final", [len(g["params"]) for g in opt.optim.param_groups]))
+        log.append(("final", _with_grads(opt.optim)))
         opt.optim.step()
         seam_calls.append(1)
 
     opt.step = flush_then_step(opt, seam_step, comm)  # type: ignore[method-assign]
-    opt.optim.register_step_pre_hook(
-        lambda o, *_: log.append(("optim", [len(g["params"]) for g in o.param_groups]))
-    )
+    opt.optim.register_step_pre_hook(lambda o, *_: log.append(("optim", _with_grads(o))))
     _set_grads(params, 0)
     _set_grads(reference, 0)
     opt.step()
@@ -145,7 +153,7 @@ def test_flush_then_step_steps_a_reduced_group_while_the_other_is_on_the_wire() 
         ("wait", 2.0),
         ("optim", [2]),
         ("wait", 3.0),
-        ("final", [2]),
+        ("final", [2]),  # the whole group, the expert gradients hidden
         ("optim", [2]),
     ]
     assert [row[0] for row in comm.optim_steps] == ["expert"]
@@ -164,9 +172,7 @@ def test_a_group_reduced_during_backward_is_stepped_before_the_flush_waits() -> 
     dense = _FakeReducer(params[2:], [3.0], log)
     comm.attach({"dense": dense, "expert": expert})  # type: ignore[dict-item]
     opt.step = flush_then_step(opt, opt.step, comm)  # type: ignore[method-assign]
-    opt.optim.register_step_pre_hook(
-        lambda o, *_: log.append(("optim", [len(g["params"]) for g in o.param_groups]))
-    )
+    opt.optim.register_step_pre_hook(lambda o, *_: log.append(("optim", _with_grads(o))))
     _set_grads(params, 0)
     opt.step()
     assert log == [("optim", [2]), ("wait", 3.0), ("optim", [2])]
