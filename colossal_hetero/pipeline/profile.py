@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from bisect import bisect_left, bisect_right
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -189,19 +190,19 @@ def _seconds(
     messages ``i .. j`` all moved after ``release_i``, one at a time, and after a landing seen
     on message ``i`` the rest did. ``seen``: the last landing seen on the ports it shares with
     other directions (it moved after that, too). ``crossing``: landings of the other directions
-    on those ports; those between a landing seen and this one took the port's time too, and so
-    did those the receiver found landed (``unseen``: ``(release, asked)``: it landed between the
-    two) when released after that landing and asked for before this one. Also
-    which bound it is: ``"queued"`` (after a
-    landing seen: the link's time per message alone), ``"alone"`` (its own release, no message
-    ahead: its time per message plus any latency) or ``"burst"`` (an earlier release); and for
-    ``"queued"``, how long before that landing the message was released."""
+    on those ports, sorted; those between a landing seen and this one took the port's time
+    too, and so did those the receiver found landed (``unseen``: ``(release, asked)``: it
+    landed between the two) when released after that landing and asked for before this one.
+    Also which bound it is: ``"queued"`` (after a landing seen: the link's time per message
+    alone), ``"alone"`` (its own release, no message ahead: its time per message plus any
+    latency) or ``"burst"`` (an earlier release); and for ``"queued"``, how long before that
+    landing the message was released."""
     best = msg.arrived - max(msg.release, seen)
     how, ahead = ("alone", 0.0) if msg.release >= seen else ("queued", seen - msg.release)
     for n, (release, landed) in enumerate(reversed(history), start=2):
-        if landed != NOT_BLOCKED:
-            between = sum(landed < t < msg.arrived for t in crossing)
-            between += sum(landed < lo and hi < msg.arrived for lo, hi in unseen)
+        if landed != NOT_BLOCKED:  # crossing is sorted: count landed < t < arrived by bisection
+            between = max(0, bisect_left(crossing, msg.arrived) - bisect_right(crossing, landed))
+            between += len([lo for lo, hi in unseen if landed < lo and hi < msg.arrived])
             bound, kind = (msg.arrived - landed) / (n - 1 + between), "queued"
         else:
             bound, kind = (msg.arrived - release) / n, "burst"
@@ -263,8 +264,9 @@ def link_seconds(
     seen: dict[tuple[str, int], float] = {}
     port_landings: dict[tuple[str, int], list[tuple[float, tuple[str, int, int]]]] = {}
     samples: dict[tuple[str, int, int], list[tuple[float, str, float]]] = {}
-    unseen = _unseen_by_port(_messages(records)) if shared_ports else {}
-    for msg in _messages(records):
+    messages = _messages(records)
+    unseen = _unseen_by_port(messages) if shared_ports else {}
+    for msg in messages:
         ports = [("up", msg.src), ("down", msg.dst)] if shared_ports else []
         earlier = history.setdefault(msg.kind, [])
         op, boundary, column = msg.kind
@@ -275,9 +277,9 @@ def link_seconds(
             samples.setdefault((f"{op}0", boundary, column), []).append((first, "first", 0.0))
         else:
             latest = max([NOT_BLOCKED, *(seen.get(q, -1) for q in ports)])
-            crossing = [
+            crossing = sorted(
                 t for q in ports for t, kind in port_landings.get(q, []) if kind != msg.kind
-            ]
+            )
             found = [span for q in ports for kind, span in unseen.get(q, []) if kind != msg.kind]
             seconds, how, ahead = _seconds(msg, earlier, latest, crossing, found)
             if _waited(msg, seconds):

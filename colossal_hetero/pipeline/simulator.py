@@ -74,6 +74,8 @@ class Trace:
 
     def finish(self, start: float) -> float:
         """When a transfer started at ``start`` ends (before 0: at the first value)."""
+        if len(self.seconds) == 1:  # constant (the tuner's traces): the loop's first return
+            return start + self.seconds[0]
         j = max(0, bisect.bisect_right(self.starts, start) - 1)
         t, left = start, 1.0  # fraction of the transfer still to move
         while True:
@@ -208,8 +210,8 @@ class _Links:
         first: dict[tuple[str, int], float],
     ) -> None:
         self.traces = {"F": list(down), "B": list(up)}
-        self.first = first
-        """Seconds of each (kind, boundary)'s first message, which moves when asked for."""
+        self.first = {key: Trace.constant(x) for key, x in first.items()}
+        """Each (kind, boundary)'s first message's time, which moves when asked for."""
         self.latency = {"F": list(latency[0]), "B": list(latency[1])}
         """Seconds each kind's messages take after leaving the link, per boundary."""
         self.burst = {"F": [0.0] * len(down), "B": [0.0] * len(up)}
@@ -232,7 +234,7 @@ class _Links:
         whole: no token-bucket credit."""
         boundary = min(src, dst)
         if first:
-            trace, burst = Trace.constant(self.first[(op, boundary)]), 0.0
+            trace, burst = self.first[(op, boundary)], 0.0
         else:
             trace, burst = self.traces[op][boundary], self.burst[op][boundary]
         if not self.shared:
