@@ -508,6 +508,10 @@ def _decisions(runner: Runner) -> list[dict[str, Any]]:
             **r["decision"],
             "predicted_gain": r["predicted_gain"],
             "transfer_s": list(r["inputs"].get("transfer_s", ())),
+            # This rank's seconds deciding (profile, simulations, guard) and waiting for the
+            # gather before the step it decided: ada's own cost of the retuning.
+            "decide_s": r.get("decide_s"),
+            "gather_wait_s": r.get("gather_wait_s"),
         }
         for r in control.log.records
     ]

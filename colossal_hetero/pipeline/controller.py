@@ -28,7 +28,12 @@ import torch
 import torch.distributed as dist
 
 from colossal_hetero.pipeline.measured import MeasuredGuard
-from colossal_hetero.pipeline.profile import profile_from_records, record_from_vector, vector_width
+from colossal_hetero.pipeline.profile import (
+    RankRecord,
+    profile_from_records,
+    record_from_vector,
+    vector_width,
+)
 from colossal_hetero.pipeline.schedule import KFKBSchedule
 from colossal_hetero.pipeline.tuner import PipelineProfile, choose_k_over_window
 
@@ -155,12 +160,16 @@ class AdaKController:
 
     def _decide(self, rows: list[torch.Tensor], step: int, ran: int) -> dict[str, Any]:
         """Agree on the profile from the gathered rows, choose and set ``k``; the record.
-        ``ran``: the ``k`` of the step measured."""
+        ``ran``: the ``k`` of the step measured. The record's ``decide_s``: this rank's seconds
+        in here (profile, simulations, guard), the tuner's own cost of the retuning."""
+        began = time.perf_counter()
         m = self.schedule.num_microbatches
         assert m is not None
         num_stages = self.schedule.stage_manager.num_stages
         gathered = [r.tolist() for r in rows]
-        profile = agreed_profile(gathered, self.stage_of_rank, num_stages, m)
+        width = vector_width(m)
+        records = [record_from_vector(r[:width], m) for r in gathered]
+        profile = agreed_profile(gathered, self.stage_of_rank, num_stages, m, records)
         self._profiles.append(profile)  # identical on every rank: so is the window
         window = list(self._profiles)
         current = self.schedule.k if self.sticky else None
@@ -169,7 +178,7 @@ class AdaKController:
         )
         self._cache = {key: t for key, t in self._cache.items() if key[0] in window}
         previous = self.schedule.k
-        measured_s = measured_step_s(gathered, m)
+        measured_s = max(r.step_s for r in records)  # as measured_step_s
         chosen, reason = decision.k, "model" if decision.k != ran else "kept"
         if self.guard is not None:
             times = decision.step_s_by_k
@@ -198,6 +207,7 @@ class AdaKController:
             "ran_k": ran,
             "window": len(self._profiles),
             "predicted_gain": gain,
+            "decide_s": time.perf_counter() - began,
         }
 
 
@@ -208,13 +218,19 @@ def measured_step_s(rows: list[list[float]], num_microbatches: int) -> float:
 
 
 def agreed_profile(
-    rows: list[list[float]], stage_of_rank: list[int], num_stages: int, num_microbatches: int
+    rows: list[list[float]],
+    stage_of_rank: list[int],
+    num_stages: int,
+    num_microbatches: int,
+    records: list[RankRecord] | None = None,
 ) -> PipelineProfile:
     """The profile every rank derives from the gathered rows (pure; order of rows irrelevant):
     measured compute, activations, link times and latencies, each stage's smallest budget,
-    each boundary's largest configured latency added to its measured ones."""
+    each boundary's largest configured latency added to its measured ones. ``records``: the
+    rows' records when the caller parsed them already."""
     width = vector_width(num_microbatches)
-    records = [record_from_vector(r[:width], num_microbatches) for r in rows]
+    if records is None:
+        records = [record_from_vector(r[:width], num_microbatches) for r in rows]
     budgets = [
         min(r[width] for r, s in zip(rows, stage_of_rank, strict=True) if s == st)
         for st in range(num_stages)

@@ -259,14 +259,13 @@ def link_seconds(
     and asked for to its arrival, less its direction's latency (which the simulator adds to
     every landing): its tensors' receives are posted only then, after its metadata
     (``pipeline/p2p.py``). Keys: ``F``, ``B`` (per message), ``LF``, ``LB`` (latency), ``F0``,
-    ``B0`` (first messages), one value per boundary. Identical for any order of the records."""
+    ``B0`` (first messages), one value per boundary. The same for any order of the records."""
     history: dict[tuple[str, int, int], list[tuple[float, float]]] = {}
     seen: dict[tuple[str, int], float] = {}
     port_landings: dict[tuple[str, int], list[tuple[float, tuple[str, int, int]]]] = {}
     samples: dict[tuple[str, int, int], list[tuple[float, str, float]]] = {}
-    messages = _messages(records)
-    unseen = _unseen_by_port(messages) if shared_ports else {}
-    for msg in messages:
+    unseen = _unseen_by_port(messages := _messages(records)) if shared_ports else {}
+    for msg in messages if shared_ports else _messages(records):
         ports = [("up", msg.src), ("down", msg.dst)] if shared_ports else []
         earlier = history.setdefault(msg.kind, [])
         op, boundary, column = msg.kind

@@ -81,6 +81,7 @@ def _run(rank, world_size, device):
     assert soon_record["step"] == 0 and soon_record["decision"] == {"k": 2, "previous_k": 1}
     assert soon_record["model_k"] == 2 and soon_record["ran_k"] == 1
     assert soon_record["gather_wait_s"] >= 0.0
+    assert late_record["decide_s"] > 0.0 and soon_record["decide_s"] > 0.0  # timed in _decide
     with pytest.raises(ValueError, match="^early:"):
         AdaKController(KFKBSchedule(stages, num_microbatches=M), [0, 1], 1e12, early=True)
 
