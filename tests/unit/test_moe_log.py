@@ -57,12 +57,12 @@ def test_summary_keys_and_nulls() -> None:
         "ours_all.a2a_overlapped": 0.0,
         "ours_pipe.a2a_overlapped": 0.0,
         "ours_pack.a2a_overlapped": 0.0,
-        "ours_nosplit.a2a_overlapped": 0.0,
+        "ours_s7.a2a_overlapped": 0.0,
         "ours_on.step": 0.1,
         "ours_pipe.step": 0.112,
         **{
             f"{name}.a2a_bytes": 1000.0
-            for name in ("ours_off", "ours_hold", "ours_pipe", "ours_nosplit")
+            for name in ("ours_off", "ours_hold", "ours_pipe", "ours_s7")
         },
         "ours_on.a2a_bytes": 1000.0,
         "ours_all.a2a_bytes": 1000.0,
@@ -82,7 +82,7 @@ def test_summary_keys_and_nulls() -> None:
                     "on_vs_off": 1.05,
                     "on_vs_hold": 1.02,
                     "pack_vs_on": 0.85,
-                    "split_vs_not": 1.02,
+                    "all_vs_s7": 1.02,
                 }.items()
             },
         },
@@ -104,7 +104,7 @@ def test_summary_keys_and_nulls() -> None:
     assert abs(delta["measured"] - 12.0) < 1e-9 and abs(delta["predicted"] - 10.0) < 1e-9
     assert summary["all_on_vs_colossalai_moe"] == 1.3 and summary["network_mode"] == "shaped"
     assert summary["packing_on_vs_priority_on"] == 0.85
-    assert summary["all_on_split_step_vs_not"] == 1.02
+    assert summary["all_on_vs_session7_all_on"] == 1.02
     assert abs(summary["packing_a2a_bytes_saved"] - 0.15) < 1e-12  # 1 - 850 / 1000
     assert summary["a2a_bytes_per_step"]["ours_pack"] == 850.0
     assert summary["all_on_vs_deepspeed_moe"] is None and summary["all_on_vs_deepspeed_moe_reason"]
