@@ -151,6 +151,7 @@ def simulate(
     first_up_s: Sequence[float] | None = None,
     burst_s: Sequence[float] | None = None,
     up_burst_s: Sequence[float] | None = None,
+    keep_events: bool = True,
 ) -> SimResult:
     """Simulate one step of kFkB with ``k`` over ``p = len(forward_s)`` stages.
 
@@ -165,6 +166,7 @@ def simulate(
     of that kind moves before (see the module doc); ``first_up_s`` defaults to ``first_s``.
     ``burst_s[b]`` / ``up_burst_s[b]`` (default 0; gradients default to ``burst_s``): the token
     bucket's credit in seconds of boundary ``b``'s activations / gradients (see the module doc).
+    ``keep_events=False`` leaves ``events`` empty (the same times, less work: the tuner's).
     """
     p = len(forward_s)
     act = [0.0] * p if activation_bytes is None else list(activation_bytes)
@@ -177,15 +179,11 @@ def simulate(
     burst = _per_boundary("burst_s", burst_s, p)
     up_burst = burst if up_burst_s is None else _per_boundary("up_burst_s", up_burst_s, p)
     orders = [kfkb_order(p, s, num_microbatches, k) for s in range(p)]
-    first: dict[tuple[str, int], float] = {}
-    for op, times in (("F", first_s), ("B", first_s if first_up_s is None else first_up_s)):
-        if times is not None:
-            first.update({(op, b): x for b, x in enumerate(_per_boundary("first_s", times, p))})
+    first = _first_times(first_s, first_up_s, p)
     links = _Links(transfers, up, (lat, up_lat), shared_ports, start_time, first)
     links.burst = {"F": burst, "B": up_burst}
-    events = _run(orders, forward_s, backward_s, links, start_time)
-    step = max(e.end for e in events) if events else 0.0
-    busy = tuple(sum(e.end - e.start for e in events if e.stage == s) for s in range(p))
+    events: list[Event] | None = [] if keep_events else None
+    step, busy = _run(orders, forward_s, backward_s, links, start_time, events)
     peaks = tuple(peak_in_flight(o) for o in orders)
     return SimResult(
         step_time=step,
@@ -193,8 +191,19 @@ def simulate(
         idle=tuple(step - b for b in busy),
         peak_in_flight=peaks,
         peak_memory=tuple(n * a for n, a in zip(peaks, act, strict=True)),
-        events=tuple(events),
+        events=tuple(events or ()),
     )
+
+
+def _first_times(
+    first_s: Sequence[float] | None, first_up_s: Sequence[float] | None, p: int
+) -> dict[tuple[str, int], float]:
+    """Seconds of each (kind, boundary)'s first message (empty: no first messages)."""
+    first: dict[tuple[str, int], float] = {}
+    for op, times in (("F", first_s), ("B", first_s if first_up_s is None else first_up_s)):
+        if times is not None:
+            first.update({(op, b): x for b, x in enumerate(_per_boundary("first_s", times, p))})
+    return first
 
 
 class _Links:
@@ -256,16 +265,17 @@ def _run(
     backward_s: Sequence[float],
     links: _Links,
     start_time: float,
-) -> list[Event]:
-    """Discrete-event loop in time order: a pass ends, its output is booked on the links (so
-    every link sees its messages in the order they were sent), a landing may start a pass."""
+    events: list[Event] | None,
+) -> tuple[float, tuple[float, ...]]:
+    """Event loop in time order: a pass ends, its output is booked on the links (in send order),
+    a landing may start a pass. Returns the last pass's end and each stage's seconds computing
+    (summed in pass order); appends each pass to ``events`` unless None."""
     p = len(orders)
     arrival: dict[tuple[int, str, int], float] = {}
     held: dict[tuple[int, str], list[int]] = {}  # sent before their receiver asked: mbs
     asked: set[tuple[int, str]] = set()
-    pos, busy = [0] * p, [False] * p
+    pos, busy, computed, last = [0] * p, [False] * p, [0.0] * p, [0.0]
     heap: list[tuple[float, int, int, str, int]] = []  # (time, seq, stage, op or "", mb)
-    events: list[Event] = []
 
     def try_start(s: int, now: float) -> None:
         if busy[s] or pos[s] == len(orders[s]):
@@ -279,13 +289,16 @@ def _run(
                     book(op, s + 1 if op == "B" else s - 1, s, now, sent_mb)
             return
         end = now + (forward_s[s] if op == "F" else backward_s[s])
-        events.append(Event(s, op, mb, now - start_time, end - start_time))
+        began, ended = now - start_time, end - start_time
+        computed[s] += ended - began
+        last[0] = max(last[0], ended)  # passes end at >= 0: as the max over the events
+        if events is not None:
+            events.append(Event(s, op, mb, began, ended))
         busy[s], pos[s] = True, pos[s] + 1
         heapq.heappush(heap, (end, next(seq), s, op, mb))
 
     def book(op: str, src: int, dest: int, now: float, mb: int) -> None:
-        # No message of a kind moves before its receiver asks for the first (mb 0: passes run
-        # in micro-batch order): the receives are posted only then.
+        # None of a kind moves before its receiver asks for the first (receives posted then).
         if links.first and (dest, op) not in asked:
             held.setdefault((dest, op), []).append(mb)
             return
@@ -304,7 +317,5 @@ def _run(
             if 0 <= dest < p:
                 book(op, s, dest, now, mb)
         try_start(s, now)
-    assert all(pos[s] == len(orders[s]) for s in range(p)), (
-        f"simulated pipeline deadlocked at {pos}"
-    )
-    return events
+    assert pos == [len(o) for o in orders], f"simulated pipeline deadlocked at {pos}"
+    return last[0], tuple(computed)

@@ -122,7 +122,7 @@ def choose_k(
     times: dict[int, float] = {}
     for k in ks:
         if fits_memory(profile, m, k):
-            times[k] = simulate_profile(profile, m, k).step_time
+            times[k] = _step_time(profile, m, k)
     if not times:
         raise ValueError(
             f"memory_budget_bytes: no k in {ks} keeps the in-flight activations of "
@@ -256,13 +256,16 @@ def choose_k_over_window(
 
 def _step_time(profile: PipelineProfile, num_microbatches: int, k: int) -> float:
     """The simulated step time of ``profile`` under ``k`` (memory not checked)."""
-    return simulate_profile(profile, num_microbatches, k).step_time
+    return simulate_profile(profile, num_microbatches, k, keep_events=False).step_time
 
 
-def simulate_profile(profile: PipelineProfile, num_microbatches: int, k: int) -> SimResult:
+def simulate_profile(
+    profile: PipelineProfile, num_microbatches: int, k: int, keep_events: bool = True
+) -> SimResult:
     """One simulated step of ``profile`` under ``k``: constant link times, latencies and
     token-bucket credits, each direction's own when ``transfer_up_s`` / ``latency_up_s`` /
-    ``burst_up_s`` is given, shared stage ports when ``shared_ports``."""
+    ``burst_up_s`` is given, shared stage ports when ``shared_ports`` (``keep_events``: see
+    :func:`~colossal_hetero.pipeline.simulator.simulate`)."""
     up = profile.transfer_up_s or profile.transfer_s
     return simulate(
         profile.forward_s,
@@ -279,4 +282,5 @@ def simulate_profile(profile: PipelineProfile, num_microbatches: int, k: int) ->
         first_up_s=profile.first_transfer_up_s or None,
         burst_s=profile.burst_s or None,
         up_burst_s=profile.burst_up_s or None,
+        keep_events=keep_events,
     )

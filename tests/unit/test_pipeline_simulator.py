@@ -256,3 +256,23 @@ def test_token_bucket_on_shared_ports_takes_the_smaller_credit():
     # s2 (both ports idled 1 s); s2 F [5,6] [7,8] B [8,9] [9,10], gradients land 10, 12 on s1;
     # s1 B [10,11] [12,13] land 13, 15 on s0 (no credit); s0 B [13,14] [15,16].
     assert simulate(f, b, c, 2, 2, shared_ports=True, burst_s=[0.0, 1.0]).step_time == 16.0
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+def test_without_events_the_times_are_the_events_sums(k, shared):
+    """``keep_events=False`` (the tuner's path) gives the step as the latest pass end and the
+    busy seconds as each stage's sum over its passes, bit for bit, and no events."""
+    f, b = [0.011, 0.007, 0.013, 0.009], [0.02, 0.017, 0.025, 0.019]
+    down = [Trace.constant(0.004), Trace((0.0, 0.05), (0.03, 0.002)), Trace.constant(0.0)]
+    up = [Trace.constant(0.006), Trace.constant(0.001), Trace((0.0, 0.1), (0.0, 0.02))]
+    kw = dict(latency_s=[0.001, 0.0, 0.002], up_transfers=up, shared_ports=shared,
+              first_s=[0.005, 0.003, 0.004], burst_s=[0.0, 0.002, 0.0])  # fmt: skip
+    full = simulate(f, b, down, 10, k, **kw)
+    lean = simulate(f, b, down, 10, k, keep_events=False, **kw)
+    assert lean.events == () and len(full.events) == 2 * 10 * 4
+    assert lean.step_time == max(e.end for e in full.events)
+    assert lean.busy == tuple(
+        sum(e.end - e.start for e in full.events if e.stage == s) for s in range(4)
+    )
+    assert (lean.idle, lean.peak_memory) == (full.idle, full.peak_memory)
