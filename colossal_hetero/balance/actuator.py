@@ -40,6 +40,7 @@ from colossal_hetero.balance.ops.resize import (
     reduction_width,
 )
 from colossal_hetero.balance.ops.selection import (
+    PRIORITY_RULES,
     MigrationSplit,
     PriorityTracker,
     priority_order,
@@ -69,13 +70,24 @@ class LayerOps:
         impute_value: the value dropped gradient entries get (resize.py).
         impute: a resized straggler's imputation, ``"zero"`` or ``"mean"`` (resize.py;
             a migrate+resize straggler's dropped columns always take ``impute_value``).
+        priority: the trackers' rule (``ops.selection.PRIORITY_RULES``): ``"magnitude"``
+            (column weight norms, the default) or ``"change"`` (the authors' recent weight
+            change with stale scores); docs/balancing-ops.md, "Priority rule under AdamW".
     """
 
     def __init__(
-        self, model: nn.Module, *, impute_value: float = 0.0, impute: str = "zero"
+        self,
+        model: nn.Module,
+        *,
+        impute_value: float = 0.0,
+        impute: str = "zero",
+        priority: str = "magnitude",
     ) -> None:
         if impute not in IMPUTE_MODES:
             raise ValueError(f"impute must be one of {IMPUTE_MODES}, got {impute!r}")
+        if priority not in PRIORITY_RULES:
+            raise ValueError(f"priority must be one of {PRIORITY_RULES}, got {priority!r}")
+        self.priority = priority
         self.model, self.impute_value, self.impute = model, impute_value, impute
         self.plan = InLayerPlan()
         self._trackers: dict[int, PriorityTracker] = {}  # by layer index; see ``refresh``
@@ -192,7 +204,7 @@ class LayerOps:
         changed shape otherwise keeps its scores and rebases at its next ``refresh``."""
         tracker = self._trackers.get(index)
         if tracker is None or tracker.scores.numel() != reduction_width(layer, layer.rank):
-            tracker = PriorityTracker(layer.weight, reduction_dim(layer))
+            tracker = PriorityTracker(layer.weight, reduction_dim(layer), rule=self.priority)
             self._trackers[index] = tracker
         return tracker
 

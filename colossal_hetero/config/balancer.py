@@ -75,6 +75,13 @@ class BalancerConfig:
     come off for one agreement window, so that the stragglers' raw slowdown is measured again
     (the ops' own overheads can hide a recovery from the measured times)."""
 
+    priority: Literal["auto", "magnitude", "change"] = "auto"
+    """resize, semi: which reduction columns a straggler keeps. magnitude: the largest column
+    weight norms; change: the most recent weight change, dropped columns keeping stale scores
+    (the ZERO-resizing paper's rule). Under AdamW, change lost 1.42 accuracy points on digits
+    and magnitude 0.49 (8 seeds, docs/balancing-ops.md). auto: magnitude, or change under
+    parallel.tp_mode 2d (whose trackers score change only)."""
+
     freeze_dropped: bool = True
     """resize, semi: the optimizer step leaves a straggler's dropped columns (weights and
     optimizer state) as they were, so momentum and weight decay do not move them while their
@@ -104,6 +111,11 @@ class BalancerConfig:
             f"must be in [0, 1), got {self.accuracy_budget}",
         )
         _require(self.accuracy_weight >= 0, "accuracy_weight", "must be >= 0")
+        _require(
+            self.priority in ("auto", "magnitude", "change"),
+            "priority",
+            f"must be auto, magnitude or change, got {self.priority!r}",
+        )
         _require(
             isinstance(self.freeze_dropped, bool),
             "freeze_dropped",

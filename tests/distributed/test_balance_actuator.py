@@ -95,7 +95,7 @@ def _check_history(rank: int, world_size: int, device: torch.device) -> None:
     plan = InLayerPlan((Offload(0, "resize", 0.5, 0.0, 2.0),))
     model = _model(group)
     layers = [model[0], model[2]]
-    ops = LayerOps(model)
+    ops = LayerOps(model, priority="change")  # hand-made changes: the change rule's scores
     ops.refresh()  # first boundary: trackers snapshot the weights, no op attached
     # a period without ops: every column's change is recorded (powers of two: exact in fp32)
     before = {K: [0.25, 4.0, 0.5, 1.0, 8.0, 0.125, 2.0, 16.0], N: [2.0, 0.5, 8.0, 1.0, 4.0, 0.25]}

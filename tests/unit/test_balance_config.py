@@ -25,6 +25,7 @@ from colossal_hetero.config.schema import BalancerConfig, PlanConfig
         ({"accuracy_budget": 1.0}, r"^balancer\.accuracy_budget: must be in \[0, 1\)"),
         ({"move_cost_s": -1}, r"^balancer\.move_cost_s: must be >= 0"),
         ({"horizon": 5}, r"^balancer\.horizon: unknown key"),
+        ({"mode": "resize", "priority": "newest"}, r"^balancer\.priority: must be one of"),
     ],
 )
 def test_bad_knobs_one_line_naming_the_field(balancer: dict, message: str):
@@ -75,6 +76,19 @@ def test_accepted_layouts():
         check_balancer(config)
         assert needs_resizable(config)
     assert from_dict(RunConfig, {"balancer": {"mode": "migrate"}}).balancer.mode == "migrate"
+
+
+def test_priority_rule_under_2d_tp():
+    def config(priority: str) -> HeteroConfig:
+        return HeteroConfig(
+            parallel=ParallelConfig(tp=4, tp_mode="2d"),
+            balancer=BalancerConfig(mode="resize", priority=priority),  # type: ignore[arg-type]
+        )
+
+    with pytest.raises(ConfigError, match=r"^balancer\.priority: magnitude is not available"):
+        check_balancer(config("magnitude"))
+    check_balancer(config("auto"))  # auto: the change rule, the one 2D trackers have
+    check_balancer(config("change"))
 
 
 def test_declared_speeds_per_position():
