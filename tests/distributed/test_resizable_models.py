@@ -339,6 +339,8 @@ def _pipelines(rank, world_size, device):
     prepare_device(device)
     _check_pipeline_parity(GPT2, GPT2_WIDTHS)
     _check_pipeline_parity(LLAMA, LLAMA_WIDTHS)
+    _check_pipeline_parity(GPT2, GPT2_NO_HEADS)  # Colossal-AI's stage forwards, no heads
+    _check_pipeline_parity(LLAMA, LLAMA_NO_HEADS)
 
 
 def _models(rank, world_size, device, folder):
