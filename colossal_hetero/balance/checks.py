@@ -25,8 +25,7 @@ def check_balancer(config: HeteroConfig) -> None:
     planner does not plan pipeline stages), ``parallel.zero_stage == 0`` (resize does not
     move ZeRO partitions) and ``plan.model_spec: hf`` (the re-plan reads the transformers
     config of the sharded model; an fx trace of it would see the shards). Under
-    ``parallel.tp_mode`` 2d only detect and resize (ZERO-resizing inside the SUMMA steps),
-    with the change priority rule (``balancer.priority``).
+    ``parallel.tp_mode`` 2d only detect and resize (ZERO-resizing inside the SUMMA steps).
     """
     balancer, parallel = config.balancer, config.parallel
     mode = balancer.mode
@@ -41,11 +40,6 @@ def check_balancer(config: HeteroConfig) -> None:
         raise ConfigError(
             f"balancer.mode: {mode} is not available with parallel.tp_mode 2d, whose SUMMA "
             "layers have ZERO-resizing but no migration or width re-planning; use detect or resize"
-        )
-    if parallel.tp_mode == "2d" and balancer.priority == "magnitude":
-        raise ConfigError(
-            "balancer.priority: magnitude is not available with parallel.tp_mode 2d, whose "
-            "priority trackers score recent weight change only; use change or auto"
         )
     if mode not in MOVING_MODES:
         return

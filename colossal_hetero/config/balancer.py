@@ -79,8 +79,7 @@ class BalancerConfig:
     """resize, semi: which reduction columns a straggler keeps. magnitude: the largest column
     weight norms; change: the most recent weight change, dropped columns keeping stale scores
     (the ZERO-resizing paper's rule). Under AdamW, change lost 1.42 accuracy points on digits
-    and magnitude 0.49 (8 seeds, docs/balancing-ops.md). auto: magnitude, or change under
-    parallel.tp_mode 2d (whose trackers score change only)."""
+    and magnitude 0.49 (8 seeds, docs/balancing-ops.md). auto: magnitude (1D and 2D layers)."""
 
     freeze_dropped: bool = True
     """resize, semi: the optimizer step leaves a straggler's dropped columns (weights and

@@ -292,14 +292,16 @@ class HeteroParallelPlugin(PipelinePluginBase):
                 )
                 self.moe_replacer = self.seam.add(replacer)
         if self.config.balancer.mode != "none":  # after the metrics writer: it logs first
-            ops = LayerOps2D if self.config.parallel.tp_mode == "2d" else self._layer_ops_1d
+            ops = self._layer_ops
             balancer = build_balancer(self, boosted[0], boosted[1], self._run_dir, ops)
             self.balancer = self.seam.add(balancer)
 
-    def _layer_ops_1d(self, model: nn.Module) -> LayerOps:
-        """The 1D in-layer actuator with ``balancer.priority`` (auto: magnitude)."""
+    def _layer_ops(self, model: nn.Module) -> LayerOps | LayerOps2D:
+        """The in-layer actuator of the layout (1D or 2D SUMMA layers) with
+        ``balancer.priority`` (auto: magnitude)."""
         rule = self.config.balancer.priority
-        return LayerOps(model, priority="magnitude" if rule == "auto" else rule)
+        ops = LayerOps2D if self.config.parallel.tp_mode == "2d" else LayerOps
+        return ops(model, priority="magnitude" if rule == "auto" else rule)
 
     def resize(self, model: nn.Module, optimizer: Any, widths: dict[str, list[int]]) -> None:
         """Move tensor-parallel shards to new ``widths`` between steps, losslessly.

@@ -40,7 +40,12 @@ from colossal_hetero.balance.ops.resize import (
     complement,
     freeze_on_step,
 )
-from colossal_hetero.balance.ops.selection import PriorityTracker, kept_fraction, select_kept
+from colossal_hetero.balance.ops.selection import (
+    PRIORITY_RULES,
+    PriorityTracker,
+    kept_fraction,
+    select_kept,
+)
 from colossal_hetero.tp2d.layers import Linear2D, gather_matrix
 from colossal_hetero.tp2d.layout import offsets
 
@@ -166,12 +171,14 @@ class Priority2D:
     last period get their change, the dropped rows keep their stale score. ``scores``
     (collective over the mesh: 2q broadcasts for all layers together) returns per layer
     [K, q]: column j scores the entries by their change in W[:, n_j], the weights that mesh
-    column j's outputs use.
+    column j's outputs use. With ``rule="magnitude"`` (``PriorityTracker``) an entry's score
+    is instead the norm of its row of W[:, n_j], fresh at every refresh (nothing stale).
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, rule: str = "change") -> None:
         self.trackers = {
-            name: PriorityTracker(layer.weight, 0) for name, layer in linear_layers(model).items()
+            name: PriorityTracker(layer.weight, 0, rule=rule)
+            for name, layer in linear_layers(model).items()
         }
 
     def refresh(self, model: nn.Module) -> None:
@@ -245,8 +252,12 @@ class LayerOps2D:
     (right after its agreement). Migration plans: ValueError (2D has no migration op).
     """
 
-    def __init__(self, model: nn.Module, *, impute_value: float = 0.0) -> None:
-        self.model, self.impute_value = model, impute_value
+    def __init__(
+        self, model: nn.Module, *, impute_value: float = 0.0, priority: str = "change"
+    ) -> None:
+        if priority not in PRIORITY_RULES:
+            raise ValueError(f"priority must be one of {PRIORITY_RULES}, got {priority!r}")
+        self.model, self.impute_value, self.rule = model, impute_value, priority
         self.plan = InLayerPlan()
         self.priority: Priority2D | None = None
         self.bytes_sent = 0  # no migration: nothing is sent
@@ -277,7 +288,7 @@ class LayerOps2D:
             self.priority = None
             return
         if self.priority is None:
-            self.priority = Priority2D(self.model)
+            self.priority = Priority2D(self.model, self.rule)
         self._select(self.priority.scores(self.model))
 
     def refresh(self) -> None:

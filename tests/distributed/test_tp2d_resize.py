@@ -212,6 +212,14 @@ def _check_model_api(mesh, straggler=(1, 0)):
         for j in range(mesh.q):
             ref = change[:, cuts[j] : cuts[j] + layer.out_sizes[j]].sum(1)
             torch.testing.assert_close(scores[name][:, j], ref, rtol=1e-12, atol=0, msg=name)
+    # the magnitude rule: column j scores each entry by the norm of its row of W[:, n_j]
+    norms = Priority2D(model, "magnitude").scores(model)  # collective, as scores above
+    for name, layer in layers.items():
+        dense = gather_matrix(layer.weight.detach(), mesh, layer.in_sizes, layer.out_sizes)
+        cuts = offsets(layer.out_sizes)
+        for j in range(mesh.q):
+            ref = dense[:, cuts[j] : cuts[j] + layer.out_sizes[j]].double().norm(dim=1)
+            torch.testing.assert_close(norms[name][:, j], ref, rtol=1e-12, atol=0, msg=name)
     kept = kept_for_slowdown(model, straggler, 1.6, scores)  # keeps 1 / 1.6 = 0.625
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, {n: v.tolist() for n, v in kept.items()})

@@ -78,19 +78,6 @@ def test_accepted_layouts():
     assert from_dict(RunConfig, {"balancer": {"mode": "migrate"}}).balancer.mode == "migrate"
 
 
-def test_priority_rule_under_2d_tp():
-    def config(priority: str) -> HeteroConfig:
-        return HeteroConfig(
-            parallel=ParallelConfig(tp=4, tp_mode="2d"),
-            balancer=BalancerConfig(mode="resize", priority=priority),  # type: ignore[arg-type]
-        )
-
-    with pytest.raises(ConfigError, match=r"^balancer\.priority: magnitude is not available"):
-        check_balancer(config("magnitude"))
-    check_balancer(config("auto"))  # auto: the change rule, the one 2D trackers have
-    check_balancer(config("change"))
-
-
 def test_declared_speeds_per_position():
     assert declared_speeds([1.0, 0.5, 1.0, 0.25], 2) == (1.0, 0.25)
     assert declared_speeds([2.0, 2.0], 2) == (1.0, 1.0)
