@@ -86,12 +86,27 @@ def llama_attention_forward(
             **kwargs,
         )
     parts = [proj(hidden_states) for proj in (self.q_proj, self.k_proj, self.v_proj)]
-    if past_key_value is not None:  # keep the cache's layer and position count in step
-        cos, sin = position_embeddings if position_embeddings is not None else (None, None)
-        empty = _empty_heads(parts[1], self.head_dim)
-        cache_kwargs = {"sin": sin, "cos": cos, "cache_position": cache_position}
-        past_key_value.update(empty, empty, self.layer_idx, cache_kwargs)
+    if past_key_value is not None:
+        _extend_empty_cache(past_key_value, self.layer_idx, parts[1], self.head_dim)
     return self.o_proj(torch.cat(parts, dim=-1)), None
+
+
+def _extend_empty_cache(cache: Any, layer_idx: int, local: torch.Tensor, head_dim: int) -> None:
+    """Grow this layer's cache entry of no heads by ``local``'s positions.
+
+    transformers' DynamicCache takes an entry with no elements for a skipped layer: ``update``
+    replaces it instead of appending, which would keep only the newest positions. So the entry
+    passed is the whole empty history, [B, 0, cached + new, head_dim]: its shape keeps the
+    position count in step with the ranks that hold heads. (The cache's ``get_seq_length()``
+    still reads 0 on this rank, as transformers counts an entry with no elements as empty; the
+    positions derived from it feed only the attention core this rank skips, but a caller that
+    needs the cache's length should read it on a rank with heads, or pass ``cache_position``.)
+    """
+    keys = getattr(cache, "key_cache", [])
+    held = len(keys) > layer_idx and keys[layer_idx].dim() == 4
+    cached = keys[layer_idx].shape[-2] if held else 0
+    empty = local.new_empty(local.shape[0], 0, cached + local.shape[-2], head_dim)
+    cache.update(empty, empty, layer_idx)
 
 
 def _empty_heads(local: torch.Tensor, head_dim: int) -> torch.Tensor:

@@ -91,9 +91,11 @@ def _batch(
 class _Run:
     """A model boosted with uneven TP=2 (or ``tp``), its optimizer and policy."""
 
-    def __init__(self, model_cfg, widths, *, optimizer="sgd", tp=2, pp=1):
+    def __init__(self, model_cfg, widths, *, optimizer="sgd", tp=2, pp=1, precision="fp32"):
         self.policy = resizable_policy(build_model(model_cfg), widths) if tp > 1 else None
-        parallel = ParallelConfig(tp=tp, pp=pp, num_microbatches=2 if pp > 1 else 1)
+        parallel = ParallelConfig(
+            tp=tp, pp=pp, num_microbatches=2 if pp > 1 else 1, precision=precision
+        )
         self.plugin = HeteroParallelPlugin(HeteroConfig(parallel=parallel), policy=self.policy)
         model = build_model(model_cfg)
         self.initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
