@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -43,7 +43,14 @@ from colossal_hetero.planner.fx_ops import (
     propagate_shapes,
     trace,
 )
-from colossal_hetero.planner.spec import LayerKind, LayerSpec, ModelSpec, ShardDim, Strategy
+from colossal_hetero.planner.spec import (
+    LayerKind,
+    LayerSpec,
+    ModelSpec,
+    ShardDim,
+    Strategy,
+    min_head_groups,
+)
 
 # --------------------------------------------------------------------------- layers
 
@@ -59,13 +66,14 @@ class _AttentionShape:
     qkv_features: int
     head_dim: int
     kv_heads: int
+    min_groups: int = 1
+    """Fewest key/value groups a rank holds (``spec.min_head_groups`` of the model type)."""
 
     @property
     def heads_dim(self) -> ShardDim:
         heads = self.q_width // self.head_dim
-        return ShardDim(
-            self.q_width, self.head_dim * (heads // self.kv_heads), aligned=False, min_units=1
-        )
+        group = self.head_dim * (heads // self.kv_heads)
+        return ShardDim(self.q_width, group, aligned=False, min_units=self.min_groups)
 
 
 @dataclass
@@ -495,6 +503,15 @@ def _default_inputs(model: nn.Module, seq_len: int | None) -> dict[str, torch.Te
     )
 
 
+def _set_min_head_groups(layers: list[_Layer], model_type: str | None) -> None:
+    """Let every attention's ranks hold as few head groups as the model type's policy runs
+    (0 for GPT-2 and Llama, as ``model_spec_from_hf`` plans them)."""
+    min_groups = min_head_groups(model_type)
+    for layer in layers:
+        if layer.attention is not None:
+            layer.attention = replace(layer.attention, min_groups=min_groups)
+
+
 def model_spec_from_fx(
     model: nn.Module,
     batch_size: int,
@@ -544,8 +561,9 @@ def model_spec_from_fx(
     _attach_free_params(gm, ops, layers)
     _mark_residuals(gm, ops, sources, layers)
     names = _Names(root)
-    specs = [_spec(layer, names) for layer in layers]
     config = getattr(model, "config", None)
+    _set_min_head_groups(layers, getattr(config, "model_type", None))
+    specs = [_spec(layer, names) for layer in layers]
     return ModelSpec(
         name=getattr(config, "model_type", None) or type(model).__name__,
         layers=tuple(specs),

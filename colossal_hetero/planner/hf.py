@@ -10,7 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from colossal_hetero.planner.spec import LayerKind, LayerSpec, ModelSpec, ShardDim, Strategy
+from colossal_hetero.planner.spec import (
+    LayerKind,
+    LayerSpec,
+    ModelSpec,
+    ShardDim,
+    Strategy,
+    min_head_groups,
+)
 
 _NORM_FLOPS = 8
 """Forward FLOPs per feature of a layer norm (mean, variance, normalise, scale, shift)."""
@@ -372,7 +379,7 @@ def _encoder_block(p: str, cfg: Any, tokens: int, *, bert: bool) -> list[LayerSp
         tokens=tokens,
         bias=bool(getattr(cfg, "qkv_bias", True)),
         opens=bert,
-        min_groups=1,
+        min_groups=min_head_groups(cfg.model_type),  # 1: their stock attention needs a head
     )
     if bert:
         layers.append(_norm(f"{p}.attention.output.LayerNorm", hidden, tokens, params=2 * hidden))

@@ -354,3 +354,13 @@ class Mesh:
     def rank(self, device: int) -> int:
         """Tensor-parallel rank of ``device`` within its group."""
         return device % self.tp_size
+
+
+ZERO_HEAD_MODEL_TYPES = frozenset({"gpt2", "llama"})
+"""Model types whose policies run a tensor-parallel rank with no attention heads
+(``policies.zero_heads``); the others keep at least one key/value group per rank."""
+
+
+def min_head_groups(model_type: str | None) -> int:
+    """The fewest key/value head groups a rank may hold for ``model_type`` (0 or 1)."""
+    return 0 if model_type in ZERO_HEAD_MODEL_TYPES else 1
