@@ -27,6 +27,16 @@ def head_loss(head: nn.Module, logits: torch.Tensor, labels: torch.Tensor) -> to
     )
 
 
+def refuse_cache(past_key_values: Any) -> None:
+    """ValueError for a non-empty key/value cache: Colossal-AI's sharded GPT-2 body drops it
+    (with a logged warning), so cached decoding would attend to the new tokens alone."""
+    if past_key_values:
+        raise ValueError(
+            "past_key_values: the boosted GPT-2 does not decode from a key/value cache "
+            "(Colossal-AI's sharded forward drops it); pass use_cache=False to generate"
+        )
+
+
 def lm_forward_with_uneven_loss(
     self: nn.Module,
     *args: Any,
@@ -76,6 +86,7 @@ def gpt2_lm_forward(
     """
     from colossalai.shardformer.modeling.gpt2 import GPT2PipelineForwards
 
+    refuse_cache(past_key_values)
     outputs = GPT2PipelineForwards.gpt2_model_forward(
         self.transformer,
         input_ids,
