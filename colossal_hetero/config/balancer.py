@@ -75,11 +75,11 @@ class BalancerConfig:
     come off for one agreement window, so that the stragglers' raw slowdown is measured again
     (the ops' own overheads can hide a recovery from the measured times)."""
 
-    priority: Literal["auto", "magnitude", "change"] = "auto"
+    priority: Literal["magnitude", "change"] = "magnitude"
     """resize, semi: which reduction columns a straggler keeps. magnitude: the largest column
     weight norms; change: the most recent weight change, dropped columns keeping stale scores
     (the ZERO-resizing paper's rule). Under AdamW, change lost 1.42 accuracy points on digits
-    and magnitude 0.49 (8 seeds, docs/balancing-ops.md). auto: magnitude (1D and 2D layers)."""
+    and magnitude 0.49 (8 seeds, docs/balancing-ops.md). Both rules serve 1D and 2D layers."""
 
     freeze_dropped: bool = True
     """resize, semi: the optimizer step leaves a straggler's dropped columns (weights and
@@ -111,9 +111,9 @@ class BalancerConfig:
         )
         _require(self.accuracy_weight >= 0, "accuracy_weight", "must be >= 0")
         _require(
-            self.priority in ("auto", "magnitude", "change"),
+            self.priority in ("magnitude", "change"),
             "priority",
-            f"must be auto, magnitude or change, got {self.priority!r}",
+            f"must be magnitude or change, got {self.priority!r}",
         )
         _require(
             isinstance(self.freeze_dropped, bool),

@@ -86,15 +86,14 @@ def _attention(
     tokens: int,
     bias: bool,
     opens: bool,
-    min_groups: int = 0,
+    min_groups: int,
 ) -> list[LayerSpec]:
     """QKV projection, head-local attention core and output projection of one block.
 
     ``qkv`` is (layer name, its Hugging Face modules joined by "|"), so separate q/k/v modules
     and GPT-2's fused c_attn both become one layer. Widths count query features; each device
     holds whole key/value heads with their group of query heads, and at least ``min_groups``
-    of them (0 where the policy runs a rank with no heads: GPT-2 and Llama, see
-    policies.zero_heads; 1 for BERT and ViT, whose stock attention needs a head).
+    of them (``spec.min_head_groups`` of the model type).
     """
     hidden_dim = ShardDim(hidden)
     q_width = heads * head_dim
@@ -288,6 +287,7 @@ def _gpt2(cfg: Any, seq_len: int) -> list[LayerSpec]:
             tokens=seq_len,
             bias=True,
             opens=False,
+            min_groups=min_head_groups(cfg.model_type),
         )
         layers.append(_norm(f"{p}.ln_2", hidden, seq_len, params=2 * hidden, opens=True))
         layers += _mlp(
@@ -338,6 +338,7 @@ def _llama(cfg: Any, seq_len: int) -> list[LayerSpec]:
             tokens=seq_len,
             bias=bias,
             opens=False,
+            min_groups=min_head_groups(cfg.model_type),
         )
         layers.append(
             _norm(f"{p}.post_attention_layernorm", hidden, seq_len, params=hidden, opens=True)
@@ -379,7 +380,7 @@ def _encoder_block(p: str, cfg: Any, tokens: int, *, bert: bool) -> list[LayerSp
         tokens=tokens,
         bias=bool(getattr(cfg, "qkv_bias", True)),
         opens=bert,
-        min_groups=min_head_groups(cfg.model_type),  # 1: their stock attention needs a head
+        min_groups=min_head_groups(cfg.model_type),
     )
     if bert:
         layers.append(_norm(f"{p}.attention.output.LayerNorm", hidden, tokens, params=2 * hidden))

@@ -298,10 +298,9 @@ class HeteroParallelPlugin(PipelinePluginBase):
 
     def _layer_ops(self, model: nn.Module) -> LayerOps | LayerOps2D:
         """The in-layer actuator of the layout (1D or 2D SUMMA layers) with
-        ``balancer.priority`` (auto: magnitude)."""
-        rule = self.config.balancer.priority
+        ``balancer.priority``."""
         ops = LayerOps2D if self.config.parallel.tp_mode == "2d" else LayerOps
-        return ops(model, priority="magnitude" if rule == "auto" else rule)
+        return ops(model, priority=self.config.balancer.priority)
 
     def resize(self, model: nn.Module, optimizer: Any, widths: dict[str, list[int]]) -> None:
         """Move tensor-parallel shards to new ``widths`` between steps, losslessly.

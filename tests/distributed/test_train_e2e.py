@@ -10,40 +10,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from colossal_hetero.cli import launch_command
 from colossal_hetero.metrics import read_run
-from tests.tolerances import chain_atol, transformer_depth
-
-# A loss computed at other TP widths from the same weights: the forward reduction chain of the
-# 2-layer model, sums of at most 256 terms (the byte vocabulary), relative to the loss.
-# Later steps are not compared across widths: Adam turns the rounding noise of near-zero
-# gradients into O(lr) weight differences (tests/tolerances.py); the same-widths resume above
-# checks every later step bitwise.
-FORWARD_RTOL = chain_atol(transformer_depth(2, backward=False), 256, torch.float32, 1.0)
-
-TINY_GPT2 = {
-    "model": {
-        "arch": "gpt2",
-        "hf": {
-            "n_layer": 2,
-            "n_embd": 32,
-            "n_head": 4,
-            "n_positions": 32,
-            "resid_pdrop": 0.0,
-            "embd_pdrop": 0.0,
-            "attn_pdrop": 0.0,
-        },
-    },
-    "data": {"dataset": "pydoc_topics", "seq_len": 32, "global_batch_size": 8},
-    "parallel": {"tp": 2, "pp": 2, "num_microbatches": 2},
-    "cluster": {"device": "cpu"},
-    "optimizer": {"name": "adamw", "lr": 0.01},
-    "train": {"steps": 8, "eval_every": 4, "eval_batches": 2},
-    "logging": {"progress": False, "plot": False},
-}
+from tests.train_configs import FORWARD_RTOL, TINY_GPT2
+from tests.train_configs import with_sections as _with
 
 
 def _launch(
@@ -54,13 +26,6 @@ def _launch(
     command = launch_command(path, nproc)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
-
-
-def _with(config: dict, **sections) -> dict:
-    merged = {key: dict(value) for key, value in config.items()}
-    for key, value in sections.items():
-        merged[key] = {**merged.get(key, {}), **value}
-    return merged
 
 
 @pytest.mark.dist

@@ -22,45 +22,26 @@ import yaml
 from colossal_hetero.cli import launch_command
 from colossal_hetero.metrics import read_run
 from colossal_hetero.utils import device as devices
-from tests.tolerances import chain_atol, sum_order_atol, transformer_depth
+from tests.tolerances import sum_order_atol
+from tests.train_configs import FORWARD_RTOL
+from tests.train_configs import TINY_GPT2 as E2E_GPT2
+from tests.train_configs import with_sections as _with
 
 pytestmark = pytest.mark.skipif(
     devices.cuda_device_count() == 0, reason="needs a CUDA GPU (torch sees none)"
 )
 
-# The first loss on CUDA and on CPU: the same weights and batch, the forward chain of the
-# 2-layer model in float32 summed in other orders (sums of at most 256 terms: the byte
-# vocabulary), relative to the loss. TF32 would break it (10 mantissa bits), so it also
+# The first loss on CUDA and on CPU: the same weights and batch, the forward chain in float32
+# summed in other orders (FORWARD_RTOL). TF32 would break it (10 mantissa bits), so it also
 # checks that nothing turns TF32 on behind the user's back.
-FORWARD_RTOL = chain_atol(transformer_depth(2, backward=False), 256, torch.float32, 1.0)
-
 TINY_GPT2 = {
-    "model": {
-        "arch": "gpt2",
-        "hf": {
-            "n_layer": 2,
-            "n_embd": 64,
-            "n_head": 4,
-            "n_positions": 32,
-            "resid_pdrop": 0.0,
-            "embd_pdrop": 0.0,
-            "attn_pdrop": 0.0,
-        },
-    },
-    "data": {"dataset": "pydoc_topics", "seq_len": 32, "global_batch_size": 8},
-    "parallel": {"tp": 1, "pp": 1},
-    "cluster": {"device": "cuda"},
-    "optimizer": {"name": "adamw", "lr": 0.01},
-    "train": {"steps": 8, "eval_every": 4, "eval_batches": 2},
-    "logging": {"progress": False, "plot": False},
+    **_with(
+        E2E_GPT2,
+        model={"arch": "gpt2", "hf": {**E2E_GPT2["model"]["hf"], "n_embd": 64}},
+        cluster={"device": "cuda"},
+    ),
+    "parallel": {"tp": 1, "pp": 1},  # one rank: NCCL wants a GPU per rank
 }
-
-
-def _with(config: dict, **sections) -> dict:
-    merged = {key: dict(value) for key, value in config.items()}
-    for key, value in sections.items():
-        merged[key] = {**merged.get(key, {}), **value}
-    return merged
 
 
 def _train(config: dict, folder: Path, *, hide_gpu: bool = False) -> list:
