@@ -4,44 +4,70 @@ The collective interceptor stretches a rank's compute at its next collective, an
 see ``KFKBSchedule``'s ``isend``/``irecv``: under it, a stage would be slowed where Colossal-AI's
 1F1B talks (``send``/``recv``) and not where kFkB does, which would favour one schedule. This
 stretch is the same for every variant: around each transformer block that runs on a rank, it
-times the block's forward and its backward and sleeps right after each; the sleep burns no CPU.
+times the block's forward and its backward (a *pass*) and sleeps at the end of each; the sleep
+burns no CPU.
 
 Two modes (``Stretch(mode=)``):
 
-- ``added``: sleep ``(factor - 1)`` times the block's wall time. On a shared, oversubscribed
+- ``added``: sleep ``(factor - 1)`` times the pass's wall time. On a shared, oversubscribed
   machine that sleep hands the rank's core to its neighbours, which then run faster: 4 ranks
   on 2 cores are CPU-bound, and a slow stage that sleeps speeds up every other stage, so a
   split that moves blocks off it gains far less than the slowdown says.
-- ``dedicated``: a full-speed device's pass lasts ``base`` times the thread's CPU time of it,
-  sleeping what its (contended) wall time left: a device of its own, ``base`` times slower
+- ``dedicated``: a full-speed device's compute lasts ``base`` times the thread's CPU time of
+  it, sleeping what its (contended) wall time left: a device of its own, ``base`` times slower
   than a core, that no neighbour speeds up or slows down while the contention stays below
   ``base`` (as the interceptor's ``stretch="dedicated"``). A device at ``1 / factor`` speed
-  then computes ``(factor - 1) * base`` times that CPU time longer, whatever else the pass's
-  wall time held: a tensor-parallel block's all-reduce waits are no compute and do not hide
-  the slow compute (before, a pass lasting ``base * factor * cpu`` in all let a block whose
-  waits filled that time run at full speed: a "half-speed" TP=2 stage was only 1.17x slower
-  per block). Every rank of the scenario runs on such devices, the slowed stage's with
-  ``factor`` 2.
+  then computes ``(factor - 1) * base`` times that CPU time longer. Every rank of the scenario
+  runs on such devices, the slowed stage's with ``factor`` 2.
+
+  *Intervals.* A tensor-parallel block synchronises its ranks inside each pass (all-reduces).
+  Stretching the pass only at its end would serialise them: the slow rank's wall time already
+  holds its wait for the partner's larger share, and its stretch comes on top, so a stage whose
+  widths give the slow rank less work took ``fast share + slow extra`` per block where two real
+  devices take ``max(slow, fast)`` (session 8: 1.59x the full-speed stage's block where the
+  widths predicted ~1.4x). So while a pass runs, every collective this thread issues
+  (``SYNC_NAMES`` on ``torch.distributed``; the wrappers are on for that pass only) first ends
+  the compute interval since the previous one and stretches it on its own, and the interval
+  after it starts when the call returns (an async call's ``wait()`` likewise): the waits
+  inside the collective are no compute, and each rank arrives at the sync as late as its own
+  device makes it. The same rule for every variant, so stock 1F1B on the even split is
+  emulated alike. A pass without collectives (PP alone) is one interval, as before.
 
 Backward is bracketed by two identity autograd functions: one on the block's output (its
-backward runs first, and starts the clocks) and one on the block's input (its backward runs
-once the block's backward is done, and sleeps). On CPU autograd runs backward on the calling
+backward runs first, and starts the pass) and one on the block's input (its backward runs
+once the block's backward is done, and ends it). On CPU autograd runs backward on the calling
 thread, one block after another, so the two marks bracket exactly that block's backward and
-the thread's CPU time is that backward's work.
+the thread's CPU time is that backward's work. A block whose input needs no gradient has no
+end mark, so its backward is not opened (nothing stretched, as before).
 """
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from types import ModuleType
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from torch import nn
+
+from colossal_hetero.emulation.collectives import WRAPPED_NAMES
 
 DEVICE_BASE = 2.5
 """``dedicated`` mode: every emulated device this many times slower than a core (4 ranks on 2
 cores make a block's wall time about twice its CPU time; the base absorbs that)."""
+
+SYNC_NAMES: tuple[str, ...] = tuple(n for n in WRAPPED_NAMES if not n.endswith("_object"))
+"""The ``torch.distributed`` functions that end an interval inside a pass (the interceptor's
+list; the object collectives run tensor ones inside, which end it already)."""
+
+SYNC_MODULES: tuple[ModuleType, ...] = (dist, c10d)
+"""Where callers look the functions up at call time (as ``emulation.router.MODULES``)."""
+
+Clocks = tuple[float, float]
 
 
 class Stretch:
@@ -55,44 +81,119 @@ class Stretch:
         mode: Literal["added", "dedicated"] = "added",
         base: float = DEVICE_BASE,
         cpu_clock: Callable[[], float] = time.thread_time,
+        wall_clock: Callable[[], float] = time.perf_counter,
+        sync_modules: Sequence[Any] = SYNC_MODULES,
     ) -> None:
-        """``sleep`` and ``cpu_clock`` are seams for tests; every stretch is one call of
+        """``sleep``, ``cpu_clock``, ``wall_clock`` and ``sync_modules`` (whose ``SYNC_NAMES``
+        functions a ``dedicated`` pass wraps) are seams for tests; every stretch is one call of
         ``sleep``. ``base`` applies to ``dedicated`` mode only."""
         if factor < 1.0 or base < 1.0:
             raise ValueError(f"factor, base: a stretch slows down, need >= 1, got {factor}, {base}")
         self.factor, self.mode, self.base = factor, mode, base
-        self._sleep, self._cpu = sleep, cpu_clock
+        self._sleep, self._cpu, self._wall = sleep, cpu_clock, wall_clock
+        self._modules = tuple(sync_modules)
         self.enabled = False
         self.slept_s = 0.0
         """Seconds slept so far (the emulated extra compute)."""
         self.passes_s = 0.0
-        """Wall seconds of the stretched block passes so far, forward and backward, sleeps
-        included: what the stage's blocks cost at its emulated speed."""
+        """Wall seconds of the stretched block passes so far, forward and backward, sleeps and
+        collective waits included: what the stage's blocks cost at its emulated speed."""
         self.passes = 0
         """Stretched block passes so far (a block's forward and its backward count one each)."""
-        self.backward_t0 = (0.0, 0.0)
-        """Wall and CPU clocks when the running block's backward started."""
+        self.intervals = 0
+        """Compute intervals stretched so far (one per pass, plus one per collective in it)."""
+        self._pass: tuple[float, Clocks] | None = None
+        """The open pass: its start (wall) and its running interval's start clocks."""
+        self._saved: dict[tuple[int, str], Any] = {}
+        """While a ``dedicated`` pass is open: (module index, name) -> the function wrapped."""
         self._handles: list[Any] = []
 
-    def clocks(self) -> tuple[float, float]:
-        """(wall, thread CPU) now: what ``stretch_from`` measures a pass from."""
-        return time.perf_counter(), self._cpu()
+    def clocks(self) -> Clocks:
+        """(wall, thread CPU) now: where an interval starts."""
+        return self._wall(), self._cpu()
 
-    def stretch_from(self, start: tuple[float, float]) -> None:
-        """Sleep to make the pass begun at ``start`` (``clocks()``) as slow as the mode says."""
-        if not self.enabled:
-            return
-        wall = time.perf_counter() - start[0]
+    def extra_s(self, start: Clocks) -> float:
+        """Seconds to sleep for the compute interval begun at ``start``, as the mode says."""
+        wall = self._wall() - start[0]
         if self.mode == "dedicated":
-            work = self.base * (self._cpu() - start[1])  # the pass's compute on a full device
-            extra = max(0.0, work - wall) + (self.factor - 1.0) * work
-        else:
-            extra = (self.factor - 1.0) * wall
+            work = self.base * (self._cpu() - start[1])  # the interval's compute on a full device
+            return max(0.0, work - wall) + (self.factor - 1.0) * work
+        return (self.factor - 1.0) * wall
+
+    def _settle(self, start: Clocks) -> None:
+        extra = self.extra_s(start)
         if extra > 0.0:
             self.slept_s += extra
             self._sleep(extra)
-        self.passes_s += time.perf_counter() - start[0]
+        self.intervals += 1
+
+    @property
+    def in_pass(self) -> bool:
+        """Whether a block pass is open (its collectives end intervals)."""
+        return self._pass is not None
+
+    def begin_pass(self) -> None:
+        """Start a block pass (no-op while disabled); ends one still open first."""
+        if not self.enabled:
+            return
+        if self._pass is not None:
+            self.end_pass()
+        self._pass = (self._wall(), self.clocks())
+        if self.mode == "dedicated":
+            self._wrap_syncs()
+
+    def end_pass(self) -> None:
+        """Stretch the open pass's last interval and count the pass (no-op when none)."""
+        if self._pass is None:
+            return
+        started, interval = self._pass
+        self._unwrap_syncs()
+        self._pass = None
+        self._settle(interval)
+        self.passes_s += self._wall() - started
         self.passes += 1
+
+    def sync(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run a collective inside the open pass: stretch the interval up to it, call, start
+        the next interval when it returns (an async call's work: when its ``wait()`` does)."""
+        if self._pass is None:
+            return call(*args, **kwargs)
+        self._settle(self._pass[1])
+        try:
+            result = call(*args, **kwargs)
+        finally:
+            self._restart()
+        if result is not None and callable(getattr(result, "wait", None)):
+            return _StretchedWork(self, result)
+        return result
+
+    def _restart(self) -> None:
+        if self._pass is not None:
+            self._pass = (self._pass[0], self.clocks())
+
+    def _wrap_syncs(self) -> None:
+        wrappers: dict[int, Callable[..., Any]] = {}  # one wrapper per distinct function
+        for index, module in enumerate(self._modules):
+            for name in SYNC_NAMES:
+                original = getattr(module, name, None)
+                if original is None:
+                    continue
+                if id(original) not in wrappers:
+                    wrappers[id(original)] = self._wrap(original)
+                self._saved[(index, name)] = original
+                setattr(module, name, wrappers[id(original)])
+
+    def _wrap(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def synced(*args: Any, **kwargs: Any) -> Any:
+            return self.sync(original, *args, **kwargs)
+
+        return synced
+
+    def _unwrap_syncs(self) -> None:
+        for (index, name), original in self._saved.items():
+            setattr(self._modules[index], name, original)
+        self._saved.clear()
 
     def attach(self, blocks: Iterable[nn.Module]) -> None:
         """Stretch every block in ``blocks`` (its first positional input is the hidden state)."""
@@ -106,26 +207,43 @@ class Stretch:
         self._handles.clear()
 
     def _before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        module._stretch_t0 = self.clocks()  # type: ignore[assignment]
-        if not self.enabled or not args or not torch.is_tensor(args[0]):
+        module._stretch_closes = False  # type: ignore[assignment]
+        if not self.enabled:
             return None
-        hidden = args[0]
-        if hidden.requires_grad:
-            hidden = _Mark.apply(hidden, self, True)
-        return (hidden, *args[1:]), kwargs
+        self.begin_pass()
+        if not args or not torch.is_tensor(args[0]) or not args[0].requires_grad:
+            return None
+        module._stretch_closes = True  # type: ignore[assignment]
+        return (_Mark.apply(args[0], self, True), *args[1:]), kwargs
 
     def _after(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        self.stretch_from(module._stretch_t0)  # type: ignore[arg-type]
-        if not self.enabled or not isinstance(output, tuple) or not torch.is_tensor(output[0]):
+        self.end_pass()
+        if not self.enabled or not getattr(module, "_stretch_closes", False):
+            return None  # no end mark on the input: the backward would never be closed
+        if not isinstance(output, tuple) or not torch.is_tensor(output[0]):
             return None
         if not output[0].requires_grad:
             return None
         return (_Mark.apply(output[0], self, False), *output[1:])
 
 
+class _StretchedWork:
+    """An async collective's work inside a pass: ``wait()`` ends the interval before it and
+    starts the next when it returns; everything else is the real work's."""
+
+    def __init__(self, stretch: Stretch, work: Any) -> None:
+        self._stretch, self._work = stretch, work
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        return self._stretch.sync(self._work.wait, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
 class _Mark(torch.autograd.Function):
-    """Identity; its backward starts (``closes=False``) or ends and stretches (``True``) the
-    clock of one block's backward."""
+    """Identity; its backward starts (``closes=False``) or ends (``True``) one block's
+    backward pass."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, stretch: Stretch, closes: bool) -> torch.Tensor:
@@ -136,7 +254,7 @@ class _Mark(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         stretch: Stretch = ctx.stretch
         if ctx.closes:
-            stretch.stretch_from(stretch.backward_t0)
+            stretch.end_pass()
         else:
-            stretch.backward_t0 = stretch.clocks()
+            stretch.begin_pass()
         return grad, None, None

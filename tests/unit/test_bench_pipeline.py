@@ -194,49 +194,6 @@ def test_best_static_k_only_among_those_within_the_budget():
     assert summarise("shaped", {"x": figures})["ada_vs_best_static_k"] == pytest.approx(2.0)
 
 
-def test_dedicated_stretch_lasts_base_times_factor_times_cpu_work():
-    """``dedicated``: a full-speed pass lasts base x its thread CPU time (sleeping what its wall
-    time left); at 1 / factor speed it computes (factor - 1) x base x that CPU time longer,
-    whatever else (contention, collective waits) its wall time held."""
-    import time
-
-    import torch
-
-    from colossal_hetero.bench.pipeline_stretch import Stretch
-
-    cpu = [0.0]
-    slept: list[float] = []
-    stretch = Stretch(2.0, slept.append, mode="dedicated", base=2.5, cpu_clock=lambda: cpu[0])
-    stretch.enabled = True
-    start = stretch.clocks()
-    cpu[0] += 0.5  # the pass did 0.5 s of CPU work; its wall time is a few microseconds
-    stretch.stretch_from(start)
-    assert len(slept) == 1 and 2.5 - 1e-3 < slept[0] <= 2.5  # 2.5 * 2 * 0.5 minus the wall
-    wall_start = (time.perf_counter() - 10.0, cpu[0])  # 10 s of wall for the next 0.5 s of CPU
-    cpu[0] += 0.5
-    stretch.stretch_from(wall_start)
-    # A full-speed device would need no sleep (10 s > 2.5 x 0.5 s); half speed adds its
-    # compute once more: (2 - 1) x 2.5 x 0.5 = 1.25 s.
-    assert len(slept) == 2 and slept[1] == pytest.approx(1.25)
-    full = Stretch(1.0, slept.append, mode="dedicated", base=2.5, cpu_clock=lambda: cpu[0])
-    full.enabled = True
-    wall_start = (time.perf_counter() - 10.0, cpu[0])
-    cpu[0] += 0.5
-    full.stretch_from(wall_start)
-    assert len(slept) == 2  # contention already made it slower than the device: no sleep
-    with pytest.raises(ValueError, match="factor, base"):
-        Stretch(2.0, mode="dedicated", base=0.5)
-    # Through a block: both passes stretched, gradients untouched.
-    block = torch.nn.Linear(8, 8)
-    stretch.attach([block])
-    x = torch.randn(4, 8, requires_grad=True)
-    out = block(x)
-    out = out[0] if isinstance(out, tuple) else out
-    out.sum().backward()
-    stretch.detach()
-    assert x.grad is not None
-
-
 def test_phase_c_variants_plan_uneven_widths_on_the_slow_devices_stage():
     import torch
 

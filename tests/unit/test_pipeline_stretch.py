@@ -1,0 +1,185 @@
+"""bench/pipeline_stretch.py's ``dedicated`` accounting on fake clocks: every sleep it takes is
+checked against hand-computed seconds (factor 2, base 2.5). No timing, no process group."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from colossal_hetero.bench.pipeline_stretch import Stretch
+
+
+class FakeClocks:
+    """Wall and CPU clocks advanced by hand; ``sleep`` advances the wall clock alone."""
+
+    def __init__(self) -> None:
+        self.wall = 100.0
+        self.cpu = 5.0
+        self.slept: list[float] = []
+
+    def compute(self, cpu: float, wall: float) -> None:
+        self.cpu += cpu
+        self.wall += wall
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.wall += seconds
+
+
+def _collectives(clocks: FakeClocks, wait: float) -> SimpleNamespace:
+    """A stand-in for torch.distributed: each call waits ``wait`` s of wall (the partner)."""
+
+    def finish() -> bool:
+        clocks.compute(0.0, wait)
+        return True
+
+    def all_reduce(tensor: Any = None, group: Any = None, async_op: bool = False) -> Any:
+        if async_op:
+            return SimpleNamespace(wait=finish, tag="work")
+        finish()
+        return None
+
+    return SimpleNamespace(all_reduce=all_reduce)
+
+
+def _stretch(clocks: FakeClocks, fake: Any, factor: float = 2.0) -> Stretch:
+    stretch = Stretch(
+        factor,
+        clocks.sleep,
+        mode="dedicated",
+        base=2.5,
+        cpu_clock=lambda: clocks.cpu,
+        wall_clock=lambda: clocks.wall,
+        sync_modules=[fake],
+    )
+    stretch.enabled = True
+    return stretch
+
+
+def test_each_interval_between_collectives_is_stretched_on_its_own():
+    clocks = FakeClocks()
+    fake = _collectives(clocks, wait=1.0)
+    original = fake.all_reduce
+    stretch = _stretch(clocks, fake)
+    stretch.begin_pass()
+    assert fake.all_reduce is not original  # wrapped while the pass is open
+    clocks.compute(cpu=0.1, wall=0.1)
+    fake.all_reduce("x")
+    clocks.compute(cpu=0.2, wall=0.3)
+    stretch.end_pass()
+    assert fake.all_reduce is original  # and restored after it
+    # Interval 1: max(0, 2.5*0.1 - 0.1) + (2-1)*2.5*0.1 = 0.15 + 0.25 = 0.4, slept BEFORE the
+    # collective (the partner waits for it there). The collective's 1.0 s wait is no compute.
+    # Interval 2: max(0, 2.5*0.2 - 0.3) + 2.5*0.2 = 0.2 + 0.5 = 0.7.
+    assert clocks.slept == pytest.approx([0.4, 0.7])
+    # Stretched at the pass's end alone it would have slept max(0, 0.75 - 1.4) + 0.75 = 0.75
+    # on top of the wait: the wait would have hidden the full-speed device's base padding.
+    assert stretch.slept_s == pytest.approx(1.1)
+    assert stretch.passes == 1 and stretch.intervals == 2
+    assert stretch.passes_s == pytest.approx(0.1 + 0.4 + 1.0 + 0.3 + 0.7)  # the whole pass
+    fake.all_reduce("x")  # outside a pass: a plain call, nothing stretched
+    assert clocks.slept == pytest.approx([0.4, 0.7])
+
+
+def test_async_work_waits_end_intervals_and_full_speed_pads_to_base():
+    clocks = FakeClocks()
+    fake = _collectives(clocks, wait=0.5)
+    stretch = _stretch(clocks, fake, factor=1.0)  # a full-speed device: base padding only
+    stretch.begin_pass()
+    clocks.compute(cpu=0.2, wall=0.2)
+    work = fake.all_reduce("x", async_op=True)  # interval 1: 2.5*0.2 - 0.2 = 0.3
+    assert work.tag == "work"  # other attributes are the real work's
+    clocks.compute(cpu=0.1, wall=0.4)  # overlapped compute; contention made it slower than 0.25
+    assert work.wait() is True  # interval 2: max(0, 0.25 - 0.4) + 0 = 0: no sleep
+    clocks.compute(cpu=0.04, wall=0.04)
+    stretch.end_pass()  # interval 3: 0.1 - 0.04 = 0.06
+    assert clocks.slept == pytest.approx([0.3, 0.06])
+    assert stretch.intervals == 3 and stretch.passes == 1
+
+
+def test_disabled_or_added_mode_never_wraps_collectives():
+    clocks = FakeClocks()
+    fake = _collectives(clocks, wait=1.0)
+    original = fake.all_reduce
+    stretch = _stretch(clocks, fake)
+    stretch.enabled = False
+    stretch.begin_pass()
+    assert fake.all_reduce is original and not stretch.in_pass
+    added = Stretch(3.0, clocks.sleep, wall_clock=lambda: clocks.wall, sync_modules=[fake])
+    added.enabled = True
+    added.begin_pass()
+    assert fake.all_reduce is original  # one interval per pass: (3-1) x its wall time
+    clocks.compute(cpu=0.1, wall=0.2)
+    fake.all_reduce("x")
+    added.end_pass()
+    assert clocks.slept == pytest.approx([2 * 1.2])
+    with pytest.raises(ValueError, match="factor, base"):
+        Stretch(2.0, mode="dedicated", base=0.5)
+
+
+class _ReduceBoth(torch.autograd.Function):
+    """Identity whose forward and backward each call the fake all-reduce (a TP block's syncs)
+    and advance the fake clocks by a fixed compute."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, env: Any) -> torch.Tensor:
+        ctx.env = env
+        env.clocks.compute(cpu=0.1, wall=0.1)
+        env.fake.all_reduce(x)
+        env.clocks.compute(cpu=0.1, wall=0.1)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        env = ctx.env
+        env.clocks.compute(cpu=0.2, wall=0.2)
+        env.fake.all_reduce(grad)
+        env.clocks.compute(cpu=0.2, wall=0.2)
+        return grad.clone(), None
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, env: Any) -> None:
+        super().__init__()
+        self.env = env
+        self.scale = torch.nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor]:
+        return (_ReduceBoth.apply(hidden, self.env) * self.scale,)
+
+
+def test_blocks_forward_and_backward_are_cut_at_their_collectives():
+    clocks = FakeClocks()
+    fake = _collectives(clocks, wait=1.0)
+    env = SimpleNamespace(clocks=clocks, fake=fake)
+    blocks = [_Block(env), _Block(env)]
+    stretch = _stretch(clocks, fake)
+    stretch.attach(blocks)
+    x = torch.ones(3, requires_grad=True)
+    h = x
+    for block in blocks:
+        h = block(h)[0]
+    h.sum().backward()
+    stretch.detach()
+    assert x.grad is not None and torch.equal(x.grad, torch.full((3,), 4.0))  # gradients untouched
+    # Forward intervals of 0.1 s CPU in 0.1 s wall: 0.15 + 0.25 = 0.4 each; backward ones of
+    # 0.2 in 0.2: 0.3 + 0.5 = 0.8 each. Two blocks, two intervals per pass.
+    assert clocks.slept == pytest.approx([0.4] * 4 + [0.8] * 4)
+    assert stretch.passes == 4 and stretch.intervals == 8
+    assert not stretch.in_pass
+
+
+def test_a_block_whose_input_needs_no_gradient_opens_no_backward():
+    clocks = FakeClocks()
+    fake = _collectives(clocks, wait=1.0)
+    env = SimpleNamespace(clocks=clocks, fake=fake)
+    block = _Block(env)
+    stretch = _stretch(clocks, fake)
+    stretch.attach([block])
+    out = block(torch.ones(3))[0]  # the forward pass: stretched (2 intervals)
+    out.sum().backward()  # no end mark on the input: no backward pass opened
+    assert stretch.passes == 1 and clocks.slept == pytest.approx([0.4, 0.4])
+    assert not stretch.in_pass and block.scale.grad is not None
