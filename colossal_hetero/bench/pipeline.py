@@ -32,10 +32,17 @@ round's variants saw the same load and network state) with a bootstrap 95% inter
   memory budget (a static ``k`` that breaks the limit is no option for ada);
 - ``planned_vs_even_split_slow_stage``: phase (c), Colossal-AI's 1F1B on the even split over
   the same schedule on the planned split;
+- ``planned_vs_even_split_slow_stage_kfkb_k1``: the same split under our executor:
+  ``KFKBSchedule`` at ``k = 1`` (1F1B's order, non-blocking p2p) on the even split (``k1_even``,
+  even widths) over ``k1`` on the planned split (planned widths);
 - ``sim_max_error``: per kFkB variant and phase, the median over rounds of
   ``|simulated - measured| / measured`` step time (execute_pipeline), the simulator fed with
   that step's own per-stage compute and message bytes; the largest;
 - ``memory_limit_exceeded``: whether any measured stage peak of ada exceeded its budget.
+
+``COLOSSAL_HETERO_BENCH_PIPELINE_LAYOUTS`` (``pp4``, ``pp2xtp2`` or both, comma-separated) runs
+only those layouts, for iterating on one; the JSON records it as ``layouts_only`` and its
+summary then covers those layouts alone.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import statistics
 import time
 from collections.abc import Sequence
@@ -66,6 +74,8 @@ schedule could gain 1.3x there. At 10 Mbit/s a free transfer still hides behind 
 FAST_GBPS = 1.0
 """TP pairs inside a stage."""
 SHAPED_TIMEOUT_S = 900.0
+LAYOUTS_ENV = "COLOSSAL_HETERO_BENCH_PIPELINE_LAYOUTS"
+"""Run only these layouts (comma-separated names; unset or empty: all)."""
 PREEMPT_PATTERN = (1.0, 0.15, 0.15, 0.15, 1.0, 0.1, 0.1, 0.1)
 """Phase (b)'s job share of the targeted link per round: 1 is free; 0.15 and 0.1 leave 15% and
 10% (the tenant takes 85% and 90%). Repeated to the phase's length."""
@@ -218,7 +228,8 @@ def _preempted_rounds(spec: dict[str, Any], phase: dict[str, Any]) -> list[int]:
 
 
 def _static_names(series: dict[str, list[float]]) -> list[str]:
-    return sorted({key.split(".")[0] for key in series if key[0] == "k" and key[1:2].isdigit()})
+    """The static-k variants on ada's split (``k1``, ``k2``, ...; not phase (c)'s ``k1_even``)."""
+    return sorted({n for n in (key.split(".")[0] for key in series) if re.fullmatch(r"k\d+", n)})
 
 
 def layout_figures(spec: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
@@ -243,6 +254,9 @@ def layout_figures(spec: dict[str, Any], result: dict[str, Any]) -> dict[str, An
         ),
         "planned_vs_even_split_slow_stage": _interval(
             _ratios(c["stock.step"], c["planned_1f1b.step"])
+        ),
+        "planned_vs_even_split_slow_stage_kfkb_k1": _interval(
+            _ratios(c["k1_even.step"], c["k1.step"])
         ),
         # What preemption costs 1F1B (median step, preempted rounds over phase a): a schedule
         # that hides every transfer gains about this much, and no more, over 1F1B in (b).
@@ -319,6 +333,9 @@ def summarise(network_mode: str, layouts: dict[str, dict[str, Any]]) -> dict[str
         "ada_vs_1f1b_unpreempted": worst("ada_vs_1f1b_unpreempted"),
         "ada_vs_best_static_k": min(static),
         "planned_vs_even_split_slow_stage": worst("planned_vs_even_split_slow_stage"),
+        "planned_vs_even_split_slow_stage_kfkb_k1": worst(
+            "planned_vs_even_split_slow_stage_kfkb_k1"
+        ),
         "sim_max_error": max(e for f in layouts.values() for e in f["sim_error"].values()),
         "memory_limit_exceeded": any(f["memory"]["exceeded"] for f in layouts.values()),
     }
@@ -336,6 +353,16 @@ def _network_mode() -> tuple[str, str]:
     except ConfigError as error:
         return "model", str(error)
     return "shaped", ""
+
+
+def selected_layouts(specs: list[BenchSpec], only: str) -> list[BenchSpec]:
+    """``specs`` named in ``only`` (``LAYOUTS_ENV``'s value; empty: all of them)."""
+    names = [n.strip() for n in only.split(",") if n.strip()]
+    unknown = sorted(set(names) - {spec.name for spec in specs})
+    if unknown:
+        known = ", ".join(spec.name for spec in specs)
+        raise ValueError(f"{LAYOUTS_ENV}: unknown layout(s) {', '.join(unknown)} (known: {known})")
+    return [spec for spec in specs if not names or spec.name in names]
 
 
 def run_layout(spec: BenchSpec) -> dict[str, Any]:
@@ -371,7 +398,8 @@ def run_pipeline_benchmark(*, quick: bool, json_path: str = "") -> int:
     if why:
         console.print(f"shaped links unavailable ({why}); falling back to the network model")
     layouts: dict[str, Any] = {}
-    for spec in build_specs(quick, mode):
+    only = os.environ.get(LAYOUTS_ENV, "")
+    for spec in selected_layouts(build_specs(quick, mode), only):
         console.print(f"[bold]bench pipeline[/]: {spec.name} on {WORLD} ranks ({mode} links)")
         t0 = time.perf_counter()
         result = run_layout(spec)
@@ -390,6 +418,7 @@ def run_pipeline_benchmark(*, quick: bool, json_path: str = "") -> int:
         "cpu_count": os.cpu_count(),
         "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}",
         "network_note": why or "real tc-shaped links; tenant preemptions are real TCP traffic",
+        "layouts_only": only,
         "summary": summarise(mode, {n: v["figures"] for n, v in layouts.items()}),
         "layouts": layouts,
     }

@@ -14,7 +14,9 @@ Variants (names used in the JSON):
 - ``stock``: Colossal-AI's HybridParallelPlugin, its 1F1B, even split;
 - ``planned_1f1b``: HeteroParallelPlugin, Colossal-AI's 1F1B on the planned split;
 - ``k{n}``: HeteroParallelPlugin, ``KFKBSchedule`` with a fixed ``k = n``, planned split;
-- ``ada``: HeteroParallelPlugin ``ada_kfkb``, planned split, under the memory budget.
+- ``ada``: HeteroParallelPlugin ``ada_kfkb``, planned split, under the memory budget;
+- ``k1_even`` (phase c only): the equal set's ``k1`` (``KFKBSchedule``, ``k = 1``, even split
+  and widths), the even split under our executor.
 
 Phases (a) and (b) share one set (equal speeds: the planned split is the planner's for equal
 stages); phase (c) slows one device to half speed (``bench.pipeline_stretch``) and uses a second
@@ -344,9 +346,10 @@ def run_pipeline_worker(
     # picked is configured as a user would: parallel.num_layers_per_stage.
     times = measured["stage_times"] if trial.best == 0 else None
     slow_spec = {**spec, "splits": {**spec["splits"], "slow": trial.split}, "stage_times": times}
-    slow = _build_set(
-        slow_spec, "slow", device, {"stock": stock, "planned_1f1b": tried[trial.best]}
-    )
+    # k1_even: the equal set's KFKBSchedule at k = 1 (even split, even widths), so that (c)
+    # also gives the split's gain under our executor (k1 over it), not only under Colossal-AI's.
+    shared = {"stock": stock, "planned_1f1b": tried[trial.best], "k1_even": equal["k1"]}
+    slow = _build_set(slow_spec, "slow", device, shared)
     for runner in slow.values():
         if runner.stretch is None:  # stock and the tried splits have theirs
             stretch.attach(runner.blocks)

@@ -16,6 +16,7 @@ from colossal_hetero.bench.pipeline import (
     phase_plan,
     planned_splits,
     preemptions,
+    selected_layouts,
     summarise,
 )
 from colossal_hetero.bench.pipeline_model import ROW, network_config, stage_peaks
@@ -81,6 +82,15 @@ def test_specs_and_network():
     assert network_config(pp4.to_dict(), "model").links == []
 
 
+def test_layout_selection_for_iterating_on_one():
+    specs = build_specs(quick=True, network_mode="model")
+    assert selected_layouts(specs, "") == specs
+    assert [s.name for s in selected_layouts(specs, " pp2xtp2 ")] == ["pp2xtp2"]
+    assert [s.name for s in selected_layouts(specs, "pp2xtp2,pp4")] == ["pp4", "pp2xtp2"]
+    with pytest.raises(ValueError, match="unknown layout.*pp8"):
+        selected_layouts(specs, "pp4,pp8")
+
+
 def test_stage_peaks():
     rows = [[0.0, 0.0, 1.0, peak, 0.0] for peak in (3.0, 5.0, 1.0)]
     assert len(rows[0]) == len(ROW)
@@ -102,7 +112,9 @@ def _result(stock: float, ada: float, k2: float, *, ada_peak: float) -> dict[str
         return out
 
     steps = {"stock": stock, "planned_1f1b": stock, "k1": stock, "k2": k2, "ada": ada}
-    slow = {**steps, "planned_1f1b": stock / 1.4}
+    # (c): k1 on the planned split 1.25x faster than stock; k1_even (our k = 1 on the even
+    # split) faster than every static k, yet no static k of ada's split.
+    slow = {**steps, "planned_1f1b": stock / 1.4, "k1": stock / 1.25, "k1_even": 0.9}
     return {
         "phases": {
             "a": {"series": series(steps), "rounds": rounds, "first_round": 0},
@@ -121,6 +133,9 @@ def test_summary_arithmetic():
     assert good["ada_vs_best_static_k_a"]["best"] == "k2"
     assert good["ada_vs_best_static_k_a"]["value"] == pytest.approx(1.02)
     assert good["planned_vs_even_split_slow_stage"]["value"] == pytest.approx(1.4)
+    # 0.9 / (2.0 / 1.25)
+    assert good["planned_vs_even_split_slow_stage_kfkb_k1"]["value"] == pytest.approx(0.5625)
+    assert good["ada_vs_best_static_k_c"]["best"] == "k2"
     assert max(good["sim_error"].values()) == pytest.approx(0.1)
     worse = layout_figures(spec, _result(1.5, 1.0, 0.9, ada_peak=2**20 + 1))
     summary = summarise("shaped", {"x": good, "y": worse})
@@ -130,6 +145,7 @@ def test_summary_arithmetic():
         "ada_vs_1f1b_unpreempted": pytest.approx(1.5),
         "ada_vs_best_static_k": pytest.approx(0.9),
         "planned_vs_even_split_slow_stage": pytest.approx(1.4),
+        "planned_vs_even_split_slow_stage_kfkb_k1": pytest.approx(0.5625),  # worse: 0.75
         "sim_max_error": pytest.approx(0.1),
         "memory_limit_exceeded": True,
     }
@@ -191,7 +207,9 @@ def test_best_static_k_only_among_those_within_the_budget():
     assert figures["ada_vs_best_static_k_a"]["value"] == pytest.approx(2.0)
     assert figures["ada_vs_best_static_k_a_any_memory"]["best"] == "k2"
     assert figures["ada_vs_best_static_k_a_any_memory"]["value"] == pytest.approx(0.5)
-    assert summarise("shaped", {"x": figures})["ada_vs_best_static_k"] == pytest.approx(2.0)
+    # the lowest phase: (c), where k1 runs 2.0 / 1.25 (k1_even, faster, is not ada's split)
+    assert figures["ada_vs_best_static_k_c"]["best"] == "k1"
+    assert summarise("shaped", {"x": figures})["ada_vs_best_static_k"] == pytest.approx(1.6)
 
 
 def test_phase_c_variants_plan_uneven_widths_on_the_slow_devices_stage():
