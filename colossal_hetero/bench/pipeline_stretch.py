@@ -102,6 +102,11 @@ class Stretch:
         """Stretched block passes so far (a block's forward and its backward count one each)."""
         self.intervals = 0
         """Compute intervals stretched so far (one per pass, plus one per collective in it)."""
+        self.cpu_s = 0.0
+        """The intervals' thread CPU seconds so far."""
+        self.compute_wall_s = 0.0
+        """The intervals' wall seconds so far, before their sleeps: over ``cpu_s``, how much
+        the host's contention slows a core (``dedicated`` absorbs up to ``base``)."""
         self._pass: tuple[float, Clocks] | None = None
         """The open pass: its start (wall) and its running interval's start clocks."""
         self._saved: dict[tuple[int, str], Any] = {}
@@ -112,16 +117,19 @@ class Stretch:
         """(wall, thread CPU) now: where an interval starts."""
         return self._wall(), self._cpu()
 
-    def extra_s(self, start: Clocks) -> float:
-        """Seconds to sleep for the compute interval begun at ``start``, as the mode says."""
-        wall = self._wall() - start[0]
+    def extra_s(self, wall: float, cpu: float) -> float:
+        """Seconds to sleep after a compute interval of ``wall`` seconds and ``cpu`` seconds of
+        the thread's CPU time, as the mode says."""
         if self.mode == "dedicated":
-            work = self.base * (self._cpu() - start[1])  # the interval's compute on a full device
+            work = self.base * cpu  # the interval's compute on a full-speed device
             return max(0.0, work - wall) + (self.factor - 1.0) * work
         return (self.factor - 1.0) * wall
 
     def _settle(self, start: Clocks) -> None:
-        extra = self.extra_s(start)
+        wall, cpu = self._wall() - start[0], self._cpu() - start[1]
+        self.cpu_s += cpu
+        self.compute_wall_s += wall
+        extra = self.extra_s(wall, cpu)
         if extra > 0.0:
             self.slept_s += extra
             self._sleep(extra)

@@ -471,13 +471,15 @@ def measure_stage_times(
     run, times two) and the rest of the stage's own passes per micro-batch (forward_step +
     backward_step, ``InFlightMeter.busy_s``, less its blocks): embeddings, head and loss,
     Python. Per stage the median over steps of its slowest rank: ``plan.stage_times``, from
-    which the plugin balances ``fixed + n * block`` (``try_splits``). Collective.
+    which the plugin balances ``fixed + n * block`` (``try_splits``). ``stretch_by_rank``:
+    each rank's stretch totals over those steps (``STRETCH_TOTALS``; ``compute_wall_s`` over
+    ``cpu_s`` is the host's contention, which ``dedicated`` absorbs up to its base). Collective.
     """
     assert stock.meter is not None
     m, pp = spec["m"], spec["pp"]
     stretch.enabled = True
     stock.step(seed=WARM_SEED + 1)
-    rows = []
+    rows, before = [], _stretch_totals(stretch)
     for i in range(steps):
         seconds, passes, busy = stretch.passes_s, stretch.passes, stock.meter.busy_s
         stock.step(seed=WARM_SEED + 2 + i)
@@ -486,6 +488,7 @@ def measure_stage_times(
         fixed_s = max(0.0, (stock.meter.busy_s - busy - blocks_run * block_s) / m)
         rows.append(_gather([block_s, fixed_s]))
     stretch.enabled = False
+    totals = [b - a for a, b in zip(before, _stretch_totals(stretch), strict=True)]
 
     def stage_median(stage: int, column: int) -> float:
         ranks = [r for r, s in enumerate(layout) if s == stage]
@@ -498,7 +501,16 @@ def measure_stage_times(
         "block_s": list(times.block_s),
         "fixed_s": list(times.fixed_s),
         "stage_times": [[b, f] for b, f in zip(times.block_s, times.fixed_s, strict=True)],
+        "stretch_by_rank": [dict(zip(STRETCH_TOTALS, row, strict=True)) for row in _gather(totals)],
     }
+
+
+STRETCH_TOTALS = ("cpu_s", "compute_wall_s", "slept_s", "passes_s", "passes", "intervals")
+"""``measure_stage_times``' per-rank stretch totals over its measured steps (``Stretch``'s)."""
+
+
+def _stretch_totals(stretch: Stretch) -> list[float]:
+    return [float(getattr(stretch, name)) for name in STRETCH_TOTALS]
 
 
 def _decisions(runner: Runner) -> list[dict[str, Any]]:

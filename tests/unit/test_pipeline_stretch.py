@@ -79,6 +79,7 @@ def test_each_interval_between_collectives_is_stretched_on_its_own():
     # on top of the wait: the wait would have hidden the full-speed device's base padding.
     assert stretch.slept_s == pytest.approx(1.1)
     assert stretch.passes == 1 and stretch.intervals == 2
+    assert (stretch.cpu_s, stretch.compute_wall_s) == pytest.approx((0.3, 0.4))
     assert stretch.passes_s == pytest.approx(0.1 + 0.4 + 1.0 + 0.3 + 0.7)  # the whole pass
     fake.all_reduce("x")  # outside a pass: a plain call, nothing stretched
     assert clocks.slept == pytest.approx([0.4, 0.7])
