@@ -38,7 +38,7 @@ def test_round_plan_and_tenant_trace():
     assert all(p.kind == "tenant" and p.ranks == [2] for p in specs)
     # Every preempted round is covered by exactly the spec with its share.
     for r, share in enumerate(shares):
-        active = [p.factor for p in specs if p.start_step <= r < p.end_step]
+        active = [p.factor for p in specs if p.start_step <= r < (p.end_step or 0)]
         assert active == ([] if share == 1.0 else [share])
 
 
@@ -174,7 +174,11 @@ def test_stretch_sleeps_in_proportion_and_keeps_gradients():
         for block in blocks:
             h = block(h, scale=0.5)[0]
         h.sum().backward()
-        grads = [x.grad.clone(), *(p.grad.clone() for p in blocks.parameters())]
+        assert x.grad is not None
+        grads = [x.grad.clone()]
+        for p in blocks.parameters():
+            assert p.grad is not None
+            grads.append(p.grad.clone())
         x.grad = None
         blocks.zero_grad()
         return grads
@@ -265,7 +269,8 @@ def test_phase_c_planned_split_comes_from_the_plugin_given_stage_times():
     # (a 40 ms bound holds at most 4 + 2 + 4 + 1 = 11 blocks).
     plan = stage_plan_for(slow["planned_1f1b"], _spec(12), 4)
     got = plan.layers_per_stage
-    assert sum(got) == 12 and plan.measured_stage_s[0] == pytest.approx(0.05)
+    measured: tuple[float, ...] = plan.measured_stage_s
+    assert sum(got) == 12 and measured[0] == pytest.approx(0.05)
     # An explicit split (a trial's pick) overrides: no stage times, the configured layers.
     _, fixed = build_configs(spec, "slow", torch.device("cpu"), layers=[4, 2, 4, 2])
     assert fixed["k1"].parallel.num_layers_per_stage == [4, 2, 4, 2]
@@ -303,7 +308,8 @@ def test_the_first_step_after_a_stretch_is_preceded_by_an_unrecorded_one(monkeyp
     monkeypatch.setattr(worker.dist, "barrier", lambda: None)
     monkeypatch.setattr(worker, "_gather", lambda row: [row] * 4)
     phases = worker.Phases(spec, rank=0)
-    first, second = phases.variant(FakeRunner()), phases.variant(FakeRunner())
+    fakes: list[Any] = [FakeRunner(), FakeRunner()]
+    first, second = (phases.variant(fake) for fake in fakes)
     phases.offset = 5  # phase b: its round 4 is global round 9, the first free after 6-8
     for index in range(6):
         first(index, warmup=False)
