@@ -32,6 +32,14 @@ Model (the contract the tuner and the planner rely on):
   as if it had started ``min(burst, g)`` earlier (back-to-back messages get no credit). Through
   two shaped ports in series (upload, then download) the smaller credit counts. Exact for
   messages at least as large as the bucket; the step's first messages (timed whole) get none.
+- ``token_debt``: the shaper charges a message after letting it through (tc htb sends a packet
+  whenever its bucket is not empty and lets the tokens go negative, and a 16 KiB message leaves
+  as one GSO packet): a message lands as soon as it starts on its link (or, with shared ports,
+  as soon as the receiver's download starts it), and the link (port) stays closed for its
+  transfer time less its credit, until the debt is paid. Back-to-back messages still land one
+  transfer time apart; a lone one arrives at once (PP=4 on 20 Mbit/s links, 16 KiB messages:
+  lone ones landed 0-3 ms after their send, queued ones 6.6 ms apart). First messages (timed
+  whole) land at their end as without it.
 - Memory: a micro-batch's activations live on stage ``s`` from its forward to its backward;
   peak memory is ``activation_bytes[s]`` times the peak number alive.
 """
@@ -152,6 +160,7 @@ def simulate(
     burst_s: Sequence[float] | None = None,
     up_burst_s: Sequence[float] | None = None,
     keep_events: bool = True,
+    token_debt: bool = False,
 ) -> SimResult:
     """Simulate one step of kFkB with ``k`` over ``p = len(forward_s)`` stages.
 
@@ -167,6 +176,7 @@ def simulate(
     ``burst_s[b]`` / ``up_burst_s[b]`` (default 0; gradients default to ``burst_s``): the token
     bucket's credit in seconds of boundary ``b``'s activations / gradients (see the module doc).
     ``keep_events=False`` leaves ``events`` empty (the same times, less work: the tuner's).
+    ``token_debt``: messages land when they start and pay their transfer time after (module doc).
     """
     p = len(forward_s)
     act = [0.0] * p if activation_bytes is None else list(activation_bytes)
@@ -181,7 +191,7 @@ def simulate(
     orders = [kfkb_order(p, s, num_microbatches, k) for s in range(p)]
     first = _first_times(first_s, first_up_s, p)
     links = _Links(transfers, up, (lat, up_lat), shared_ports, start_time, first)
-    links.burst = {"F": burst, "B": up_burst}
+    links.burst, links.debt = {"F": burst, "B": up_burst}, token_debt
     events: list[Event] | None = [] if keep_events else None
     step, busy = _run(orders, forward_s, backward_s, links, start_time, events)
     peaks = tuple(peak_in_flight(o) for o in orders)
@@ -226,6 +236,8 @@ class _Links:
         self.burst = {"F": [0.0] * len(down), "B": [0.0] * len(up)}
         """Token-bucket credit of each kind's messages, per boundary (seconds)."""
         self.shared = shared_ports
+        self.debt = False
+        """Whether a message lands when it starts and its link closes for its time after."""
         self.free: dict[tuple[str, int], float] = {}
         """When each link or port is next free; idle (a full bucket) before its first message."""
         self.start = start_time
@@ -246,16 +258,20 @@ class _Links:
             trace, burst = self.first[(op, boundary)], 0.0
         else:
             trace, burst = self.traces[op][boundary], self.burst[op][boundary]
+        debt = self.debt and not first
         if not self.shared:
             begin, credit = self._begin((op, boundary), ready, burst)
             leaves = max(begin, trace.finish(begin - credit))
             self.free[(op, boundary)] = leaves
+            leaves = begin if debt else leaves
         else:
             begin, credit = self._begin(("up", src), ready, burst)
             sent = max(begin, trace.finish(begin - credit))  # off the sender's port
             down, credit = self._begin(("down", dst), begin, burst)
-            leaves = max(sent, down, trace.finish(down - credit))
+            leaves = max(down, trace.finish(down - credit))
+            leaves = leaves if debt else max(sent, leaves)
             self.free[("up", src)], self.free[("down", dst)] = sent, leaves
+            leaves = down if debt else leaves
         return leaves + self.latency[op][boundary]
 
 

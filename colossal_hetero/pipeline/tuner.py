@@ -54,6 +54,9 @@ class PipelineProfile:
     port) idled (see the simulator); empty: none."""
     burst_up_s: tuple[float, ...] = ()
     """The same for gradients (empty: as ``burst_s``)."""
+    token_debt: bool = False
+    """Whether a message lands as it starts on its link and pays its transfer time after
+    (a shaper that lets a packet through on credit, tc htb: see the simulator)."""
 
     @property
     def num_stages(self) -> int:
@@ -264,7 +267,8 @@ def simulate_profile(
 ) -> SimResult:
     """One simulated step of ``profile`` under ``k``: constant link times, latencies and
     token-bucket credits, each direction's own when ``transfer_up_s`` / ``latency_up_s`` /
-    ``burst_up_s`` is given, shared stage ports when ``shared_ports`` (``keep_events``: see
+    ``burst_up_s`` is given, shared stage ports when ``shared_ports``, messages charged after
+    they land when ``token_debt`` (``keep_events``: see
     :func:`~colossal_hetero.pipeline.simulator.simulate`)."""
     up = profile.transfer_up_s or profile.transfer_s
     return simulate(
@@ -283,4 +287,5 @@ def simulate_profile(
         burst_s=profile.burst_s or None,
         up_burst_s=profile.burst_up_s or None,
         keep_events=keep_events,
+        token_debt=profile.token_debt,
     )

@@ -258,6 +258,48 @@ def test_token_bucket_on_shared_ports_takes_the_smaller_credit():
     assert simulate(f, b, c, 2, 2, shared_ports=True, burst_s=[0.0, 1.0]).step_time == 16.0
 
 
+def test_token_debt_lands_a_message_as_it_starts():
+    # p=2, m=2, 1F1B, f=b=1, 2 s a message, the shaper charging after (htb's negative tokens).
+    # s0 F0 [0,1]: lands 1, link closed to 3; s0 F1 [1,2]: ready 2, starts 3, lands 3. s1 F0
+    # [1,2] B0 [2,3]: gradient lands 3 (link closed to 5); s1 F1 [3,4] B1 [4,5]: lands 5.
+    # s0 B0 [3,4] B1 [5,6]: 6. Charged before landing (a FIFO link) the same step takes 10:
+    # activations land 3 and 5, s1 F0 [3,4] B0 [4,5] F1 [5,6] B1 [6,7], gradients 7 and 9.
+    f, b, c = uniform(2, 1.0, 1.0, 2.0)
+    r = simulate(f, b, c, 2, 1, token_debt=True)
+    spans = {(e.stage, e.op, e.mb): (e.start, e.end) for e in r.events}
+    assert [spans[(1, "F", i)][0] for i in range(2)] == [1.0, 3.0]
+    assert [spans[(0, "B", i)][0] for i in range(2)] == [3.0, 5.0]
+    assert r.step_time == 6.0
+    assert simulate(f, b, c, 2, 1).step_time == 10.0
+    # GPipe, m=3: back-to-back messages still land one transfer time apart. Activations ready
+    # 1, 2, 3 land 1, 3, 5; s1 F [1,2] [3,4] [5,6] B [6,7] [7,8] [8,9]; gradients ready 7, 8, 9
+    # land 7, 9, 11; s0 B [7,8] [9,10] [11,12]. With a 1 s bucket: activations land 1 (closed
+    # to 2), 2 (to 4), 4; s1 F [1,2] [2,3] [4,5] B [5,6] [6,7] [7,8]; gradients 6 (to 7), 7, 9.
+    assert simulate(f, b, c, 3, 3, token_debt=True).step_time == 12.0
+    assert simulate(f, b, c, 3, 3, token_debt=True, burst_s=[1.0]).step_time == 10.0
+
+
+def test_token_debt_on_shared_ports():
+    # p=3, m=2, k=2, f=b=1, 2 s a message, shared ports, charged after landing. s0 F0 [0,1]
+    # lands 1 on s1 (s0's upload and s1's download closed to 3); s0 F1 (ready 2) waits for s0's
+    # upload: lands 3. s1 F0 [1,2] lands 2 on s2, s1 F1 [3,4] lands 4 (s1's upload free at 4).
+    # s2 F [2,3] [4,5] B [5,6] [6,7]: gradients land 6 on s1 (ports closed to 8) and 8. s1 B0
+    # [6,7] lands 7 on s0, B1 [8,9] lands 9 (s1's upload free at 9). s0 B [7,8] [9,10]: 10,
+    # against 18 charged before landing (test above).
+    f, b, c = uniform(3, 1.0, 1.0, 2.0)
+    r = simulate(f, b, c, 2, 2, shared_ports=True, token_debt=True)
+    spans = {(e.stage, e.op, e.mb): (e.start, e.end) for e in r.events}
+    assert [spans[(1, "F", i)][0] for i in range(2)] == [1.0, 3.0]
+    assert [spans[(1, "B", i)][0] for i in range(2)] == [6.0, 8.0]
+    assert [spans[(0, "B", i)][0] for i in range(2)] == [7.0, 9.0]
+    assert r.step_time == 10.0
+    # Two stages: each port carries one kind, so shared ports change nothing here either.
+    f2, b2, c2 = uniform(2, 1.0, 1.0, 2.0)
+    for k in (1, 2):
+        alone = simulate(f2, b2, c2, 2, k, token_debt=True)
+        assert simulate(f2, b2, c2, 2, k, shared_ports=True, token_debt=True) == alone
+
+
 @pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("k", [1, 2, 3, 5])
 def test_without_events_the_times_are_the_events_sums(k, shared):

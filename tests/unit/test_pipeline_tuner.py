@@ -218,3 +218,16 @@ def test_a_token_bucket_in_the_profile_reaches_the_simulator_and_can_move_k():
     assert choose_k(profile(2, 1.0, 1.0, 2.0), 4).k == 2
     with pytest.raises(ValueError, match="burst_s"):
         choose_k(dataclasses.replace(prof, burst_s=(1.0, 1.0)), 4)
+
+
+def test_token_debt_reaches_the_simulator():
+    # The hand-computed p=2, m=2, 1F1B step of test_pipeline_simulator: 6 charged after
+    # landing, 10 before; k = 2 (GPipe) takes 8: s0 F [0,1] [1,2], activations land 1 and 3,
+    # s1 F [1,2] [3,4] B [4,5] [5,6], gradients land 5 and 7, s0 B [5,6] [7,8].
+    from colossal_hetero.pipeline.tuner import PipelineProfile, simulate_profile
+
+    profile = PipelineProfile((1.0, 1.0), (1.0, 1.0), (2.0,), (1.0, 1.0), (9.0, 9.0))
+    debt = dataclasses.replace(profile, token_debt=True)
+    assert simulate_profile(profile, 2, 1).step_time == 10.0
+    assert simulate_profile(debt, 2, 1).step_time == 6.0
+    assert simulate_profile(debt, 2, 2).step_time == 8.0
