@@ -1,23 +1,17 @@
 """``colossal-hetero bench moe``: a small Mixtral, EP=2 x DP=2 on 4 CPU ranks, on shaped links.
 
 The stock ``MoeHybridParallelPlugin`` (ZeRO-1, its only EP x DP layout) against ours
-(``HeteroParallelPlugin`` with ``parallel.ep``) in six settings (``VARIANTS``): priority off
-with no in-flight limit (plain bucketed overlap, DDP-like), priority on holding chunks from
-dispatch to combine, priority on fitting chunks into the gaps between a2a's, that with
-a2a/expert pipelining forced to ``PIPELINE`` ranges, that with expert packing, and "all on":
-gap fitting with the pipelining's cost model choosing 1 to ``PIPELINE_MOST`` ranges after the
-first step (packing left out: see ``VARIANTS``). All
-in bf16 (the stock plugin's ZeRO refuses fp32), built in one world from the same initial
-weights, trained on the same batches and measured in interleaved rounds (``bench.rounds``), one
-training step per variant per round.
+(``HeteroParallelPlugin`` with ``parallel.ep``) in the settings of ``VARIANTS``, and
+DeepSpeed-MoE (bench/moe_deepspeed.py). All in bf16 (the stock plugin's ZeRO refuses fp32),
+built in one world from the same initial weights, trained on the same batches and measured in
+interleaved rounds (``bench.rounds``), one training step per variant per round, every rank of
+every variant on the same emulated device (bench/moe_devices.py).
 
 Per step and variant: the slowest rank's step time; the time inside synchronous collectives
 (our reducer's async chunks are not counted, they overlap); for ours, the a2a transfer times
 (:func:`_a2a_medians`: from the last rank's arrival to the end) of the forward ("alone": no
-gradient exists yet) and of the backward (gradient chunks are reduced around them), and the
-share of a2a calls with a chunk of any rank on the wire, the world's a2a bytes; the mean
-training loss. DeepSpeed-MoE (bench/moe_deepspeed.py) is one more variant of the same rounds;
-speed-aware placement is measured on a spawn of its own (bench/moe_hetero.py).
+gradient exists yet) and of the backward (gradient chunks are reduced around them), the share
+of a2a calls with a chunk on the wire, the world's a2a bytes. Placement: bench/moe_hetero.py.
 """
 
 from __future__ import annotations
@@ -26,8 +20,8 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from colossal_hetero.bench.moe_deepspeed import baseline_round_entries
+from colossal_hetero.bench.moe_devices import CollectiveTimer, transfer_time
 from colossal_hetero.bench.moe_hetero import run_hetero_case
 
 HF = {
@@ -51,7 +46,9 @@ HF = {
     "router_aux_loss_coef": 0.02,
 }
 SEQ, PER_RANK, EP = 64, 4, 2
-RATE_MBIT = 900.0  # stock comm fraction 0.44 (band 0.40-0.60); 650: 0.44 too; 1200: 0.39
+RATE_MBIT = {"dedicated": 900.0, "none": 900.0}
+"""Link rate per emulation (``bench/moe_devices.py``), for a stock comm fraction of 0.40-0.60.
+``none``: 0.44 at 900 Mbit/s (650: 0.44 too; 1200: 0.39)."""
 CHUNK_KIB, MAX_INFLIGHT = 512, 2
 CHUNK_EFFICIENCY = 0.5  # chunk size from the measured alpha-beta profile, at most CHUNK_KIB
 UNLIMITED = 1024  # priority off: every ready chunk goes at once (plain bucketed overlap, DDP-like)
@@ -68,15 +65,14 @@ VARIANTS = {  # name: (priority, fit_gaps, max_inflight, pipeline_chunks, pipeli
 }
 """``ours_all`` ("all on"): priority, gap fitting, and a2a/expert pipelining as its cost model
 chooses. Expert packing (``ours_pack``, priority on with packing) is left out: it does not
-combine with pipelining, and it made the step slower (0.83x priority on, 12.7% fewer a2a
-bytes; docs/moe.md). Speed-aware placement is the even one on equal devices (its
-re-placement needs fp32: the heterogeneous case measures it). ``ours_s7`` is all on as session 7
-left it (``SESSION7``): the optimizer stepped once after the whole flush, and the routing
-counts in an a2a of their own (all on steps the group reduced first while the other is still
-on the wire, moe/split_step.py, and folds the counts into the dispatch, moe/folded.py)."""
+combine with pipelining, and it made the step slower (docs/moe.md). Speed-aware placement is
+the even one on equal devices (its re-placement needs fp32: the heterogeneous case measures
+it). ``ours_s7`` is all on as session 7 left it (``SESSION7``): the optimizer stepped once
+after the whole flush, and the routing counts in an a2a of their own (all on steps the group
+reduced first while the other is still on the wire, moe/split_step.py, and folds the counts
+into the dispatch, moe/folded.py)."""
 SESSION7 = ("ours_s7",)
 
-_TIMED = ("all_reduce", "all_to_all_single", "reduce_scatter_tensor", "all_gather_into_tensor")
 _NOT_BUILT = {
     "all_on_vs_deepspeed_moe": "DeepSpeed-MoE baseline not run (optional extra, not installed)",
     "speed_aware_vs_even_placement": "runtime re-placement and the heterogeneous case not built",
@@ -88,36 +84,6 @@ def _model() -> torch.nn.Module:
 
     torch.manual_seed(0)
     return MixtralForCausalLM(MixtralConfig(**HF))
-
-
-@contextmanager
-def _timed_collectives(total: list[float], calls: list[Any] | None = None) -> Iterator[None]:
-    """Add the wall time of every synchronous collective call to ``total[0]``; with ``calls``,
-    also append each call's ``(start, end, global ranks of its group)``."""
-    originals = {name: getattr(dist, name) for name in _TIMED}
-
-    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            if kwargs.get("async_op"):
-                return fn(*args, **kwargs)
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                end = time.perf_counter()
-                total[0] += end - start
-                if calls is not None:
-                    calls.append((start, end, _group_ranks(args, kwargs)))
-
-        return timed
-
-    for name, fn in originals.items():
-        setattr(dist, name, wrap(fn))
-    try:
-        yield
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
 
 
 def _build_stock(device: torch.device) -> tuple[Any, Any, Any]:
@@ -142,6 +108,9 @@ def _build_ours(
     pipeline: int,
     auto: bool,
     packing: bool,
+    *,
+    emulation: Any,
+    stretch: str,
 ) -> tuple[Any, Any, Any, Any]:
     from colossalai.booster import Booster
 
@@ -161,8 +130,11 @@ def _build_ours(
             pipeline_auto=auto,
             packing=packing,
         ),
+        emulation=emulation,
     )
     plugin = HeteroParallelPlugin(config)
+    if stretch == "dedicated":  # each rank on a device of its own (bench/moe_devices.py)
+        plugin.timer.stretch = "dedicated"
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     booster = Booster(plugin=plugin)
@@ -239,42 +211,48 @@ def a2a_split(
     )
 
 
-def moe_worker(rank: int, world_size: int, device: torch.device, *, quick: bool) -> dict:
-    """One rank of the benchmark (module doc; 3 warm-ups: all on picks its pipelining)."""
-    from colossal_hetero.bench.rounds import RoundsPolicy, rank0_decides, run_rounds
+def moe_worker(
+    rank: int, world_size: int, device: torch.device, *, quick: bool, stretch: str = "dedicated"
+) -> dict:
+    """One rank of the benchmark (module doc; 3 warm-ups: all on picks its pipelining), every
+    variant on the devices ``stretch`` emulates (bench/moe_devices.py)."""
+    from colossal_hetero.bench.moe_devices import emulated_devices
     from colossal_hetero.utils.quiet import quiet_third_party_warnings
 
     quiet_third_party_warnings()
-    torch.set_num_threads(1)  # ours first: our plugin installs Colossal-AI's CPU fixes (compat/)
+    torch.set_num_threads(1)
+    with emulated_devices(world_size, device, stretch) as devices:
+        return _measure(rank, world_size, device, quick, devices)
+
+
+def _measure(
+    rank: int, world_size: int, device: torch.device, quick: bool, devices: Any
+) -> dict[str, Any]:
+    """``moe_worker``'s rounds on ``devices`` (``moe_devices.Devices``)."""
+    from colossal_hetero.bench.moe_devices import scoped_step
+    from colossal_hetero.bench.rounds import RoundsPolicy, rank0_decides, run_rounds
+
+    emulation, stretch, clock = devices.emulation, devices.stretch, devices.clock
+    counter, timer = devices.counter, devices.timer
     chunk_kib, profiles = _profiled_chunk_kib()
-    ours = _build_variants(chunk_kib)
+    # ours first: our plugin installs Colossal-AI's CPU fixes (compat/)
+    ours = _build_variants(chunk_kib, emulation, stretch)
     logs: dict[str, list[tuple[float, list]]] = {name: [] for name in ours}
     stock = _build_stock(device)
     batches = _Batches(rank, world_size)
     batch, agreed = batches.get, _agreed
     # H6's baseline (bench/moe_deepspeed.py): DeepSpeed-MoE, when the optional extra is here.
     ds_variants, ds_figures, ds_info = baseline_round_entries(
-        _model, EP, "bf16", PER_RANK, batch, agreed, all_on="ours_all"
-    )
-
-    def ours_variant(name: str) -> Callable[..., dict[str, float]]:
-        def run(index: int, *, warmup: bool) -> dict[str, float]:
-            booster, model, optimizer, plugin = ours[name]
-            step_time, comm = _train_step(booster, model, optimizer, batch(index))
-            alone, under, overlapped = _a2a_medians(plugin.moe_log.comm)
-            if not warmup:
-                logs[name].append((step_time, [list(row) for row in plugin.moe_log.last]))
-            s, c = agreed([step_time, comm])
-            a2a = {"a2a_alone": alone, "a2a_under": under, "a2a_overlapped": overlapped}
-            return {"step": s, "comm": c, **a2a, "a2a_bytes": _a2a_bytes(plugin.moe_log.last)}
-
-        return run
+        _model, EP, "bf16", PER_RANK, batch, agreed, all_on="ours_all",
+        scope=lambda index: scoped_step(clock, counter, index),
+    )  # fmt: skip
 
     policy = RoundsPolicy(warmup=3, min_rounds=8 if quick else 12, budget_s=50 if quick else 300)
+    stock_run = _stock_variant(rank, stock, batch, lambda i: scoped_step(clock, counter, i), timer)
     result = run_rounds(
         {
-            "stock": _stock_variant(rank, stock, batch, agreed),
-            **{name: ours_variant(name) for name in VARIANTS},
+            "stock": stock_run,
+            **{n: _ours_variant(ours[n], batch, (counter, timer), logs[n]) for n in VARIANTS},
             **ds_variants,
         },
         {**_ratios(), **ds_figures},
@@ -301,12 +279,40 @@ def moe_worker(rank: int, world_size: int, device: torch.device, *, quick: bool)
     }
 
 
-def _build_variants(chunk_kib: int) -> dict[str, tuple[Any, Any, Any, Any]]:
+def _ours_variant(
+    built: tuple, batch: Callable[[int], Any], tools: tuple, logs: list[tuple[float, list]]
+) -> Callable[..., dict[str, float]]:
+    """One variant of ours as a round entry; measured steps' logs go to ``logs``; ``tools``:
+    the process-group call counter and the collective timer."""
+    counter, timer = tools
+
+    def run(index: int, *, warmup: bool) -> dict[str, float]:
+        booster, model, optimizer, plugin = built
+        scope = counter.watching(plugin.timer)  # the seam opens and closes the step
+        step_time, calls, seen = _train_step(booster, model, optimizer, batch(index), scope, timer)
+        comm = sum(end - begin for begin, end, _ in calls)
+        alone, under, overlapped = _a2a_medians(plugin.moe_log.comm)
+        if not warmup:
+            logs.append((step_time, [list(row) for row in plugin.moe_log.last]))
+        s, c, pg, missed = _agreed([step_time, comm, seen["pg_calls"], seen["missed"]])
+        a2a = {"a2a_alone": alone, "a2a_under": under, "a2a_overlapped": overlapped}
+        counts = {"a2a_bytes": _a2a_bytes(plugin.moe_log.last), "pg_calls": pg}
+        return {"step": s, "comm": c, **a2a, **counts, "missed": missed}
+
+    return run
+
+
+def _build_variants(
+    chunk_kib: int, emulation: Any, stretch: str
+) -> dict[str, tuple[Any, Any, Any, Any]]:
     """Every variant of ours (``VARIANTS``); those of ``SESSION7`` without session 8's split
     optimizer step and folded routing counts."""
     from colossal_hetero.moe.block import HeteroEPMixtralSparseMoeBlock
 
-    ours = {name: _build_ours(chunk_kib, *setting) for name, setting in VARIANTS.items()}
+    ours = {
+        name: _build_ours(chunk_kib, *setting, emulation=emulation, stretch=stretch)
+        for name, setting in VARIANTS.items()
+    }
     for name in SESSION7:
         ours[name][3].moe_log.comm.split_step = False
         for block in ours[name][1].modules():
@@ -316,19 +322,26 @@ def _build_variants(chunk_kib: int) -> dict[str, tuple[Any, Any, Any, Any]]:
 
 
 def _stock_variant(
-    rank: int, stock: tuple, batch: Callable[[int], Any], agreed: Callable[[list[float]], list]
+    rank: int,
+    stock: tuple,
+    batch: Callable[[int], Any],
+    scope: Callable[[int], AbstractContextManager[dict[str, float]]],
+    timer: CollectiveTimer,
 ) -> Callable[..., dict[str, float]]:
-    """The stock plugin's round entry: its step, communication and transfer time, agreed."""
+    """The stock plugin's round entry: its step, communication and transfer time, and its
+    process-group calls (all and outside an intercepted collective), agreed."""
     from colossal_hetero.bench.shaped_spawn import report_bench_step
 
     def run(index: int, *, warmup: bool) -> dict[str, float]:
         report_bench_step(rank, index)
         booster, model, optimizer = stock
-        calls: list[Any] = []
-        step_time, comm = _train_step(booster, model, optimizer, batch(index), calls)
-        transfer = _transfer_time(calls)
-        s, c, t = agreed([step_time, comm, -1.0 if transfer is None else transfer])
-        return {"step": s, "comm": c, "transfer": t}
+        step_time, calls, seen = _train_step(
+            booster, model, optimizer, batch(index), scope(index), timer
+        )
+        comm, transfer = sum(end - begin for begin, end, _ in calls), transfer_time(calls)
+        values = [step_time, comm, -1.0 if transfer is None else transfer]
+        s, c, t, pg, missed = _agreed([*values, seen["pg_calls"], seen["missed"]])
+        return {"step": s, "comm": c, "transfer": t, "pg_calls": pg, "missed": missed}
 
     return run
 
@@ -394,45 +407,24 @@ class _Batches:
 
 
 def _train_step(
-    booster: Any, model: Any, optimizer: Any, ids: torch.Tensor, calls: list[Any] | None = None
-) -> tuple[float, float]:
-    """One step after a barrier: (wall seconds, seconds inside synchronous collectives)."""
-    comm = [0.0]
+    booster: Any,
+    model: Any,
+    optimizer: Any,
+    ids: torch.Tensor,
+    scope: AbstractContextManager[dict[str, float]],
+    timer: CollectiveTimer,
+) -> tuple[float, list[Any], dict[str, float]]:
+    """One step after a barrier: (wall seconds, the synchronous collectives' ``(start, end,
+    ranks)``, what ``scope`` yielded); forward, backward and the optimizer step in ``scope``."""
     dist.barrier()
     start = time.perf_counter()
-    with _timed_collectives(comm, calls):
-        loss = model(input_ids=ids, labels=ids).loss
-        booster.backward(loss, optimizer)
-        optimizer.step()
+    with timer.recording() as calls:
+        with scope as seen:
+            loss = model(input_ids=ids, labels=ids).loss
+            booster.backward(loss, optimizer)
+            optimizer.step()
         optimizer.zero_grad()
-    return time.perf_counter() - start, comm[0]
-
-
-def _group_ranks(args: tuple, kwargs: dict[str, Any]) -> tuple[int, ...]:
-    group = kwargs.get("group")
-    if group is None:
-        group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
-    if group is None:
-        return tuple(range(dist.get_world_size()))
-    return tuple(dist.get_process_group_ranks(group))
-
-
-def _transfer_time(calls: list[Any]) -> float | None:
-    """Seconds this rank's synchronous collectives spent after their group's last member
-    arrived (the communication itself, without waiting for slower peers); None when the
-    ranks' call counts differ (then no call-by-call matching). Collective (all ranks)."""
-    count = torch.tensor([len(calls), -len(calls)], dtype=torch.float64)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    if int(count[0]) != -int(count[1]):
-        return None
-    starts = torch.tensor([c[0] for c in calls], dtype=torch.float64)
-    flat = starts.new_empty(dist.get_world_size() * len(calls))  # gloo: a flat output
-    dist.all_gather_into_tensor(flat, starts)
-    everyone = flat.view(dist.get_world_size(), len(calls))
-    total = 0.0
-    for i, (_, end, ranks) in enumerate(calls):
-        total += max(0.0, end - float(everyone[list(ranks), i].max()))
-    return total
+    return time.perf_counter() - start, calls, seen
 
 
 def _agreed(values: list[float]) -> list[float]:
@@ -466,8 +458,10 @@ def _loss_check(
     return max(diffs)
 
 
-def summarise(result: dict, network_mode: str) -> dict[str, Any]:
+def summarise(result: dict, network_mode: str, stretch: str = "dedicated") -> dict[str, Any]:
     """The issue's summary keys from one rank's result (all ranks agree)."""
+    from colossal_hetero.bench.moe_devices import boundary_summary, describe
+
     medians = result["rounds"]["medians"]
     figures = result["rounds"]["figures"]
 
@@ -476,6 +470,8 @@ def summarise(result: dict, network_mode: str) -> dict[str, Any]:
 
     summary: dict[str, Any] = {
         "network_mode": network_mode,
+        "emulation": describe(stretch),
+        "link_rate_mbit": RATE_MBIT[stretch],
         "precision": "bf16",
         "stock_comm_fraction": med("stock.transfer") / med("stock.step"),
         "stock_comm_fraction_with_waits": med("stock.comm") / med("stock.step"),
@@ -497,16 +493,16 @@ def summarise(result: dict, network_mode: str) -> dict[str, Any]:
         "all_on_means": "priority on with gap fitting, a2a/expert pipelining over 1 to "
         f"{PIPELINE_MOST} token ranges as its cost model chooses, routing counts inside the "
         "dispatch a2a, the expert optimizer step during the dense gradient transfer "
-        "(all_on_vs_session7_all_on: against all on without the last two); expert packing is "
-        "measured "
-        "apart (packing_on_vs_priority_on: it does not combine with pipelining and slowed the "
-        "step); placement: even on equal devices, speed-aware in the heterogeneous case; "
+        "(all_on_vs_session7_all_on: against all on without the last two); expert packing apart "
+        "(packing_on_vs_priority_on: it does not combine with pipelining and slowed the step); "
+        "placement: even on equal devices, speed-aware in the heterogeneous case; "
         f"pipelining_on_vs_off: forced to {PIPELINE} ranges",
         "packing_on_vs_priority_on": float(figures["pack_vs_on"]["value"]),
         "a2a_bytes_per_step": {name: med(f"{name}.a2a_bytes") for name in VARIANTS},
         "packing_a2a_bytes_saved": 1 - med("ours_pack.a2a_bytes") / med("ours_on.a2a_bytes"),
         "packing_remote_bytes": result.get("packing"),
         **_pipelining_summary(result.get("pipelining"), med),
+        "collectives_outside_interceptor": boundary_summary(result["rounds"].get("series", {})),
     }
     for key, reason in _NOT_BUILT.items():
         summary[key] = None
@@ -535,19 +531,24 @@ def _pipelining_summary(record: dict | None, med: Callable[[str], float]) -> dic
     }
 
 
-def run_moe_benchmark(*, quick: bool, json_path: str = "", network: str = "shaped") -> int:
-    """Run the benchmark on 4 ranks; print the summary; write JSON to ``json_path``."""
+def run_moe_benchmark(
+    *, quick: bool, json_path: str = "", network: str = "shaped", stretch: str = "dedicated"
+) -> int:
+    """Run the benchmark on 4 ranks; print the summary; write JSON to ``json_path``.
+    ``stretch``: ``dedicated`` (every rank on an emulated device of its own) or ``none``
+    (bench/moe_devices.py)."""
+    from colossal_hetero.bench.moe_devices import device_emulation
     from colossal_hetero.bench.shaped_spawn import run_bench_ranks
     from colossal_hetero.config.schema import NetworkEmulationConfig
 
     started, load_before = time.perf_counter(), os.getloadavg()
-    links = NetworkEmulationConfig(mode="shaped", bandwidth_gbps=RATE_MBIT / 1000)
-    results = run_bench_ranks(
-        moe_worker, 4, network=links if network == "shaped" else None, quick=quick
-    )
+    device_emulation(4, stretch)  # a bad stretch fails here, before any rank starts
+    links = NetworkEmulationConfig(mode="shaped", bandwidth_gbps=RATE_MBIT[stretch] / 1000)
+    shaped = links if network == "shaped" else None
+    results = run_bench_ranks(moe_worker, 4, network=shaped, quick=quick, stretch=stretch)
     if json_path:  # the raw per-rank results first: a failing summary keeps the run
         Path(json_path).with_suffix(".raw.json").write_text(json.dumps(results[0]))
-    summary = summarise(results[0], network)
+    summary = summarise(results[0], network, stretch)
     hetero = run_hetero_case(quick=quick)  # H6's heterogeneous case (bench/moe_hetero.py)
     summary["speed_aware_vs_even_placement"] = hetero["speed_aware_vs_even_placement"]
     summary.pop("speed_aware_vs_even_placement_reason", None)
@@ -559,7 +560,7 @@ def run_moe_benchmark(*, quick: bool, json_path: str = "", network: str = "shape
         "model": HF,
         "seq_len": SEQ,
         "per_rank_batch": PER_RANK,
-        "link_rate_mbit": RATE_MBIT if network == "shaped" else None,
+        "link_rate_mbit": RATE_MBIT[stretch] if network == "shaped" else None,
         "wall_s": time.perf_counter() - started,
         "host_load_average": {"before": load_before, "after": os.getloadavg()},
         "summary": summary,

@@ -24,6 +24,7 @@ import io
 import os
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -114,12 +115,16 @@ def deepspeed_variant(
     micro_batch: int,
     batch: Callable[[int], torch.Tensor],
     agreed: Callable[[list[float]], list[float]],
+    scope: Callable[[int], AbstractContextManager[dict[str, float]]] | None = None,
 ) -> tuple[Callable[..., dict[str, float]] | None, str | None, Any]:
     """``(variant, None, engine)`` for ``run_rounds``, or ``(None, reason, None)``.
 
     The variant trains one step on round ``index``'s batch and returns the slowest rank's
-    step time (``step``) and the time inside synchronous collectives is not split out
-    (DeepSpeed issues its own). Call on every rank (collective: DeepSpeed makes its groups).
+    step time (``step``); the time inside synchronous collectives is not split out
+    (DeepSpeed issues its own). With ``scope``, forward, backward and step run inside
+    ``scope(index)`` (``bench moe``: the emulated device's interceptor step), and what it
+    yields (numbers) is returned too, agreed. Call on every rank (collective: DeepSpeed
+    makes its groups).
     """
     if not available():
         return None, MISSING, None
@@ -133,13 +138,15 @@ def deepspeed_variant(
         ids = batch(index)
         dist.barrier()
         start = time.perf_counter()
-        loss = engine(input_ids=ids, labels=ids).loss
-        loss = loss + coef * sum(block.l_aux for block in blocks)
-        engine.backward(loss)
-        engine.step()
+        with scope(index) if scope is not None else contextlib.nullcontext({}) as seen:
+            loss = engine(input_ids=ids, labels=ids).loss
+            loss = loss + coef * sum(block.l_aux for block in blocks)
+            engine.backward(loss)
+            engine.step()
         elapsed = time.perf_counter() - start
-        (step,) = agreed([elapsed])
-        return {"step": step}
+        names = sorted(seen)
+        step, *values = agreed([elapsed, *(seen[name] for name in names)])
+        return {"step": step, **dict(zip(names, values, strict=True))}
 
     return run, None, engine
 
@@ -159,18 +166,28 @@ def baseline_round_entries(
     batch: Callable[[int], torch.Tensor],
     agreed: Callable[[list[float]], list[float]],
     all_on: str,
+    scope: Callable[[int], AbstractContextManager[dict[str, float]]] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """``bench moe``'s registration: (variants, figures, info) to merge into its rounds.
 
     ``all_on`` names the everything-on variant; the figure ``all_on_vs_deepspeed`` is
-    DeepSpeed's step over it, paired per round. Empty dicts and the reason when DeepSpeed is
-    missing. Call on every rank.
+    DeepSpeed's step over it, paired per round; ``scope`` as in ``deepspeed_variant``. Empty
+    dicts and the reason when DeepSpeed is missing. Call on every rank.
     """
-    run, reason, engine = deepspeed_variant(make_model, ep, precision, micro_batch, batch, agreed)
+    run, reason, engine = deepspeed_variant(
+        make_model, ep, precision, micro_batch, batch, agreed, scope
+    )
     if run is None:
         return {}, {}, {"reason": reason}
     figures = {"all_on_vs_deepspeed": lambda v: v["deepspeed.step"] / v[f"{all_on}.step"]}
     import deepspeed
+    from deepspeed import comm as ds_comm
 
-    info = {"version": deepspeed.__version__, "precision": precision, "engine": engine}
+    backend = type(getattr(ds_comm.comm, "cdb", None)).__name__  # TorchBackend: torch.distributed
+    info = {
+        "version": deepspeed.__version__,
+        "precision": precision,
+        "comm_backend": backend,
+        "engine": engine,
+    }
     return {"deepspeed": run}, figures, info

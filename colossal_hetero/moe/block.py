@@ -44,8 +44,9 @@ def _all_to_all(
     """Rows ``send[d]`` of ``x`` to rank ``d`` of ``group``; returns ``recv[d]`` rows from each."""
     x = x.contiguous()
     out = x.new_empty((sum(recv), *x.shape[1:]))
-    with comm.a2a_call(group, x.numel() * x.element_size()):
+    with comm.a2a_call(group, x.numel() * x.element_size()) as event:
         work = dist.all_to_all_single(out, x, recv, send, group=group, async_op=True)
+        event.issued()
         assert work is not None
         work.wait()
     return out

@@ -72,8 +72,15 @@ class CommEvent:
     kind: str
     id: int
     t_launch: float
+    """When the span opened; for a call, when it was issued (``issued``)."""
     t_done: float | None = None
     nbytes: int = 0
+
+    def issued(self) -> None:
+        """Stamp the launch now, right after the call's asynchronous issue returned: a rank on
+        an emulated device (emulation/interceptor.py) finishes the compute before it inside the
+        issue, and the call starts on the wire only then (the gate opened before)."""
+        self.t_launch = time.perf_counter()
 
 
 @dataclass(slots=True)

@@ -115,10 +115,11 @@ def folded_dispatch(
     payload, send = _pack(rows, per_peer, caps_send)
     out = rows.new_empty(sum(caps_recv) + ep, row_bytes)
     splits_in, splits_out = [c + 1 for c in caps_send], [c + 1 for c in caps_recv]
-    with block.comm.a2a_call(block.ep_group, payload.numel()):
+    with block.comm.a2a_call(block.ep_group, payload.numel()) as event:
         work = dist.all_to_all_single(
             out, payload, splits_out, splits_in, group=block.ep_group, async_op=True
         )
+        event.issued()
         assert work is not None
         work.wait()
     blocks = out.split(splits_out)

@@ -58,9 +58,10 @@ class _Wire:
         x = x.contiguous()
         out = x.new_empty((sum(recv), *x.shape[1:]))
         call = self.block.comm.a2a_call(self.block.ep_group, x.numel() * x.element_size())
-        call.__enter__()
+        event = call.__enter__()
         self.open.append(call)
         work = dist.all_to_all_single(out, x, recv, send, group=self.block.ep_group, async_op=True)
+        event.issued()
         return work, out
 
     def wait(self, handle: tuple[Any, Any]) -> torch.Tensor:

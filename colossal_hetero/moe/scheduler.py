@@ -254,6 +254,8 @@ class ChunkedGradReducer:
             event.deadline, event.predicted = self.window_until, self.predict(chunk)
         work = dist.all_reduce(flat, group=self._group, async_op=True)
         assert work is not None
+        # Issued now: on an emulated device the issue first finishes the compute before it.
+        event.t_launch = time.perf_counter()
         try:  # the completion time, from the communication thread (a plain float store)
             work.get_future().then(lambda _: _stamp(event))
         except RuntimeError:  # a backend without futures: completion as observed

@@ -85,12 +85,17 @@ def test_summary_keys_and_nulls() -> None:
                     "all_vs_s7": 1.02,
                 }.items()
             },
+            "series": {"stock.pg_calls": [20.0, 22.0], "stock.missed": [0.0, 1.0]},
         },
         "max_loss_diff_vs_stock": 0.004,
         # the choice as logged (keys are strings after JSON): 2 ranges predicted 5 ms slower
         "pipelining": {"ranges": 1, "predicted_s": {"1": 0.010, "2": 0.015}},
     }
     summary = summarise(result, "shaped")
+    assert summary["collectives_outside_interceptor"] == {
+        "stock": {"pg_calls_per_step": 22.0, "missed_max": 1.0}
+    }
+    assert summary["emulation"].startswith("dedicated") and summary["link_rate_mbit"] > 0
     assert summary["stock_comm_fraction"] == 0.4
     assert summary["stock_comm_fraction_with_waits"] == 0.5
     assert abs(summary["a2a_under_allreduce_over_alone"] - 1.1) < 1e-12
