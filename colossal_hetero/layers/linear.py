@@ -7,7 +7,8 @@ Shape letters (R ranks in ``group``, this rank r):
 
 Column:  x [*, K] replicated -> y_local [*, P * w_r]  (gather_output: y [*, P * sum(w)])
          forward: no communication (gather_output: all-gather over ``group``)
-         backward: dx = all-reduce over ``group`` of dy_local @ W_local
+         backward: dx = all-reduce over ``group`` of dy_local @ W_local, started before dW
+         is computed and overlapping it (layers/overlap.py; a balancing op keeps its own path)
 Row:     x_local [*, w_r] -> y [*, N] = all-reduce over ``group`` of x_local @ W_local^T, + b
          backward: identity for dy; dx_local = dy @ W_local (parallel_input=False: the input
          is split here and its gradient all-gathered over ``group``)
@@ -36,6 +37,7 @@ from colossal_hetero.comm import (
     copy_to_group,
     split_uneven,
 )
+from colossal_hetero.layers.overlap import column_linear, row_linear
 from colossal_hetero.layers.sharding import ShardLayout, full_shape, merge_shards, shard_parameter
 
 
@@ -89,9 +91,13 @@ class ResizableParallelModule(ParallelModule):
         Eval and no-grad inference always take the plain product (no op ever runs there).
         """
         op = self.local_op
-        if op is None or not (self.training and torch.is_grad_enabled()):
+        if op is None or not self.op_active():
             return F.linear(x, weight, bias)
         return op(x, weight, bias, self)
+
+    def op_active(self) -> bool:
+        """Whether ``local_op`` runs now: attached, training, autograd on."""
+        return self.local_op is not None and self.training and torch.is_grad_enabled()
 
     @property
     def local_width(self) -> int:
@@ -160,7 +166,10 @@ class _ColumnParallel(ResizableParallelModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         weight = self.weight.t() if self.transposed else self.weight
         bias = None if self.skip_bias_add else self.bias
-        y_local = self._local_linear(copy_to_group(x, group=self.group), weight, bias)
+        if self.op_active():
+            y_local = self._local_linear(copy_to_group(x, group=self.group), weight, bias)
+        else:  # the gradient's all-reduce overlaps the weight gradient (layers/overlap.py)
+            y_local = column_linear(x, weight, bias, group=self.group)
         y = self._gather(y_local) if self.gather_output else y_local
         if self.skip_bias_add:
             assert self.bias is not None  # checked in __init__
@@ -235,7 +244,10 @@ class _RowParallel(ResizableParallelModule):
         if not self.parallel_input:
             x = split_uneven(x, -1, self.widths, group=self.group)
         weight = self.weight.t() if self.transposed else self.weight
-        y = all_reduce(self._local_linear(x, weight, None), group=self.group)
+        if self.op_active():
+            y = all_reduce(self._local_linear(x, weight, None), group=self.group)
+        else:
+            y = row_linear(x, weight, group=self.group)
         return y if self.bias is None else y + self.bias
 
     @classmethod

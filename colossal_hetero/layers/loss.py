@@ -4,7 +4,9 @@ Shape letters (R ranks in ``group``, this rank r): T tokens; vocabulary V split 
 v_0..v_{R-1} (any may be 0), rank r owning ids [o_r, o_r + v_r).
     logits_local [T, v_r], targets [T] (global ids, or ``ignore_index``) -> loss [T]
 
-Forward: three all-reduces over ``group`` of [T] vectors (max, sum of exp, target logit).
+Forward: one all-gather over ``group`` of each rank's [3, T] (its own row max, its sum of exp
+below that max, its target logit or 0); every rank combines them (log-sum-exp of the shards).
+Three all-reduces (max, then sum of exp, then target logit) cost three latencies.
 Backward: no communication: d logits_local = (softmax_local - onehot_local) * d loss.
 
 The loss is sum-reduced over tokens and divided by the number of non-ignored tokens, exactly
@@ -34,22 +36,20 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         num_tokens, width = logits.shape
         mine = (targets >= start) & (targets < start + width)
         local_targets = torch.where(mine, targets - start, 0)
+        stats = logits.new_zeros(3, num_tokens)  # own max, own sum of exp(l - max), target
         if width:
-            row_max = logits.amax(-1)
-        else:
-            row_max = logits.new_full((num_tokens,), float("-inf"))
-        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-        exp = (logits - row_max.unsqueeze(-1)).exp()
-        sum_exp = exp.sum(-1)
-        dist.all_reduce(sum_exp, group=group)
-        target_logit = logits.new_zeros(num_tokens)
-        if width:
+            stats[0] = logits.amax(-1)
             picked = logits.gather(-1, local_targets.unsqueeze(-1)).squeeze(-1)
-            target_logit = torch.where(mine, picked - row_max, target_logit)
-        dist.all_reduce(target_logit, group=group)
+            stats[2] = torch.where(mine, picked, 0.0)
+        else:
+            stats[0] = float("-inf")
+        exp = (logits - stats[0].unsqueeze(-1)).exp()
+        stats[1] = exp.sum(-1)
+        row_max, sum_exp, target_logit = _combine(stats, group)
+        exp *= ((stats[0] - row_max).exp() / sum_exp).unsqueeze(-1)  # the softmax, own columns
         valid = targets != ignore_index
-        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), mine & valid, local_targets, valid)
-        return torch.where(valid, sum_exp.log() - target_logit, 0.0)
+        ctx.save_for_backward(exp, mine & valid, local_targets, valid)
+        return torch.where(valid, sum_exp.log() - (target_logit - row_max), 0.0)
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor):  # type: ignore[override]
@@ -59,6 +59,19 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad[rows, local_targets[rows]] -= 1.0
         grad *= (grad_loss * valid).unsqueeze(-1)
         return grad.to(ctx.dtype), None, None, None, None
+
+
+def _combine(
+    stats: torch.Tensor, group: ProcessGroup
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every rank's ``stats`` [3, T] (own row max, own sum of exp below it, own target logit or
+    0) -> the global row max, sum of exp below it and target logit, in one all-gather."""
+    gathered = [torch.empty_like(stats) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, stats, group=group)
+    every = torch.stack(gathered)  # [R, 3, T]
+    row_max = every[:, 0].amax(0)
+    sum_exp = (every[:, 1] * (every[:, 0] - row_max).exp()).sum(0)
+    return row_max, sum_exp, every[:, 2].sum(0)
 
 
 def vocab_parallel_cross_entropy(
