@@ -258,8 +258,12 @@ def link_seconds(
     waited (the transfers were hidden). The first message is timed from when it was both sent
     and asked for to its arrival, less its direction's latency (which the simulator adds to
     every landing): its tensors' receives are posted only then, after its metadata
-    (``pipeline/p2p.py``). Keys: ``F``, ``B`` (per message), ``LF``, ``LB`` (latency), ``F0``,
-    ``B0`` (first messages), one value per boundary. The same for any order of the records."""
+    (``pipeline/p2p.py``), and from the last landing of another direction before it on a
+    shared port it crossed (:func:`_ports_free`: the simulator queues it behind those too).
+    Links that let a lone message through at once and charge it after (token debt,
+    :func:`_debt_spacing`) split as :func:`_debt_link`. Keys: ``F``, ``B`` (per message),
+    ``LF``, ``LB`` (latency), ``F0``, ``B0`` (first messages), ``D`` (1: token debt), one value
+    per boundary. The same for any order of the records."""
     history: dict[tuple[str, int, int], list[tuple[float, float]]] = {}
     seen: dict[tuple[str, int], float] = {}
     port_landings: dict[tuple[str, int], list[tuple[float, tuple[str, int, int]]]] = {}
@@ -272,7 +276,8 @@ def link_seconds(
         landed = NOT_BLOCKED
         if msg.index == 0:  # it landed before it was asked for if its wait did not block
             landed = msg.arrived
-            first = 0.0 if landed == NOT_BLOCKED else max(0.0, landed - max(msg.sent, msg.asked))
+            begin = max(msg.sent, msg.asked, _ports_free(port_landings, ports, msg))
+            first = 0.0 if landed == NOT_BLOCKED else max(0.0, landed - begin)
             samples.setdefault((f"{op}0", boundary, column), []).append((first, "first", 0.0))
         else:
             latest = max([NOT_BLOCKED, *(seen.get(q, -1) for q in ports)])
@@ -289,7 +294,21 @@ def link_seconds(
             for port in ports:
                 seen[port] = max(seen.get(port, landed), landed)
                 port_landings.setdefault(port, []).append((landed, msg.kind))
-    split = {(o, b, c): _link_and_latency(v) for (o, b, c), v in samples.items()}
+    return _per_boundary(samples, num_stages)
+
+
+def _per_boundary(
+    samples: Mapping[tuple[str, int, int], Sequence[tuple[float, str, float]]], num_stages: int
+) -> dict[str, tuple[float, ...]]:
+    """:func:`link_seconds`' result from its samples per (kind, boundary, column); ``D`` is 1 on
+    every boundary when the step's links run in token debt (:func:`_debt_spacing`), else 0."""
+    pooled = _debt_spacing(samples)
+    split = {
+        key: _debt_link(v, pooled)
+        if pooled is not None and key[0] in ("F", "B")
+        else _link_and_latency(v)
+        for key, v in samples.items()
+    }
 
     def slowest(key: str, part: int) -> tuple[float, ...]:
         return tuple(
@@ -302,7 +321,65 @@ def link_seconds(
         out[op], out[f"L{op}"] = slowest(op, 0), slowest(op, 1)
         firsts = zip(slowest(f"{op}0", 0), out[f"L{op}"], strict=True)
         out[f"{op}0"] = tuple(max(0.0, x - lat) for x, lat in firsts)
+    out["D"] = (float(pooled is not None),) * (num_stages - 1)
     return out
+
+
+DEBT_SHARE = 0.5
+"""Lone messages landing in less than this share of the queued ones' spacing show a shaper
+that lets a message through on credit and charges it after (:func:`_debt_spacing`)."""
+MIN_QUEUED = 3
+"""Queued samples a direction needs for its own time per message under token debt (fewer:
+the step's pooled spacing)."""
+
+
+def _debt_spacing(
+    samples: Mapping[tuple[str, int, int], Sequence[tuple[float, str, float]]],
+) -> float | None:
+    """The step's pooled time per message when its links run in token debt, else None.
+
+    A FIFO link (or one with latency) lands a lone message no sooner than a queued one follows
+    the one before it. tc's htb instead sends a packet whenever its bucket is not empty and
+    charges it after (a 16 KiB message is one GSO packet): lone messages land at once, queued
+    ones one transfer time apart (PP=4 at 20 Mbit/s: lone 0-3 ms, queued 6.6 ms). A direction
+    whose median lone sample is below :data:`DEBT_SHARE` of its median queued one shows it;
+    with any such direction the step's links are taken to be in debt, and the median of those
+    directions' queued samples is the pooled time per message (a k = 1 step has few queued
+    samples per direction: 0-13 in all)."""
+    pooled: list[float] = []
+    for key, values in samples.items():
+        if key[0] not in ("F", "B"):
+            continue
+        alone = [x for x, how, _ in values if how == "alone"]
+        queued = [x for x, how, _ in values if how == "queued"]
+        if alone and queued and statistics.median(alone) < DEBT_SHARE * statistics.median(queued):
+            pooled += queued
+    return statistics.median(pooled) if pooled else None
+
+
+def _debt_link(values: Sequence[tuple[float, str, float]], pooled: float) -> tuple[float, float]:
+    """(seconds per message, latency) of one direction under token debt: its median queued
+    sample (the step's ``pooled`` one with fewer than :data:`MIN_QUEUED`), and its median lone
+    sample as the latency (a lone message lands that long after it starts: the simulator adds
+    it to every landing, queued ones included, which then land one transfer time apart)."""
+    queued = [x for x, how, _ in values if how == "queued"]
+    alone = [x for x, how, _ in values if how == "alone"]
+    per_message = statistics.median(queued) if len(queued) >= MIN_QUEUED else pooled
+    return per_message, statistics.median(alone) if alone else 0.0
+
+
+def _ports_free(
+    landings: Mapping[tuple[str, int], Sequence[tuple[float, tuple[str, int, int]]]],
+    ports: Sequence[tuple[str, int]],
+    msg: _Message,
+) -> float:
+    """The last landing of another direction seen on ``msg``'s shared ports before ``msg``
+    landed (``NOT_BLOCKED`` if none). A first message that queued behind those (PP=4, k = 4: a
+    stage's first gradient behind the bursts of activations on its sender's upload and its
+    receiver's download, 46-57 ms where it takes ~13 alone) is queued behind them by the
+    simulator too, so its own time starts there, not at its send."""
+    before = [t for q in ports for t, kind in landings.get(q, ()) if kind != msg.kind]
+    return max([NOT_BLOCKED] + [t for t in before if t < msg.arrived])
 
 
 def _link_and_latency(values: Sequence[tuple[float, str, float]]) -> tuple[float, float]:
@@ -383,6 +460,7 @@ def profile_from_records(
         first_transfer_up_s=links["B0"],
         latency_s=links["LF"],
         latency_up_s=links["LB"],
+        token_debt=any(links["D"]),
     )
 
 

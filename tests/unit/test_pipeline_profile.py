@@ -85,6 +85,52 @@ def test_link_seconds_shared_ports_by_hand():
     assert link_seconds([r2, r0, r1], 3) == link_seconds([r0, r1, r2], 3)
 
 
+def test_token_debt_by_hand():
+    # tc htb lets a message through while its bucket is not empty and charges it after: a lone
+    # message lands at once, a queued one a transfer time (1.0 s) after the one before it.
+    # Activations: the first, sent and asked for at 0, lands 0.5. Two lone ones sent (and asked
+    # for) at 1.0 and 2.0 land 0.1 s later: samples 0.1, "alone" (own release, no landing
+    # after it). Two more sent at 2.05 and 2.5, asked for at 2.2 and 3.1, land 3.0 and 4.0:
+    # each moved after the landing before it, 0.9 and 1.0 s later ("queued").
+    nb = NOT_BLOCKED
+    sent, posted = [0.0, 1.0, 2.0, 2.05, 2.5], [0.0] * 5
+    arrived, asked = [0.5, 1.1, 2.1, 3.0, 4.0], [0.0, 1.0, 2.0, 2.2, 3.1]
+    links = link_seconds(_pair(sent, posted, arrived, asked), 2)
+    # Lone 0.1 < half the queued 0.95: debt. Fewer than 3 queued samples: the step's pooled
+    # median 0.95 per message; the lone median 0.1 is the latency, the first message
+    # 0.5 - 0.1 = 0.4.
+    assert links["D"] == (1.0,)
+    assert links["F"] == (pytest.approx(0.95),) and links["LF"] == (pytest.approx(0.1),)
+    assert links["F0"] == (pytest.approx(0.4),)
+    profile = profile_from_records(_pair(sent, posted, arrived, asked), 2)
+    assert profile.token_debt
+    # A FIFO link lands a lone message no sooner than a queued one: lone 1.05 s after its send,
+    # the queued ones 1.0 s after the landing before them. No debt; the lone sample's excess is
+    # latency (1.05 - 1.0 = 0.05, link 1.0).
+    fifo = [0.5, 2.05, 3.05, 4.05, 5.05]
+    links = link_seconds(_pair(sent, posted, fifo, [0.0, 1.0, 2.0, 3.1, 4.1]), 2)
+    assert links["D"] == (0.0,)
+    assert links["F"] == (pytest.approx(1.0),) and links["LF"] == (pytest.approx(0.05),)
+    assert not profile_from_records(_pair(sent, posted, fifo, asked), 2).token_debt
+    assert not profile_from_records(_pair(sent, posted, [0.5, nb, nb, nb, nb], asked), 2).token_debt
+
+
+def test_first_message_after_a_landing_on_its_port():
+    # Three stages, shared ports. Stage 1's first gradient (sent 1.0, asked for at 1.0) lands
+    # 3.0 at stage 0. Stage 1's upload carried its first activation to stage 2 before it (sent
+    # 0.5, landed 2.5, seen): the gradient queued behind it on that port, and the simulator
+    # queues it there too, so its own time is 3.0 - 2.5 = 0.5, not 3.0 - 1.0 = 2.0 (as on
+    # separate links).
+    r0 = RankRecord(0, 0, 1, 1.0, 1.0, 9.0, 8.0, 4.0, (0.0,), posted_next=(0.0,),
+                    arrived_next=(3.0,), asked_next=(1.0,))  # fmt: skip
+    r1 = RankRecord(1, 1, 2, 1.0, 1.0, 9.0, 8.0, 4.0, (0.5,), arrived_prev=(0.2,),
+                    posted_prev=(0.0,), sent_prev=(1.0,), asked_prev=(0.0,))  # fmt: skip
+    r2 = RankRecord(2, 2, None, 1.0, 1.0, 9.0, 8.0, 0.0, arrived_prev=(2.5,),
+                    posted_prev=(0.0,), asked_prev=(0.5,))  # fmt: skip
+    assert link_seconds([r0, r1, r2], 3)["B0"] == (pytest.approx(0.5), 0.0)
+    assert link_seconds([r0, r1, r2], 3, shared_ports=False)["B0"] == (pytest.approx(2.0), 0.0)
+
+
 def _records_from_simulation(f, b, c, m, k, first, latency=0.0):
     """The records each stage of a simulated step would measure (one rank per stage): a
     sender notes when each pass ended; a receiver asks for each input when it is free for
