@@ -55,6 +55,7 @@ from colossal_hetero.balance.replan import (
     ReplanDecision,
     best_plan,
     decide_replan,
+    flagged_speeds,
     off_plan,
     planning_speeds,
 )
@@ -439,7 +440,7 @@ class BalanceController:
         if detection.stable_for() < settings.stable_steps and not self._sudden(detection):
             why = f"stable for {detection.stable_for()} < stable_steps {settings.stable_steps}"
             return ReplanDecision("none", widths, 0.0, why)
-        speeds = detection.speeds
+        speeds = flagged_speeds(detection.slowdown, detection.stragglers)
         target = planning_speeds(speeds, self.fixed_fraction)
         if not off_plan(target, self.planned_for, settings.stable_tolerance):
             return ReplanDecision("none", widths, 0.0, "widths already planned for these speeds")

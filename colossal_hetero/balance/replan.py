@@ -104,6 +104,23 @@ def planning_speeds(speeds: Sequence[float], fixed_fraction: float) -> tuple[flo
     return tuple(max(x / top, MIN_PLANNING_SPEED) for x in shares)
 
 
+def flagged_speeds(slowdown: Sequence[float], stragglers: Sequence[int]) -> tuple[float, ...]:
+    """The relative speeds to re-plan with: 1 for every unflagged rank, and a flagged rank's
+    slowdown taken over the unflagged ranks' mean (1 when every rank is flagged).
+
+    The detector flags a rank only above ``1 + threshold``: below it, differences are timing
+    noise, and planning with them gave equal devices unequal widths. In a quiet session-8
+    run GPT-2's first re-plan read equal devices at 1.08, 1.0 and 1.07 and gave the one at
+    1.0 three heads of eight and 495 ffn columns against 441 and 448 (the oracle: 442 each);
+    that rank then computed the most. Equal speeds also keep such noise from moving the
+    planning speeds away from those the widths were planned with (``off_plan``).
+    """
+    flagged = set(stragglers)
+    calm = [s for i, s in enumerate(slowdown) if i not in flagged]
+    base = sum(calm) / len(calm) if calm else 1.0
+    return tuple(min(base / s, 1.0) if i in flagged else 1.0 for i, s in enumerate(slowdown))
+
+
 def off_plan(target: Sequence[float], planned_with: Sequence[float], tolerance: float) -> bool:
     """Whether the speeds to plan with now (``planning_speeds`` of the measured speeds at the
     fitted fixed fraction) moved away from ``planned_with``, those the current widths were

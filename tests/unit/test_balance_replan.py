@@ -19,6 +19,7 @@ import pytest
 from colossal_hetero.balance.detector import DetectorSettings, StragglerDetector
 from colossal_hetero.balance.replan import (
     best_plan,
+    flagged_speeds,
     model_times,
     off_plan,
     planning_speeds,
@@ -35,6 +36,35 @@ def test_off_plan_relative_above_the_tolerance_absolute_below():
     # moves 0.081 -> off.
     assert not off_plan((1.0, 0.013), (1.0, 0.049), 0.25)
     assert off_plan((1.0, 0.049), (1.0, 0.13), 0.25)
+
+
+def test_flagged_speeds_equal_for_unflagged_ranks_by_hand():
+    # Session 8's read of equal devices at 1.08, 1.0, 1.07 with the 2x rank at 1.87: the three
+    # plan at 1.0, the straggler over their mean (1.08 + 1.0 + 1.07) / 3 = 1.05: 1.05 / 1.87.
+    speeds = flagged_speeds((1.08, 1.0, 1.07, 1.87), (3,))
+    assert speeds == pytest.approx((1.0, 1.0, 1.0, 1.05 / 1.87))
+    # Two stragglers (the 4x phase), each over the mean of ranks 0 and 2 (1.02).
+    speeds = flagged_speeds((1.0, 3.9, 1.04, 1.9), (1, 3))
+    assert speeds == pytest.approx((1.0, 1.02 / 3.9, 1.0, 1.02 / 1.9))
+    # No flag: even speeds, whatever the noise (a recovery plans the even widths).
+    assert flagged_speeds((1.0, 1.22, 1.1, 1.0), ()) == (1.0, 1.0, 1.0, 1.0)
+    # A flagged rank still under the others' mean (hysteresis) is planned at 1, never faster.
+    assert flagged_speeds((1.3, 1.0, 1.3, 1.15), (3,)) == (1.0, 1.0, 1.0, 1.0)  # 1.2 / 1.15 > 1
+
+
+def test_equal_devices_get_equal_widths_from_noisy_reads():
+    """The planner at the flagged speeds splits the ffn equally over the three unflagged
+    ranks (a proportional splitter stands in for the planner), where the raw reads gave the
+    one read fastest 8% more."""
+
+    def plan(speeds: tuple[float, ...]) -> dict[str, tuple[int, ...]]:
+        total = sum(speeds)
+        return {"ffn": tuple(round(1536 * v / total) for v in speeds)}
+
+    raw = plan(tuple(1.0 / s for s in (1.08, 1.0, 1.07, 1.87)))["ffn"]
+    assert raw[1] - raw[0] > 30  # 477 vs 441
+    even = plan(flagged_speeds((1.08, 1.0, 1.07, 1.87), (3,)))["ffn"]
+    assert even[0] == even[1] == even[2] and even[3] < even[0]
 
 
 def test_model_times_by_hand():
