@@ -29,6 +29,17 @@ A stale (last computed) gradient was rejected: it would push a column again and 
 direction measured at old weights. Momentum and weight decay still move a dropped column
 unless the optimizer step runs inside :func:`frozen_columns`.
 
+Return of frozen columns (:func:`freeze_on_step`, ``on_return``). When a layer's op comes
+off (recovery, a probe), its dropped columns come back with the weights they had when
+dropped, while the rest of the network trained for a while without them: the function
+jumps. ``"zero"`` (the default) restarts them: weight 0 and first moments (``exp_avg``,
+``momentum_buffer``) 0, so the function right after the return is the one trained, and the
+columns regrow from the current gradient. Second moments are kept: with Adam's step count
+still advancing, a zeroed ``exp_avg_sq`` would undo its bias correction for these entries
+(steps up to ~3x the learning rate). Only columns that were out of the function while
+dropped (their gradient exactly 0 at every frozen step: zero imputation, no tied use such as
+GPT-2's embedding) are restarted; the others keep their weights (``"keep"`` keeps all).
+
 Every other rank runs the plain ``F.linear``; the op is inactive in eval and under no_grad
 (the layer checks, see ``ResizableParallelModule._local_linear``).
 """
@@ -38,6 +49,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -280,17 +292,83 @@ def frozen_columns(
 
 FreezeTargets = list[tuple[nn.Parameter, int, torch.Tensor]]
 
+RETURN_POLICIES = ("keep", "zero")
+"""What :func:`freeze_on_step` does with a layer's frozen columns when its op comes off."""
+FIRST_MOMENTS = ("exp_avg", "momentum_buffer")
+"""Optimizer state keys restarted at 0 with a returning column (torch AdamW/Adam, SGD)."""
 
-def freeze_on_step(optimizer: Any, targets: Callable[[], FreezeTargets]) -> None:
+
+@dataclass
+class _Dropped:
+    """One parameter's columns frozen at the last step, and whether they stayed out of the
+    function (gradient exactly 0 there at every frozen step since they were first dropped)."""
+
+    param: nn.Parameter
+    dim: int
+    cols: torch.Tensor
+    unused: bool
+
+
+def restart_columns(
+    optimizer: torch.optim.Optimizer, param: nn.Parameter, dim: int, cols: torch.Tensor
+) -> None:
+    """``param``'s ``cols`` along ``dim`` and their first moments (``FIRST_MOMENTS``) set to 0;
+    every other state (second moments, step counts) kept."""
+    with torch.no_grad():
+        param.index_fill_(dim, cols, 0)
+        state = optimizer.state.get(param, {})
+        for key in FIRST_MOMENTS:
+            value = state.get(key)
+            if torch.is_tensor(value) and value.shape == param.shape:
+                value.index_fill_(dim, cols, 0)
+
+
+def _track_returns(
+    optimizer: torch.optim.Optimizer,
+    frozen: FreezeTargets,
+    dropped: dict[int, _Dropped],
+) -> None:
+    """Restart the columns of every parameter frozen at the last step and not now (its op
+    came off) if they stayed out of the function; then record this step's frozen columns."""
+    now = {id(param) for param, _, _ in frozen}
+    for key in [k for k in dropped if k not in now]:
+        entry = dropped.pop(key)
+        live = any(p is entry.param for g in optimizer.param_groups for p in g["params"])
+        fits = entry.cols.numel() == 0 or int(entry.cols.max()) < entry.param.shape[entry.dim]
+        if entry.unused and live and fits:
+            restart_columns(optimizer, entry.param, entry.dim, entry.cols)
+    for param, dim, cols in frozen:
+        grad = param.grad
+        unused = grad is None or not bool(grad.index_select(dim, cols).any())
+        held = dropped.get(id(param))
+        if held is None or held.param is not param or held.dim != dim:
+            dropped[id(param)] = _Dropped(param, dim, cols, unused)
+        else:
+            held.cols, held.unused = cols, held.unused and unused
+
+
+def freeze_on_step(
+    optimizer: Any, targets: Callable[[], FreezeTargets], *, on_return: str = "zero"
+) -> None:
     """Wrap the inner optimizer's ``step`` (``optimizer.optim`` under a booster's wrapper,
     else ``optimizer``; the instance's method) so that each step runs under
-    ``frozen_columns(targets())``: no momentum or weight-decay drift in dropped columns."""
+    ``frozen_columns(targets())``: no momentum or weight-decay drift in dropped columns.
+
+    ``on_return`` (``RETURN_POLICIES``): at the first step at which a parameter has no
+    frozen columns any more, ``"zero"`` restarts the columns frozen at the step before
+    (:func:`restart_columns`; only those whose gradient was 0 at every frozen step),
+    ``"keep"`` leaves them as they were. See the module docstring."""
+    if on_return not in RETURN_POLICIES:
+        raise ValueError(f"on_return must be one of {RETURN_POLICIES}, got {on_return!r}")
     inner = getattr(optimizer, "optim", optimizer)
     original = inner.step
+    dropped: dict[int, _Dropped] = {}  # by id(param), the param held: the last step's columns
 
     @functools.wraps(original)
     def step(*args: Any, **kwargs: Any) -> Any:
         frozen = targets()
+        if on_return == "zero":
+            _track_returns(inner, frozen, dropped)
         if not frozen:
             return original(*args, **kwargs)
         with frozen_columns(inner, frozen):
