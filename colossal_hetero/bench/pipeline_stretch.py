@@ -110,6 +110,7 @@ class Stretch:
         self._pass: tuple[float, Clocks] | None = None
         """The open pass: its start (wall) and its running interval's start clocks."""
         self._saved: dict[tuple[int, str], Any] = {}
+        self._wrappers: dict[int, tuple[Any, Callable[..., Any]]] = {}
         """While a ``dedicated`` pass is open: (module index, name) -> the function wrapped."""
         self._handles: list[Any] = []
 
@@ -180,16 +181,18 @@ class Stretch:
             self._pass = (self._pass[0], self.clocks())
 
     def _wrap_syncs(self) -> None:
-        wrappers: dict[int, Callable[..., Any]] = {}  # one wrapper per distinct function
         for index, module in enumerate(self._modules):
             for name in SYNC_NAMES:
                 original = getattr(module, name, None)
                 if original is None:
                     continue
-                if id(original) not in wrappers:
-                    wrappers[id(original)] = self._wrap(original)
+                # One wrapper per distinct function, made once (the cache holds the function,
+                # so its id stays its own); a pass then costs a few attribute writes.
+                cached = self._wrappers.get(id(original))
+                if cached is None or cached[0] is not original:
+                    cached = self._wrappers[id(original)] = (original, self._wrap(original))
                 self._saved[(index, name)] = original
-                setattr(module, name, wrappers[id(original)])
+                setattr(module, name, cached[1])
 
     def _wrap(self, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)

@@ -83,6 +83,12 @@ def test_each_interval_between_collectives_is_stretched_on_its_own():
     assert stretch.passes_s == pytest.approx(0.1 + 0.4 + 1.0 + 0.3 + 0.7)  # the whole pass
     fake.all_reduce("x")  # outside a pass: a plain call, nothing stretched
     assert clocks.slept == pytest.approx([0.4, 0.7])
+    stretch.begin_pass()
+    wrapper = fake.all_reduce
+    stretch.end_pass()
+    stretch.begin_pass()
+    assert fake.all_reduce is wrapper  # made once, reused by every pass
+    stretch.end_pass()
 
 
 def test_async_work_waits_end_intervals_and_full_speed_pads_to_base():
