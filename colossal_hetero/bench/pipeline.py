@@ -58,7 +58,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from colossal_hetero.bench.pipeline_model import device_speeds
+from colossal_hetero.bench.pipeline_model import DEVICE_BASE, device_speeds
 from colossal_hetero.bench.stats import ratio_interval
 from colossal_hetero.config.schema import PreemptionSpec
 from colossal_hetero.planner.stages import split_layers, stage_speeds
@@ -107,6 +107,10 @@ class BenchSpec:
     rate_gbps: float = RATE_GBPS
     fast_gbps: float = FAST_GBPS
     slow_factor: float = 2.0
+    device_base: float = DEVICE_BASE
+    """Phase (c)'s emulated devices: this many times slower than a core
+    (``pipeline_stretch.Stretch(base=)``); it sets how far compute outweighs the TP
+    all-reduces and stage links on the emulated cluster."""
     settle_s: float = 0.3
     drain_s: float = 1.0
     """Extra wait before the first free round after a tenant stretch (its bytes still queued

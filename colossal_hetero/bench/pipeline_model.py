@@ -22,6 +22,11 @@ from colossal_hetero.config.schema import (
     StageTimeSpec,
 )
 
+DEVICE_BASE = 2.5
+"""Phase (c)'s emulated devices (``pipeline_stretch.Stretch``, ``dedicated``) are this many
+times slower than a core: 4 ranks on 2 cores make a block's wall time up to about twice its CPU
+time, and the base absorbs that (``BenchSpec.device_base``)."""
+
 ROW = ("step", "pipe", "k", "peak_bytes", "stretch_s")
 """One rank's numbers for one step, as all-gathered: seconds of the step and of its
 execute_pipeline, the k it ran, peak activation bytes, seconds the half-speed stretch slept."""

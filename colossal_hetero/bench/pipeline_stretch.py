@@ -54,11 +54,8 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch import nn
 
+from colossal_hetero.bench.pipeline_model import DEVICE_BASE
 from colossal_hetero.emulation.collectives import WRAPPED_NAMES
-
-DEVICE_BASE = 2.5
-"""``dedicated`` mode: every emulated device this many times slower than a core (4 ranks on 2
-cores make a block's wall time about twice its CPU time; the base absorbs that)."""
 
 SYNC_NAMES: tuple[str, ...] = tuple(n for n in WRAPPED_NAMES if not n.endswith("_object"))
 """The ``torch.distributed`` functions that end an interval inside a pass (the interceptor's

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from colossalai.booster import Booster
 
 from colossal_hetero.bench.measure import text_batch
-from colossal_hetero.bench.pipeline_model import ROW, build_configs, stage_peaks
+from colossal_hetero.bench.pipeline_model import DEVICE_BASE, ROW, build_configs, stage_peaks
 from colossal_hetero.bench.pipeline_stretch import Stretch
 from colossal_hetero.bench.rounds import (
     Figure,
@@ -334,7 +334,8 @@ def run_pipeline_worker(
     # Phase (c) runs every rank on an emulated device of its own (``dedicated``: no neighbour's
     # sleep speeds it up), the slow ranks' at half speed (bench/pipeline_stretch.py).
     slowed = rank in spec["slow_ranks"]
-    stretch = Stretch(spec["slow_factor"] if slowed else 1.0, mode="dedicated")
+    factor = spec["slow_factor"] if slowed else 1.0
+    stretch = Stretch(factor, mode="dedicated", base=spec.get("device_base", DEVICE_BASE))
     stock = equal["stock"]
     stretch.attach(stock.blocks)
     stock.stretch = stretch
