@@ -206,6 +206,9 @@ class AdaKController:
             "measured_s": measured_s,
             "ran_k": ran,
             "window": len(self._profiles),
+            # Each fitting k's predicted seconds summed over the window: what the choice (and
+            # the guard) compared, for checking it against the step times measured per k.
+            "predicted_s_by_k": {int(c): t for c, t in decision.step_s_by_k.items()},
             "predicted_gain": gain,
             "decide_s": time.perf_counter() - began,
         }

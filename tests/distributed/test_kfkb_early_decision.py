@@ -80,6 +80,8 @@ def _run(rank, world_size, device):
     assert soon == [1, 2, 2], soon
     assert soon_record["step"] == 0 and soon_record["decision"] == {"k": 2, "previous_k": 1}
     assert soon_record["model_k"] == 2 and soon_record["ran_k"] == 1
+    by_k = soon_record["predicted_s_by_k"]  # what the choice compared: k = 2 beat k = 1
+    assert {1, 2} <= set(by_k) and by_k[2] < by_k[1]
     assert soon_record["gather_wait_s"] >= 0.0
     assert late_record["decide_s"] > 0.0 and soon_record["decide_s"] > 0.0  # timed in _decide
     with pytest.raises(ValueError, match="^early:"):
