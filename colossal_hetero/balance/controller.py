@@ -56,6 +56,7 @@ from colossal_hetero.balance.replan import (
     best_plan,
     decide_replan,
     flagged_speeds,
+    held_speeds,
     off_plan,
     planning_speeds,
 )
@@ -147,6 +148,7 @@ class BalanceController:
     ) -> None:
         self.settings, self.tp_size, self.tp_rank = settings, tp_size, tp_rank
         self.group_index, self.planned_for = group_index, planned_for
+        self._held: tuple[float, ...] | None = None  # the speeds the widths were planned at
         self.weight_bytes, self.actuator, self.device = weight_bytes, actuator, device
         self.log = log
         detector = DetectorSettings(
@@ -433,14 +435,14 @@ class BalanceController:
     def _replan(
         self, detection: Detection, times: tuple[float, ...], widths: Widths
     ) -> ReplanDecision:
-        """Re-plan at the measured speeds once they held ``stable_steps`` (at once for a
-        sudden straggler, see ``_sudden``) and moved away from the speeds the current widths
-        were planned for."""
+        """Re-plan at the flagged speeds once stable ``stable_steps`` (at once for a sudden
+        straggler, ``_sudden``) and moved off those the widths were planned for (replan.py)."""
         settings = self.settings
         if detection.stable_for() < settings.stable_steps and not self._sudden(detection):
             why = f"stable for {detection.stable_for()} < stable_steps {settings.stable_steps}"
             return ReplanDecision("none", widths, 0.0, why)
         speeds = flagged_speeds(detection.slowdown, detection.stragglers)
+        speeds = held_speeds(speeds, self._held, self._shares(widths), detection.stragglers)
         target = planning_speeds(speeds, self.fixed_fraction)
         if not off_plan(target, self.planned_for, settings.stable_tolerance):
             return ReplanDecision("none", widths, 0.0, "widths already planned for these speeds")
@@ -463,7 +465,7 @@ class BalanceController:
         # The planner keeping these widths, or a move made: the widths now stand for these
         # speeds. A move that did not pay yet is considered again at the next agreement.
         if decision.action == "resize" or decision.widths == planned:
-            self.planned_for = target
+            self.planned_for, self._held = target, speeds
         if decision.action == "resize":  # a move's cost is the planner's time and the resize
             self._move_s += planning_s
         return decision

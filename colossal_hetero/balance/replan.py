@@ -121,6 +121,37 @@ def flagged_speeds(slowdown: Sequence[float], stragglers: Sequence[int]) -> tupl
     return tuple(min(base / s, 1.0) if i in flagged else 1.0 for i, s in enumerate(slowdown))
 
 
+NEAR_EMPTY = 0.25
+"""A flagged rank whose ``n * share`` of the scaling work is under this runs mostly its fixed
+part: its per-unit reading then follows the fitted fixed fraction more than its speed."""
+
+
+def held_speeds(
+    speeds: Sequence[float],
+    held: Sequence[float] | None,
+    shares: Sequence[float],
+    stragglers: Sequence[int],
+) -> tuple[float, ...]:
+    """``speeds`` (``flagged_speeds``) with every flagged rank left near no scaling work
+    (``n * share < NEAR_EMPTY``) kept at no more than ``held``, the speed its widths were
+    planned at: its reading may lower its speed (it holds the step) but not raise it until
+    its flag is released (a recovery: it plans at 1 then).
+
+    Such a rank is measured on its fixed part alone, and a fixed fraction fitted 0.1 too
+    high reads it faster than it is: in the quiet session-8 run Llama's 2x rank, planned at
+    no heads and 11 ffn columns, read 1.14x at the refitted 0.63 and the next re-plan gave it
+    2 heads and 204 ffn columns (measured 0.155 s/step lost); the same flapping between its
+    empty and oracle-like widths recurred in each 2x phase of a session-9 run.
+    """
+    n = len(speeds)
+    if held is None:
+        return tuple(speeds)
+    return tuple(
+        min(v, held[i]) if i in stragglers and n * shares[i] < NEAR_EMPTY else v
+        for i, v in enumerate(speeds)
+    )
+
+
 def off_plan(target: Sequence[float], planned_with: Sequence[float], tolerance: float) -> bool:
     """Whether the speeds to plan with now (``planning_speeds`` of the measured speeds at the
     fitted fixed fraction) moved away from ``planned_with``, those the current widths were

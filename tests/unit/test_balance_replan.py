@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -20,6 +21,7 @@ from colossal_hetero.balance.detector import DetectorSettings, StragglerDetector
 from colossal_hetero.balance.replan import (
     best_plan,
     flagged_speeds,
+    held_speeds,
     model_times,
     off_plan,
     planning_speeds,
@@ -223,3 +225,54 @@ def test_the_bench_calibration_fits_phi_from_its_two_width_phases():
             row += [1.0, 0.1 * slow * unit / speed, 0.0, 2.0]
         rows.append(row)
     assert fixed_fraction_of_rows(rows, [even, skew], compute, 4) == pytest.approx(0.3)
+
+
+def test_held_speeds_keep_a_near_empty_straggler_from_reading_faster():
+    # Rank 3 flagged at 4 * 0.02 = 0.08 of an even share (< 0.25): its reading 1/1.45 may
+    # not raise the 1/1.95 it was planned at; a lower one (1/2.5) passes. Rank 1, flagged at
+    # a full share, follows its reading; unflagged ranks stay at 1.
+    shares = (0.33, 0.33, 0.32, 0.02)
+    held = (1.0, 1.0, 1.0, 1 / 1.95)
+    assert held_speeds((1.0, 1.0, 1.0, 1 / 1.45), held, shares, (3,))[3] == 1 / 1.95
+    assert held_speeds((1.0, 1.0, 1.0, 1 / 2.5), held, shares, (3,))[3] == 1 / 2.5
+    wide = (0.3, 0.2, 0.3, 0.2)  # 4 * 0.2 = 0.8: read as it is
+    assert held_speeds((1.0, 0.6, 1.0, 0.7), (1.0, 0.5, 1.0, 0.5), wide, (1, 3)) == (
+        1.0,
+        0.6,
+        1.0,
+        0.7,
+    )
+    # Released (no flag): the reading counts; nothing held before the first plan.
+    assert held_speeds((1.0, 1.0, 1.0, 1.0), held, shares, ()) == (1.0, 1.0, 1.0, 1.0)
+    assert held_speeds((1.0, 0.7), None, (0.9, 0.1), (1,)) == (1.0, 0.7)
+
+
+class _TwoX(_Proportional):
+    """Rank 1 at 2x from step 3 on; the cluster's fixed fraction is 0.2."""
+
+    def slow(self, step: int) -> float:
+        return 2.0 if step >= 3 else 1.0
+
+
+def _true_max(widths: Mapping[str, Sequence[int]]) -> float:
+    first = widths["ffn"][0] / 96
+    return max(0.2 + 0.8 * 2 * first, 2 * (0.2 + 0.8 * 2 * (1 - first)))
+
+
+def test_a_near_empty_straggler_is_not_handed_back_work_on_a_lower_fit(monkeypatch: Any):
+    """Configured phi 0.6 against the cluster's 0.2: the first re-plan gives the 2x rank
+    round(96 * 0.091 / 1.091) = 8 columns (planning speeds (1, 0.091) by hand, ``n * share``
+    0.17: near empty). The fit then pulls phi to 0.4, at which that rank reads 1.2x (still
+    flagged: release 1.1); read as it is, its planning speed 0.74 would hand it 41 columns,
+    a true step of 1.77 ms against 1.67 at 8 columns (read as it is, the moves are 8, 41,
+    26). Held at 0.5, it is re-planned for the refitted phi alone: 21, then 29 at phi 0.3
+    (the true balance is 28), and no move makes the true step longer."""
+    cluster = _TwoX()
+    controller = _controller(cluster, "replan", monkeypatch, fixed_fraction=0.6)
+    controller.settings = replace(controller.settings, stable_tolerance=0.25, threshold=0.3)
+    controller.detector = StragglerDetector(2, DetectorSettings(1.0, 0.3, 0.1, 0.25))
+    _drive(controller, cluster, 40)
+    assert cluster.moves[0] == {"ffn": (88, 8)}
+    steps = [_true_max(EVEN)] + [_true_max(m) for m in cluster.moves]
+    assert all(b <= a + 1e-9 for a, b in zip(steps, steps[1:], strict=False)), cluster.moves
+    assert [m["ffn"][1] for m in cluster.moves] == [8, 21, 29]
