@@ -46,7 +46,7 @@ HF = {
     "router_aux_loss_coef": 0.02,
 }
 SEQ, PER_RANK, EP = 64, 4, 2
-RATE_MBIT = {"dedicated": 900.0, "none": 900.0}
+RATE_MBIT = {"dedicated": 300.0, "none": 900.0}
 """Link rate per emulation (``bench/moe_devices.py``), for a stock comm fraction of 0.40-0.60.
 ``none``: 0.44 at 900 Mbit/s (650: 0.44 too; 1200: 0.39)."""
 CHUNK_KIB, MAX_INFLIGHT = 512, 2
@@ -60,17 +60,17 @@ VARIANTS = {  # name: (priority, fit_gaps, max_inflight, pipeline_chunks, pipeli
     "ours_on": (True, True, MAX_INFLIGHT, 1, False, False),
     "ours_pipe": (True, True, MAX_INFLIGHT, PIPELINE, False, False),
     "ours_pack": (True, True, MAX_INFLIGHT, 1, False, True),
-    "ours_all": (True, True, MAX_INFLIGHT, PIPELINE_MOST, True, False),
+    "ours_all": (True, False, MAX_INFLIGHT, PIPELINE_MOST, True, False),
     "ours_s7": (True, True, MAX_INFLIGHT, PIPELINE_MOST, True, False),
 }
-"""``ours_all`` ("all on"): priority, gap fitting, and a2a/expert pipelining as its cost model
-chooses. Expert packing (``ours_pack``, priority on with packing) is left out: it does not
-combine with pipelining, and it made the step slower (docs/moe.md). Speed-aware placement is
-the even one on equal devices (its re-placement needs fp32: the heterogeneous case measures
-it). ``ours_s7`` is all on as session 7 left it (``SESSION7``): the optimizer stepped once
-after the whole flush, and the routing counts in an a2a of their own (all on steps the group
-reduced first while the other is still on the wire, moe/split_step.py, and folds the counts
-into the dispatch, moe/folded.py)."""
+"""``ours_all`` ("all on"): priority (chunks held from dispatch to combine and during every
+a2a: the issue's rule; gap fitting, ``ours_on``, measured 0.89-1.00x of it in every run since
+session 7, docs/moe.md) and a2a/expert pipelining as its cost model chooses. Expert packing
+(``ours_pack``) is left out: it does not combine with pipelining, and it made the step slower.
+Speed-aware placement is the even one on equal devices (its re-placement needs fp32: the
+heterogeneous case measures it). ``ours_s7`` is all on as session 7 left it (``SESSION7``):
+gap fitting, the optimizer stepped once after the whole flush, and the routing counts in an
+a2a of their own (moe/split_step.py and moe/folded.py since)."""
 SESSION7 = ("ours_s7",)
 
 _NOT_BUILT = {
@@ -490,7 +490,8 @@ def summarise(result: dict, network_mode: str, stretch: str = "dedicated") -> di
         / med("ours_hold.a2a_alone"),
         "a2a_with_chunks_on_wire": {name: med(f"{name}.a2a_overlapped") for name in VARIANTS},
         "max_loss_diff_vs_stock": result["max_loss_diff_vs_stock"],
-        "all_on_means": "priority on with gap fitting, a2a/expert pipelining over 1 to "
+        "all_on_means": "priority on, chunks held from dispatch to combine (no gap fitting), "
+        f"a2a/expert pipelining over 1 to "
         f"{PIPELINE_MOST} token ranges as its cost model chooses, routing counts inside the "
         "dispatch a2a, the expert optimizer step during the dense gradient transfer "
         "(all_on_vs_session7_all_on: against all on without the last two); expert packing apart "
