@@ -61,9 +61,9 @@ from colossal_hetero.balance.replan import (
     planning_speeds,
 )
 from colossal_hetero.balance.semi import (
-    SemiDecision,
     SemiInputs,
     SemiSettings,
+    bridge_pays,
     comm_time,
     decide,
     gains_nothing,
@@ -312,12 +312,17 @@ class BalanceController:
         # No op running and none to pick (no rank flagged, or widths that even the times):
         # re-plan as mode replan would where the widths were planned for other speeds.
         idle = self.plan.empty and (not view.stragglers or semi.action == "none")
-        if semi.action == "replan" or bridgeless or idle:
+        tried = semi.action == "replan" or bridgeless or idle
+        if tried:
             decision, gain, act = self._replan_outcome(step, view, times)
             if act is not None:
                 return {**decision, **extra, "executed": "replan"}, gain, act
             extra["replan_waits"] = decision["reason"]
-            if not self._bridge_pays(view.detection, semi):
+            settings = self.settings
+            waits = settings.stable_steps - view.detection.stable_for()
+            if not bridge_pays(
+                waits, semi, settings.every, settings.window, settings.horizon_steps
+            ):
                 extra["bridge_skipped"] = "the re-plan comes sooner without it"
                 return {"action": "keep", **extra, "executed": "none"}, 0.0, None
         picks = {c.rank: c.action for c in semi.choices}
@@ -334,25 +339,11 @@ class BalanceController:
             extra["bridge_off"] = {"step": self.bridge_off[0], "measured": self.bridge_off[1]}
             actions = {}
         decision, gain, act = self._in_layer(step, view, actions)
+        if act is None and self.plan.empty and not tried:  # no op pays: a re-plan may
+            replan, gain, act = self._replan_outcome(step, view, times)
+            if act is not None:
+                return {**replan, **extra, "in_layer": decision, "executed": "replan"}, gain, act
         return {**decision, **extra, "executed": decision["action"]}, gain, act
-
-    def _bridge_pays(self, detection: Detection, semi: SemiDecision) -> bool:
-        """Whether an in-layer bridge pays while a re-plan waits for ``stable_steps``.
-
-        It runs from the next step to the agreement that re-plans, less its warm-up step,
-        saving the in-layer gain per step; attaching it restarts the window, so when the next
-        agreement would hold under two steps (``every - 1``) it decides nothing and the
-        re-plan, and its larger gain, come ``every`` steps later. A re-plan that waits on
-        anything but stability (a move that does not pay, the planner) leaves the bridge."""
-        settings = self.settings
-        wait = settings.stable_steps - detection.stable_for()
-        if wait <= 0 or semi.action != "replan":
-            return True
-        every = settings.every
-        bridged = -(-wait // every) * every - 1
-        delay = every if every - 1 < min(settings.window, 2) else 0
-        in_layer_gain = semi.in_layer_value / max(settings.horizon_steps, 1)
-        return in_layer_gain * bridged > semi.predicted_gain * delay
 
     def _in_layer(self, step: int, view: _View, actions: dict[int, str]) -> Outcome:
         """Attach the in-layer plan for ``actions`` unless it matches the attached one (within

@@ -114,6 +114,23 @@ def gains_nothing(choice: Choice, times: Sequence[float]) -> bool:
     return choice.gain <= GAIN_TOLERANCE * max(times)
 
 
+def bridge_pays(wait: int, semi: SemiDecision, every: int, window: int, horizon_steps: int) -> bool:
+    """Whether an in-layer bridge pays while a re-plan waits ``wait`` more steps for
+    stability.
+
+    It runs from the next step to the agreement that re-plans, less its warm-up step,
+    saving the in-layer gain per step; attaching it restarts the window, so when the next
+    agreement would hold under two steps (``every - 1``) it decides nothing and the
+    re-plan, and its larger gain, come ``every`` steps later. A re-plan that waits on
+    anything but stability (a move that does not pay, the planner) leaves the bridge."""
+    if wait <= 0 or semi.action != "replan":
+        return True
+    bridged = -(-wait // every) * every - 1
+    delay = every if every - 1 < min(window, 2) else 0
+    in_layer_gain = semi.in_layer_value / max(horizon_steps, 1)
+    return in_layer_gain * bridged > semi.predicted_gain * delay
+
+
 def dropped_mass(fraction: float, scores: Sequence[float] | None) -> float:
     """Priority mass dropped when the lowest-scored ``fraction`` of columns go: uniform ->
     ``fraction``; else the smallest ``floor(fraction * K)`` scores over the total."""

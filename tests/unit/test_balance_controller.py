@@ -402,6 +402,33 @@ def test_semi_attaches_no_op_that_gains_nothing_net(monkeypatch):
     assert cluster.ops.applied == [] and cluster.moves == []
 
 
+def test_semi_re_plans_when_its_in_layer_pick_would_not_run(monkeypatch):
+    """The policy prefers the in-layer plan (forced here: its model and the ops' predicted
+    times can disagree, as in a session-9 run where Llama's recovered phase kept the
+    4x-phase widths for 6 of its 10 steps), but no op gains anything net (migration priced
+    out, accuracy_weight 1), so none runs: semi then re-plans when the move pays, as mode
+    replan does. It used to keep the widths."""
+    import math
+
+    from colossal_hetero.balance import controller as controller_module
+    from colossal_hetero.balance import semi as semi_module
+
+    monkeypatch.setattr(semi_module, "comm_time", lambda *args: math.inf)
+    real = controller_module.decide
+
+    def in_layer(inputs, settings):  # type: ignore[no-untyped-def]
+        return replace(real(inputs, settings), action="in_layer")
+
+    monkeypatch.setattr(controller_module, "decide", in_layer)
+    cluster = _Cluster()
+    controller = _controller(cluster, "semi", monkeypatch)
+    controller.settings = replace(controller.settings, accuracy_weight=1.0)
+    _drive(controller, cluster, 15)
+    assert cluster.ops.applied == [] and cluster.moves == [SKEW]
+    moved = [r for r in controller.log.records if r["decision"].get("executed") == "replan"]
+    assert moved[0]["decision"]["in_layer"]["action"] in ("none", "keep")  # no op ran
+
+
 def test_semi_skips_a_bridge_that_would_delay_its_re_plan(monkeypatch):
     """Agreements every 2 steps over windows of 3, stable_steps 2 (the benchmark's): rank 1
     is flagged at 7 (window 5..7, median 4x) and the re-plan waits 2 steps. A bridge attached
