@@ -108,14 +108,18 @@ QUICK_MODES = ("resize", "semi")
 replan are lossless; the throughput run checks them against an unperturbed run's losses)."""
 
 
-QUICK_SEEDS = (0, 1, 2)
+QUICK_SEEDS = (0, 1)
 """``--quick``'s seeds, fixed up front: one seed's drop spans -0.6 to 2.5 points over seeds
-0-7 (docs/balancing-ops.md), so the quick figure is the mean of three paired drops."""
+0-7 (docs/balancing-ops.md), so the quick figure is the mean of paired drops. Each further
+seed costs ~45 s of the 5 minutes on the idle machine (its unperturbed and resize runs,
+140 steps each, the 8x phase of resize slept through): three measured 243 s for this part
+under load 6.6, about 180 s idle by the unperturbed steps' ratio: the whole ``--quick``
+would have ended about 20 s short of its 5 minutes, an estimate too close to keep."""
 
 
 def digits_case(quick: bool, modes: tuple[str, ...]) -> DigitsCase:
     """The accuracy run of ``bench dynamic``: ``--quick`` 140 steps (25 epochs of the 1437
-    training images at batch 256), ``QUICK_MODES`` only, resize on the three ``QUICK_SEEDS``
+    training images at batch 256), ``QUICK_MODES`` only, resize on the ``QUICK_SEEDS``
     and semi on the first (semi bridged with resize on none of the seeds measured so far:
     its drop was 0.00 on each, and a seed of it costs 20 s of the 5 minutes); the full run
     three seeds of 320 steps, every mode, and resize with the dropped columns not frozen as
