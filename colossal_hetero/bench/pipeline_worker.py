@@ -528,6 +528,9 @@ def _decisions(runner: Runner) -> list[dict[str, Any]]:
             # gather before the step it decided: ada's own cost of the retuning.
             "decide_s": r.get("decide_s"),
             "gather_wait_s": r.get("gather_wait_s"),
+            # What the choice compared, to check ada's k against the step times run per k.
+            **{key: r.get(key) for key in ("model_k", "reason", "ran_k", "measured_s")},
+            "predicted_s_by_k": r.get("predicted_s_by_k"),
         }
         for r in control.log.records
     ]

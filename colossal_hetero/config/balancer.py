@@ -84,7 +84,9 @@ class BalancerConfig:
     freeze_dropped: bool = True
     """resize, semi: the optimizer step leaves a straggler's dropped columns (weights and
     optimizer state) as they were, so momentum and weight decay do not move them while their
-    gradient is imputed; false lets the optimizer move them."""
+    gradient is imputed; when the ops come off, columns that stayed out of the function
+    (gradient exactly 0) restart at 0 (weight and first moments; docs/balancing-ops.md, "Return
+    of frozen columns"); false lets the optimizer move them."""
 
     def __post_init__(self) -> None:
         for name in ("every", "window", "stable_steps", "horizon_steps", "probe_steps"):
