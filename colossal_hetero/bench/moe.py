@@ -47,8 +47,8 @@ HF = {
 }
 SEQ, PER_RANK, EP = 64, 4, 2
 RATE_MBIT = {"dedicated": 300.0, "none": 900.0}
-"""Link rate per emulation (``bench/moe_devices.py``), for a stock comm fraction of 0.40-0.60.
-``none``: 0.44 at 900 Mbit/s (650: 0.44 too; 1200: 0.39)."""
+"""Link rate per emulation (``bench/moe_devices.py``), for a stock comm fraction of 0.40-0.60:
+``dedicated`` 0.44-0.49 at 300 Mbit/s (0.31 at 900), ``none`` 0.40-0.44 at 900 (1200: 0.39)."""
 CHUNK_KIB, MAX_INFLIGHT = 512, 2
 CHUNK_EFFICIENCY = 0.5  # chunk size from the measured alpha-beta profile, at most CHUNK_KIB
 UNLIMITED = 1024  # priority off: every ready chunk goes at once (plain bucketed overlap, DDP-like)
@@ -64,8 +64,8 @@ VARIANTS = {  # name: (priority, fit_gaps, max_inflight, pipeline_chunks, pipeli
     "ours_s7": (True, True, MAX_INFLIGHT, PIPELINE_MOST, True, False),
 }
 """``ours_all`` ("all on"): priority (chunks held from dispatch to combine and during every
-a2a: the issue's rule; gap fitting, ``ours_on``, measured 0.89-1.00x of it in every run since
-session 7, docs/moe.md) and a2a/expert pipelining as its cost model chooses. Expert packing
+a2a: the issue's rule; gap fitting, ``ours_on``, measured 0.89-1.00x of it in every run of
+sessions 8-9, docs/moe.md) and a2a/expert pipelining as its cost model chooses. Expert packing
 (``ours_pack``) is left out: it does not combine with pipelining, and it made the step slower.
 Speed-aware placement is the even one on equal devices (its re-placement needs fp32: the
 heterogeneous case measures it). ``ours_s7`` is all on as session 7 left it (``SESSION7``):
