@@ -226,7 +226,9 @@ class CollectiveInterceptor:
         """
         if self.slowdown is None or not self.stepping_here() or self._depth:
             return
-        self._arrive()
+        # Both clocks restart here: the dedicated stretch sets the next interval's work against
+        # its own wall time, not the flushed pass's too.
+        self._boundary = self._arrive()
         self._work_boundary = self._work_clock()
 
     # -- the wrappers -------------------------------------------------------------------------

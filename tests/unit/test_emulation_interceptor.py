@@ -105,3 +105,36 @@ def test_cpu_stretch_counts_work_not_waiting() -> None:
     # 2.5% covers _busy's last loop iteration and the bookkeeping, as above.
     assert requested == [pytest.approx(2 * 0.01, rel=0.025)]
     assert timing.compute_time >= 0.06
+
+
+def test_dedicated_flush_starts_a_new_interval() -> None:
+    """``dedicated``: a pass flushed with ``flush_compute`` is stretched to factor x its work
+    less its wall time, and the next interval's wall time is counted from the flush (before,
+    it was counted from the step start, so the interval after a flush was under-stretched)."""
+    slowdown = SlowdownSchedule.from_config(
+        EmulationConfig(compute=[SlowdownSpec(rank=0, factor=3.0)]), 0
+    )
+    wall = [0.0]  # a fake wall clock: each pass lasts exactly 0.02 s of it, whatever the load
+    requested: list[float] = []
+    interceptor = CollectiveInterceptor(
+        0,
+        1,
+        slowdown,
+        device=CPU,
+        sleep=requested.append,
+        clock=lambda: wall[0],
+        stretch="dedicated",
+    )
+    with interceptor:
+        interceptor.begin_step(0)
+        for _ in range(2):
+            _busy(0.02)
+            wall[0] += 0.02
+            interceptor.flush_compute()
+        interceptor.end_step()
+    # Each pass: 3 x 0.02 s of work less its 0.02 s of wall time = 0.04 s (the second read
+    # 0.02 s before the fix). The work is CPU time, over 0.02 s by microseconds of loop and
+    # bookkeeping: 3 x 2.5% of 0.02 s is 0.0015 s, within rel 5% of 0.04 s. end_step's
+    # interval holds only bookkeeping (microseconds of CPU time).
+    assert requested[:2] == [pytest.approx(0.04, rel=0.05)] * 2
+    assert sum(requested[2:]) < 0.002
