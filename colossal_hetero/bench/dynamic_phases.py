@@ -451,30 +451,3 @@ def _delays_of(
             p.name: action_delay(records, p, s) for p, s in zip(phases, starts, strict=True)
         }
     return delays, actions
-
-
-def accuracy_report(result: Mapping[str, Any], modes: Sequence[str]) -> dict[str, Any]:
-    """The accuracy run's figures: each variant's final held-out accuracy, the drop of each
-    mode against ``unperturbed`` in points (100 x fraction), and the accuracy curve."""
-    variants = result["variants"]
-    final = {name: v["evals"][-1][2] for name, v in variants.items()}
-    return {
-        "accuracy": final,
-        "drop_points": {
-            m: 100.0 * (final["unperturbed"] - final[m]) for m in modes if m in variants
-        },
-        "curves": {name: v["evals"] for name, v in variants.items()},
-        "loss_diff": {
-            m: max_abs_diff(
-                [row[3] for row in variants[m]["rows"]],
-                [row[3] for row in variants["unperturbed"]["rows"]],
-            )
-            for m in modes
-            if m in variants
-        },
-        "records": {m: variants[m]["records"] for m in modes if m in variants},
-        "step_time_median": {
-            name: statistics.median(max(row[0::4]) for row in v["rows"])
-            for name, v in variants.items()
-        },
-    }
