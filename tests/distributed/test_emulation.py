@@ -277,8 +277,10 @@ def _check_ddp_routing(rank: int, world_size: int, device: torch.device) -> None
             routed(x).square().sum().backward()
     timing = ic.last_timing
     assert timing.num_collectives >= 1
-    # One bucket of 50 * 40 + 40 floats; a ring all-reduce of 2 ranks moves it once at 1e7 B/s.
-    assert timing.network_delay >= (50 * 40 + 40) * 4 / 1e7
+    # One bucket of 50 * 40 + 40 floats met the emulated link: counted as all-reduce bytes (an
+    # accounted quantity; the sleep it caused is what remained of its modelled transfer at the
+    # async wait, which a loaded host can leave at 0).
+    assert timing.bytes_by_kind["all_reduce"] == (50 * 40 + 40) * 4
     # Bitwise: over 2 ranks DDP's mean a/2 + b/2 and the hook's (a + b)/2 both round the exact
     # mean once (halving is exact), whatever kernels summed a and b.
     for a, b in zip(plain.parameters(), routed.parameters(), strict=True):
