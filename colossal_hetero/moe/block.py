@@ -189,7 +189,7 @@ class HeteroEPMixtralSparseMoeBlock(EPMixtralSparseMoeBlock):
         """Whether this forward may fold the counts (the same answer on every ep rank): the
         header fits a row, and no pipelining choice is still measuring the counts a2a."""
         chooser = self.comm.chooser
-        if chooser is not None and chooser.record is None:
+        if chooser is not None and chooser.measuring:
             return False
         return header_fits(dispatch.shape[1] * dispatch.element_size(), self.device_sizes)
 

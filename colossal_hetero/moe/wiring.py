@@ -152,7 +152,9 @@ class MoeStepLog:
     def on_step_end(self, step: int, timing: Any) -> None:
         self.last = self.comm.step_log()
         record: dict[str, Any] = {"step": step, "controller": "moe", "events": self.last}
-        decided = self.comm.chooser.on_step_end(step, self.last) if self.comm.chooser else None
+        chooser = self.comm.chooser
+        step_s = getattr(timing, "step_time", None)
+        decided = chooser.on_step_end(step, self.last, step_s) if chooser else None
         if decided is not None:  # collective: every rank at the same step
             record["pipeline"] = decided
         if step == 0:

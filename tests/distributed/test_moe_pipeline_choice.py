@@ -5,8 +5,11 @@ Four training steps of a tiny Mixtral with ``pipeline_chunks: 3`` and the choice
   the steps after the first, agreed over the world, and the prediction of every candidate);
 - the decision is what the pure model (moe/pipeline_model.py) gives for the logged inputs,
   and the agreed rows are what a block dispatches (tokens x top-k of one rank's shard);
-- the steps up to the decision ran one range (1 + 4 a2a's per layer) and the next the chosen
-  number (1 + 4n per layer), on every rank, and every block holds it.
+- the steps up to the model's choice ran one range (1 + 4 a2a's per layer); a choice of n > 1
+  ranges is tried first, n and one range alternating for ``TRIAL_STEPS`` steps each (4 a2a's
+  per layer for one range: the counts fold into the dispatch once measuring is over), and kept
+  only if its agreed median step was faster; every rank runs the same counts and every block
+  holds the final number.
 A second test, on a one-rank gloo world with fake blocks and hand-built logs, checks the
 give-up (one range for good when no step was measured) and a compute-bound case by hand.
 """
@@ -32,7 +35,7 @@ def _check(rank: int, world_size: int, device: torch.device) -> None:
     from colossal_hetero.config.parallel import ParallelConfig
     from colossal_hetero.config.schema import HeteroConfig
     from colossal_hetero.moe.block import HeteroEPMixtralSparseMoeBlock
-    from colossal_hetero.moe.pipeline_choice import DECIDE_AFTER
+    from colossal_hetero.moe.pipeline_choice import DECIDE_AFTER, TRIAL_STEPS
     from colossal_hetero.moe.pipeline_model import ExchangeInputs, choose_ranges
     from colossal_hetero.plugin import HeteroParallelPlugin
 
@@ -44,7 +47,8 @@ def _check(rank: int, world_size: int, device: torch.device) -> None:
     model, optimizer, *_ = booster.boost(model, optimizer)
     generator = torch.Generator().manual_seed(3)
     counts = []
-    for _ in range(DECIDE_AFTER + 2):
+    steps = DECIDE_AFTER + 2 * TRIAL_STEPS + 2
+    for _ in range(steps):
         batch = torch.randint(0, 256, (world_size * PER_RANK, SEQ), generator=generator)
         ids = batch.split(PER_RANK)[rank]
         loss = model(input_ids=ids, labels=ids).loss
@@ -61,13 +65,24 @@ def _check(rank: int, world_size: int, device: torch.device) -> None:
     inputs = ExchangeInputs(**record["inputs"])
     assert inputs.rows == PER_RANK * SEQ * 2  # tokens x top-k
     n, again = choose_ranges(inputs, 3)
-    assert n == record["ranges"] and again["predicted_s"] == record["predicted_s"]
+    assert again["predicted_s"] == record["predicted_s"]
     assert set(record["predicted_s"]) == {1, 2, 3}
-    # After the choice one range folds the routing counts into the dispatch (moe/folded.py).
-    after = LAYERS * 4 if n == 1 else LAYERS * (1 + 4 * n)
-    assert counts == [LAYERS * 5] * (DECIDE_AFTER + 1) + [after], (counts, n)
+    after = steps - DECIDE_AFTER - 1  # steps after the model's choice
+    if n == 1:
+        assert "trial" not in record and record["ranges"] == 1
+        assert record["decided_at"] == DECIDE_AFTER
+        ran = [1] * after
+    else:
+        trial = record["trial"]
+        assert record["decided_at"] == DECIDE_AFTER + 2 * TRIAL_STEPS
+        assert record["ranges"] == (n if trial["proposed_s"] < trial["one_range_s"] else 1)
+        ran = [n, 1] * TRIAL_STEPS + [record["ranges"]] * (after - 2 * TRIAL_STEPS)
+    # Once measuring is over one range folds the routing counts into the dispatch
+    # (moe/folded.py): 4 a2a's per layer; n ranges 1 + 4n.
+    expected = [LAYERS * 4 if r == 1 else LAYERS * (1 + 4 * r) for r in ran]
+    assert counts == [LAYERS * 5] * (DECIDE_AFTER + 1) + expected, (counts, n)
     blocks = [m for m in model.modules() if isinstance(m, HeteroEPMixtralSparseMoeBlock)]
-    assert len(blocks) == LAYERS and all(b.pipeline_chunks == n for b in blocks)
+    assert len(blocks) == LAYERS and all(b.pipeline_chunks == record["ranges"] for b in blocks)
     plugin.close()
 
 
@@ -86,7 +101,12 @@ class _FakeBlock:
 
 
 def _single_rank_choices() -> None:
-    from colossal_hetero.moe.pipeline_choice import DECIDE_AFTER, GIVE_UP_AFTER, PipelineChooser
+    from colossal_hetero.moe.pipeline_choice import (
+        DECIDE_AFTER,
+        GIVE_UP_AFTER,
+        TRIAL_STEPS,
+        PipelineChooser,
+    )
     from colossal_hetero.moe.pipeline_model import ExchangeInputs, choose_ranges
 
     # No forward ever dispatched: one range for good at GIVE_UP_AFTER, nothing before.
@@ -113,6 +133,23 @@ def _single_rank_choices() -> None:
     assert abs(record["predicted_s"][1] - 23.4e-3) < 1e-9
     assert abs(record["predicted_s"][3] - (2 * (0.1 + 2 / 3) * 2 + 15) * 1e-3) < 1e-9
     assert record["ranges"] == choose_ranges(inputs, 3)[0] == 3 == blocks[0].pipeline_chunks
+    assert "trial" not in record  # no step times: the proposal is kept untried
+    # With step times the proposal of 3 ranges is tried against one range, alternating, and
+    # kept only if its median step is faster (one rank: its own medians).
+    for proposed_s, one_s, final in ((0.02, 0.03, 3), (0.03, 0.02, 1)):
+        blocks = [_FakeBlock(64)]
+        chooser = PipelineChooser(blocks, 3)
+        ran, got = [], []
+        for step in range(DECIDE_AFTER + 1 + 2 * TRIAL_STEPS):
+            ran.append(blocks[0].pipeline_chunks)  # the setting this step runs
+            seconds = proposed_s if blocks[0].pipeline_chunks == 3 else one_s
+            got.append(chooser.on_step_end(step, log, seconds))
+        assert ran == [1] * (DECIDE_AFTER + 1) + [3, 1] * TRIAL_STEPS
+        assert got[:-1] == [None] * (DECIDE_AFTER + 2 * TRIAL_STEPS) and got[-1] is not None
+        trial = got[-1]["trial"]
+        assert (trial["proposed_s"], trial["one_range_s"]) == (proposed_s, one_s)
+        assert got[-1]["ranges"] == final == blocks[0].pipeline_chunks
+        assert got[-1]["decided_at"] == DECIDE_AFTER + 2 * TRIAL_STEPS
 
 
 def test_chooser_gives_up_and_decides_by_hand(tmp_path) -> None:  # type: ignore[no-untyped-def]
