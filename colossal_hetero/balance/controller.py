@@ -57,6 +57,7 @@ from colossal_hetero.balance.replan import (
     decide_replan,
     flagged_speeds,
     held_speeds,
+    measurable_slowdown,
     off_plan,
     planning_speeds,
 )
@@ -432,8 +433,10 @@ class BalanceController:
         if detection.stable_for() < settings.stable_steps and not self._sudden(detection):
             why = f"stable for {detection.stable_for()} < stable_steps {settings.stable_steps}"
             return ReplanDecision("none", widths, 0.0, why)
-        speeds = flagged_speeds(detection.slowdown, detection.stragglers)
-        speeds = held_speeds(speeds, self._held, self._shares(widths), detection.stragglers)
+        shares = self._shares(widths)
+        slowdown = measurable_slowdown(detection.slowdown, shares)
+        speeds = flagged_speeds(slowdown, detection.stragglers)
+        speeds = held_speeds(speeds, self._held, shares, detection.stragglers)
         target = planning_speeds(speeds, self.fixed_fraction)
         if not off_plan(target, self.planned_for, settings.stable_tolerance):
             return ReplanDecision("none", widths, 0.0, "widths already planned for these speeds")

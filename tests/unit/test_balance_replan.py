@@ -22,6 +22,7 @@ from colossal_hetero.balance.replan import (
     best_plan,
     flagged_speeds,
     held_speeds,
+    measurable_slowdown,
     model_times,
     off_plan,
     planning_speeds,
@@ -245,6 +246,23 @@ def test_held_speeds_keep_a_near_empty_straggler_from_reading_faster():
     # Released (no flag): the reading counts; nothing held before the first plan.
     assert held_speeds((1.0, 1.0, 1.0, 1.0), held, shares, ()) == (1.0, 1.0, 1.0, 1.0)
     assert held_speeds((1.0, 0.7), None, (0.9, 0.1), (1,)) == (1.0, 0.7)
+
+
+def test_measurable_slowdown_reads_against_the_loaded_ranks():
+    # The quiet session-9 reading after GPT-2's 4x rank (1, no heads: 4 * 0.01 < 0.25)
+    # recovered: against the least loaded reading 1.80 the others read 1.82 / 1.80 = 1.0111,
+    # 1.0 and 2.95 / 1.80 = 1.6389; rank 1's 1.0 / 1.80 < 1 reads 1.
+    shares = (0.37, 0.01, 0.37, 0.25)
+    got = measurable_slowdown((1.82, 1.0, 1.80, 2.95), shares)
+    assert got == pytest.approx((1.82 / 1.80, 1.0, 1.0, 2.95 / 1.80), rel=1e-12)
+    # A near-empty rank reading slower keeps its reading over the reference (2.4 / 1.2 = 2);
+    # loaded ranks only: the detector's vector over its least (here already 1).
+    assert measurable_slowdown((1.2, 2.4, 1.3), (0.5, 0.02, 0.48)) == pytest.approx(
+        (1.0, 2.0, 1.3 / 1.2), rel=1e-12
+    )
+    assert measurable_slowdown((1.0, 1.5), (0.6, 0.4)) == (1.0, 1.5)
+    # Every rank near empty (no loaded reference): as read.
+    assert measurable_slowdown((1.0, 1.7), (0.01, 0.01)) == (1.0, 1.7)
 
 
 class _TwoX(_Proportional):
