@@ -60,6 +60,7 @@ from colossal_hetero.balance.replan import (
     measurable_slowdown,
     off_plan,
     planning_speeds,
+    reading_drops,
 )
 from colossal_hetero.balance.semi import (
     SemiInputs,
@@ -150,6 +151,7 @@ class BalanceController:
         self.settings, self.tp_size, self.tp_rank = settings, tp_size, tp_rank
         self.group_index, self.planned_for = group_index, planned_for
         self._held: tuple[float, ...] | None = None  # the speeds the widths were planned at
+        self._slowest: dict[int, float] | None = {}  # slowest readings at these widths
         self.weight_bytes, self.actuator, self.device = weight_bytes, actuator, device
         self.log = log
         detector = DetectorSettings(
@@ -429,14 +431,14 @@ class BalanceController:
     ) -> ReplanDecision:
         """Re-plan at the flagged speeds once stable ``stable_steps`` (at once for a sudden
         straggler, ``_sudden``) and moved off those the widths were planned for (replan.py)."""
-        settings = self.settings
+        settings, shares = self.settings, self._shares(widths)
+        slowdown = measurable_slowdown(detection.slowdown, shares)
+        self._slowest, drops = reading_drops(self._slowest, slowdown)
         if detection.stable_for() < settings.stable_steps and not self._sudden(detection):
             why = f"stable for {detection.stable_for()} < stable_steps {settings.stable_steps}"
             return ReplanDecision("none", widths, 0.0, why)
-        shares = self._shares(widths)
-        slowdown = measurable_slowdown(detection.slowdown, shares)
         speeds = flagged_speeds(slowdown, detection.stragglers)
-        speeds = held_speeds(speeds, self._held, shares, detection.stragglers)
+        speeds = held_speeds(speeds, self._held, shares, detection.stragglers, drops)
         target = planning_speeds(speeds, self.fixed_fraction)
         if not off_plan(target, self.planned_for, settings.stable_tolerance):
             return ReplanDecision("none", widths, 0.0, "widths already planned for these speeds")
@@ -462,6 +464,7 @@ class BalanceController:
             self.planned_for, self._held = target, speeds
         if decision.action == "resize":  # a move's cost is the planner's time and the resize
             self._move_s += planning_s
+            self._slowest = None  # new widths: their readings start after the next
         return decision
 
     def _shares(self, widths: Mapping[str, tuple[int, ...]]) -> tuple[float, ...]:
