@@ -128,12 +128,25 @@ class PgCalls:
 
 
 @contextmanager
+def _patched(owner: Any, wrappers: dict[str, Callable[..., Any]]) -> Iterator[None]:
+    """Set ``owner``'s attributes to ``wrappers`` for the block; the originals come back at
+    exit, also after an error."""
+    originals = {name: getattr(owner, name) for name in wrappers}
+    for name, wrapper in wrappers.items():
+        setattr(owner, name, wrapper)
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(owner, name, original)
+
+
+@contextmanager
 def counting_pg_calls() -> Iterator[PgCalls]:
     """Wrap ``ProcessGroup``'s collective methods to count into a ``PgCalls`` (restored at
     exit)."""
     group_type = torch._C._distributed_c10d.ProcessGroup
     counter = PgCalls()
-    originals = {n: getattr(group_type, n) for n in PG_METHODS if hasattr(group_type, n)}
 
     def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
         def counted(group: Any, *args: Any, **kwargs: Any) -> Any:
@@ -142,13 +155,9 @@ def counting_pg_calls() -> Iterator[PgCalls]:
 
         return counted
 
-    for name, original in originals.items():
-        setattr(group_type, name, wrap(original))
-    try:
+    names = [n for n in PG_METHODS if hasattr(group_type, n)]
+    with _patched(group_type, {n: wrap(getattr(group_type, n)) for n in names}):
         yield counter
-    finally:
-        for name, original in originals.items():
-            setattr(group_type, name, original)
 
 
 @contextmanager
@@ -213,14 +222,8 @@ class CollectiveTimer:
         """Wrap the functions for the block's duration (no interceptor may be installed)."""
         if getattr(dist.all_reduce, "_colossal_hetero_router", None) is not None:
             raise RuntimeError("CollectiveTimer: install it before any interceptor")
-        originals = {name: getattr(dist, name) for name in _TIMED}
-        for name, fn in originals.items():
-            setattr(dist, name, self._wrap(fn))
-        try:
+        with _patched(dist, {name: self._wrap(getattr(dist, name)) for name in _TIMED}):
             yield self
-        finally:
-            for name, fn in originals.items():
-                setattr(dist, name, fn)
 
     @contextmanager
     def recording(self) -> Iterator[list[tuple[float, float, tuple[int, ...]]]]:
