@@ -43,13 +43,6 @@ def check_moe_layout(parallel: ParallelConfig, moe: MoeConfig, world_size: int) 
     dp = parallel.dp or world_size
     if dp % ep:
         raise ConfigError(f"parallel.ep={ep} does not divide the data-parallel size ({dp})")
-    if parallel.zero_stage == 0 and parallel.max_norm > 0:
-        # Our reducers' path: each rank's norm would cover only its own experts, so ranks
-        # would clip by different factors and the replicas of the dense weights would drift.
-        raise ConfigError(
-            "parallel.max_norm: gradient clipping with parallel.ep > 1 needs zero_stage 1 "
-            "(Colossal-AI's MoE optimizer) so far"
-        )
     if moe.replace_every and (parallel.zero_stage or parallel.precision != "fp32"):
         # ZeRO and mixed precision keep master copies and flat buffers moe/replace.py does not
         # move: a re-placement would train the moved experts from stale masters.

@@ -42,6 +42,12 @@ def test_shipped_config_validates_as_ep2_dp2() -> None:
     assert config.plugin_config().moe == config.moe
 
 
+def test_clipping_runs_on_our_reducers() -> None:
+    """parallel.max_norm with ep > 1 at zero_stage 0 is accepted (moe/clip.py's global norm;
+    checked against a single process in tests/distributed/test_moe_accumulate.py)."""
+    assert validate_run(_run({"ep": 2, "max_norm": 1.0, "zero_stage": 0}), 4) == 4
+
+
 @pytest.mark.parametrize(
     ("parallel", "moe", "hf", "world", "fragment"),
     [
@@ -53,7 +59,6 @@ def test_shipped_config_validates_as_ep2_dp2() -> None:
         ({"ep": 2}, {"placement": [[0, 1], [2, 3, 0]]}, None, 4, "expert 0 is placed twice"),
         ({"ep": 2}, {"placement": [[0, 1, 2, 3]]}, None, 4, "moe.placement: lists 1"),
         ({}, {"placement": [[0, 1], [2, 3]]}, None, 4, "moe.placement: needs expert"),
-        ({"ep": 2, "max_norm": 1.0}, None, None, 4, "parallel.max_norm: gradient clipping"),
     ],
 )
 def test_bad_moe_layout_is_one_config_error(parallel, moe, hf, world, fragment) -> None:
