@@ -37,6 +37,7 @@ from colossal_hetero.balance.actuator import LayerOps
 from colossal_hetero.balance.checks import check_balancer, needs_resizable
 from colossal_hetero.balance.wiring import build_balancer
 from colossal_hetero.checkpoint import HeteroCheckpointIO
+from colossal_hetero.checkpoint.moe import MoeCheckpointIO
 from colossal_hetero.compat.attention import keep_gpt2_causal
 from colossal_hetero.compat.grad_norm import count_customized_shards_in_grad_norm
 from colossal_hetero.config.loader import ConfigError
@@ -44,7 +45,7 @@ from colossal_hetero.config.schema import HeteroConfig
 from colossal_hetero.emulation import CollectiveInterceptor, build_interceptor
 from colossal_hetero.emulation.ddp import route_ddp_through_interceptor
 from colossal_hetero.metrics.decisions import DecisionWriter
-from colossal_hetero.moe.engine import build_moe_engine
+from colossal_hetero.moe.engine import MoeEngine, build_moe_engine
 from colossal_hetero.moe.replace import build_replacer
 from colossal_hetero.moe.wiring import MoeStepLog, install_reducers, moe_policy
 from colossal_hetero.pipeline.seam_adapter import install_schedule
@@ -380,8 +381,19 @@ class HeteroParallelPlugin(PipelinePluginBase):
             )
 
     def get_checkpoint_io(self) -> CheckpointIO:
-        """Colossal-AI's hybrid checkpoint IO, extended to uneven TP optimizer states."""
+        """Colossal-AI's hybrid checkpoint IO, extended to uneven TP optimizer states; with
+        ``parallel.ep > 1`` the expert-parallel one (placement-free names, checkpoint/moe.py)."""
         engine = self.engine
+        if isinstance(engine, MoeEngine):
+            return MoeCheckpointIO(
+                engine.mixed_dp_group,
+                engine.pp_group,
+                engine.tp_group,
+                engine.sp_group,
+                engine.zero_stage,
+                ep_group=engine.ep_group,
+                moe_dp_group=engine.moe_dp_group,
+            )
         return HeteroCheckpointIO(
             engine.mixed_dp_group,
             engine.pp_group,

@@ -1,0 +1,340 @@
+"""MoeCheckpointIO: checkpoints of expert-parallel runs (``parallel.ep > 1``), placement-free.
+
+An expert-parallel rank holds the dense weights and only the experts its placement gives it
+(moe/block.py; a speed-aware re-placement moves them between steps, moe/replace.py). Under
+Colossal-AI's own ``MoECheckpointIO`` optimizer states are keyed by a parameter's position
+in the optimizer, which a moved expert no longer has. Here everything is keyed by the
+parameter's full Hugging Face name (``model.layers.1.block_sparse_moe.experts.3.w1.weight``),
+which does not depend on where the expert lives:
+
+- model: the ranks of one ep group (the one with ``moe_dp`` rank 0; the other data-parallel
+  replicas hold the same values) send their experts to ep rank 0, which writes every tensor
+  once, in Colossal-AI's (and Hugging Face's) file layout: shards plus
+  ``pytorch_model.bin.index.json`` (or safetensors) and ``config.json`` when ``shard`` is
+  true, one file otherwise. The folder loads into a single-process ``MixtralForCausalLM``.
+  Loading reads, on every rank, the tensors of the parameters it holds now, by name, under
+  any placement; a tensor missing from the checkpoint is an error.
+- optimizer: ``<folder>/moe_optimizer.pt`` (or the file itself with ``shard`` false) =
+  ``{"format": FORMAT, "states": {name: {key: value}}, "masters": {name: fp32 tensor},
+  "groups": [hyperparameters]}``, gathered the same way. ``masters`` holds the fp32 master
+  weights of mixed precision (which the bf16/fp16 model file cannot hold exactly).
+
+Memory: ep rank 0 holds every expert (and state) of the model at once while writing; fine
+for the models this runs, not for a model whose experts do not fit one host's memory.
+Scope: ``parallel.zero_stage`` 0 (our reducers; ZeRO's flat shards are refused).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from colossalai.checkpoint_io import CheckpointIndexFile
+from colossalai.checkpoint_io.utils import (
+    StateDictSharder,
+    get_model_base_filenames,
+    load_shard_state_dict,
+    save_config_file,
+    save_state_dict,
+    save_state_dict_shards,
+)
+from colossalai.tensor.moe_tensor.api import is_moe_tensor
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from colossal_hetero.checkpoint.io import HeteroCheckpointIO
+
+FORMAT = "colossal_hetero.moe_optimizer.v1"
+OPTIMIZER_FILE = "moe_optimizer.pt"
+
+
+class MoeCheckpointIO(HeteroCheckpointIO):
+    """Checkpoint IO of HeteroParallelPlugin with ``parallel.ep > 1`` (see the module)."""
+
+    def __init__(
+        self,
+        global_dp_group: ProcessGroup,
+        pp_group: ProcessGroup,
+        tp_group: ProcessGroup,
+        sp_group: ProcessGroup,
+        zero_stage: int,
+        *,
+        ep_group: ProcessGroup,
+        moe_dp_group: ProcessGroup,
+    ) -> None:
+        super().__init__(global_dp_group, pp_group, tp_group, sp_group, zero_stage)
+        self.ep_group, self.moe_dp_group = ep_group, moe_dp_group
+        self.ep_rank = dist.get_rank(ep_group)
+        self.moe_dp_rank = dist.get_rank(moe_dp_group)
+        self.zero_stage = zero_stage
+
+    # -- model ------------------------------------------------------------------------------
+    def save_sharded_model(
+        self,
+        model: Any,
+        checkpoint: str,
+        gather_dtensor: bool = True,
+        prefix: str | None = None,
+        size_per_shard: int = 1024,
+        use_safetensors: bool = False,
+        use_async: bool = False,
+    ) -> None:
+        """Every tensor once, by its HF name, in shards with an index and the HF config."""
+        full = self._gathered_model(model)
+        if full is not None:
+            Path(checkpoint).mkdir(parents=True, exist_ok=True)
+            weights_name, index_name = get_model_base_filenames(prefix, use_safetensors)
+            index = CheckpointIndexFile(checkpoint)
+            total = save_state_dict_shards(
+                sharded_state_dict=_shards(full, size_per_shard),
+                checkpoint=checkpoint,
+                index_file=index,
+                base_filename=weights_name,
+                is_master=True,
+                use_safetensors=use_safetensors,
+            )
+            index.append_meta_data("total_size", total)
+            index.write_index_file(index_name)
+            save_config_file(model.unwrap(), checkpoint)
+        dist.barrier()
+
+    def save_unsharded_model(
+        self,
+        model: Any,
+        checkpoint: str,
+        gather_dtensor: bool = True,
+        use_safetensors: bool = False,
+        use_async: bool = False,
+    ) -> None:
+        """Every tensor once, by its HF name, in the one file ``checkpoint``."""
+        full = self._gathered_model(model)
+        if full is not None:
+            Path(checkpoint).parent.mkdir(parents=True, exist_ok=True)
+            save_state_dict(full, checkpoint, use_safetensors=use_safetensors)
+        dist.barrier()
+
+    def load_sharded_model(
+        self,
+        model: Any,
+        checkpoint_index_file: Any,
+        strict: bool = False,
+        low_cpu_mem_mode: bool = True,
+        num_threads: int = 1,
+    ) -> None:
+        """The tensors this rank holds now (any placement), by name, from the shards."""
+        index = CheckpointIndexFile.from_file(checkpoint_index_file)
+        safetensors = "safetensors" in Path(checkpoint_index_file).name
+        files: dict[str, dict[str, torch.Tensor]] = {}
+
+        def tensor(name: str) -> torch.Tensor | None:
+            if name not in index.weight_map:
+                return None
+            file = index.weight_map[name]
+            if file not in files:
+                path = Path(index.root_path) / file
+                files[file] = load_shard_state_dict(path, use_safetensors=safetensors)
+            return files[file][name]
+
+        _copy_into(model, tensor, str(checkpoint_index_file))
+
+    def load_unsharded_model(
+        self,
+        model: Any,
+        checkpoint: str,
+        strict: bool = False,
+        low_cpu_mem_mode: bool = True,
+        num_threads: int = 1,
+    ) -> None:
+        """The tensors this rank holds now (any placement), by name, from one file."""
+        from colossalai.checkpoint_io.utils import load_state_dict
+
+        saved = load_state_dict(Path(checkpoint))
+        _copy_into(model, saved.get, checkpoint)
+
+    def _gathered_model(self, model: Any) -> dict[str, torch.Tensor] | None:
+        """The whole model by HF name on the writer (None elsewhere); collective over the
+        ep group of ``moe_dp`` rank 0."""
+        self._require_no_zero("save")
+        if self.moe_dp_rank != 0:
+            return None
+        module = model.unwrap()
+        mine = module.state_dict() if self.ep_rank == 0 else {}
+        if self.ep_rank != 0:  # experts only: the dense tensors are the writer's too
+            mine = {n: p for n, p in module.named_parameters() if is_moe_tensor(p)}
+        mine = {n: t.detach().cpu() for n, t in mine.items()}
+        return self._to_writer(mine)
+
+    # -- optimizer --------------------------------------------------------------------------
+    def save_optimizer(
+        self, optimizer: Any, checkpoint: str, shard: bool = False, *args: Any, **kwargs: Any
+    ) -> None:
+        """States and fp32 masters by HF name (``shard``: in ``checkpoint/moe_optimizer.pt``,
+        else in the file ``checkpoint``)."""
+        self._require_no_zero("save")
+        saved = None
+        if self.moe_dp_rank == 0:
+            local = _named_states(optimizer, dense=self.ep_rank == 0)
+            parts = self._to_writer(local)
+            if parts is not None:
+                saved = _merge(parts, optimizer)
+        if saved is not None:
+            path = Path(checkpoint) / OPTIMIZER_FILE if shard else Path(checkpoint)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(saved, path)
+        dist.barrier()
+
+    def load_optimizer(self, optimizer: Any, checkpoint: str, *args: Any, **kwargs: Any) -> None:
+        """The states of the parameters this rank's optimizer steps now (any placement)."""
+        self._require_no_zero("load")
+        path = Path(checkpoint)
+        path = path / OPTIMIZER_FILE if path.is_dir() else path
+        if not path.is_file():
+            raise ValueError(
+                f"{checkpoint}: no {OPTIMIZER_FILE}; an expert-parallel optimizer loads only "
+                "the format this plugin's expert-parallel checkpoint IO saves"
+            )
+        saved = torch.load(path, map_location="cpu", weights_only=False)
+        if saved.get("format") != FORMAT:
+            raise ValueError(f"{path}: not an expert-parallel optimizer checkpoint ({FORMAT})")
+        _load_named_states(optimizer, saved, str(path))
+        dist.barrier()
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _to_writer(self, mine: dict[str, Any]) -> dict[str, Any] | None:
+        """Merge every ep rank's ``mine`` on ep rank 0 (returned there, None elsewhere)."""
+        writer = dist.get_global_rank(self.ep_group, 0)
+        parts: list[Any] | None = [None] * dist.get_world_size(self.ep_group)
+        if self.ep_rank != 0:
+            parts = None
+        dist.gather_object(mine, parts, dst=writer, group=self.ep_group)
+        if parts is None:
+            return None
+        return {key: value for part in parts for key, value in part.items()}
+
+    def _require_no_zero(self, action: str) -> None:
+        if self.zero_stage > 0:
+            raise ValueError(
+                f"parallel.zero_stage: cannot {action} an expert-parallel checkpoint under ZeRO "
+                f"(zero_stage {self.zero_stage}); expert-parallel checkpoints need zero_stage 0"
+            )
+
+
+def _shards(full: dict[str, torch.Tensor], size_mb: int) -> Iterator[tuple[dict, float]]:
+    sharder = StateDictSharder(size_mb)
+    for name, tensor in full.items():
+        block, size = sharder.append_param(name, tensor)
+        if block is not None:
+            yield block, size
+    yield sharder.current_block, sharder.current_block_size
+
+
+def _copy_into(model: Any, tensor: Any, source: str) -> None:
+    """Copy ``tensor(name)`` into every parameter and persistent buffer ``model`` holds;
+    nothing is copied unless every rank finds all of its tensors with the right shapes."""
+    module = model.unwrap()
+    held = dict(module.named_parameters())
+    held.update({n: b for n, b in module.state_dict(keep_vars=True).items() if n not in held})
+    values = {name: tensor(name) for name in held}
+    wrong = [
+        f"{name} (saved {tuple(v.shape)}, here {tuple(held[name].shape)})"
+        if v is not None
+        else name
+        for name, v in values.items()
+        if v is None or v.shape != held[name].shape
+    ]
+    _agree_missing(wrong, f"{source}: no tensor (or a wrong shape) for")
+    with torch.no_grad():
+        for name, target in held.items():
+            target.copy_(values[name])
+    model.update_master_params()  # mixed precision: masters from the loaded weights
+
+
+def _agree_missing(missing: list[str], message: str) -> None:
+    """One ValueError on every rank when any rank misses something (one small collective):
+    ranks hold different experts, so only some would notice alone."""
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, sorted(missing))
+    every = sorted({name for part in everyone for name in part})
+    if every:
+        raise ValueError(f"{message} {every[:3]} ({len(every)} missing)")
+
+
+def _names(optimizer: Any) -> dict[int, str]:
+    """id(parameter the optimizer steps) -> the HF name of its working parameter."""
+    module = optimizer.model.unwrap()
+    by_working = {id(p): n for n, p in module.named_parameters()}
+    to_working = optimizer.get_master_to_working_map() or {}
+    return {
+        id(p): by_working[id(to_working.get(id(p), p))]
+        for group in optimizer.param_groups
+        for p in group["params"]
+    }
+
+
+def _named_states(optimizer: Any, *, dense: bool) -> dict[str, Any]:
+    """``{name: (state, master or None)}`` of this rank's experts (and dense parameters)."""
+    names = _names(optimizer)
+    to_working = optimizer.get_master_to_working_map() or {}
+    out: dict[str, Any] = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            working = to_working.get(id(param), param)
+            if not (dense or is_moe_tensor(working)):
+                continue
+            state = optimizer.optim.state.get(param, {})
+            copied = {k: _cpu(v) for k, v in state.items()}
+            master = None if working is param else param.detach().cpu().clone()
+            out[names[id(param)]] = (copied, master)
+    return out
+
+
+def _cpu(value: Any) -> Any:
+    return value.detach().cpu().clone() if torch.is_tensor(value) else value
+
+
+def _merge(parts: dict[str, Any], optimizer: Any) -> dict[str, Any]:
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    return {
+        "format": FORMAT,
+        "states": {name: state for name, (state, _) in parts.items()},
+        "masters": {name: m for name, (_, m) in parts.items() if m is not None},
+        "groups": groups,
+    }
+
+
+def _load_named_states(optimizer: Any, saved: dict[str, Any], source: str) -> None:
+    if len(saved["groups"]) != len(optimizer.param_groups):
+        raise ValueError(
+            f"{source}: {len(saved['groups'])} parameter groups saved, the optimizer has "
+            f"{len(optimizer.param_groups)}"
+        )
+    names = _names(optimizer)
+    missing = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    missing = [n for n in missing if n not in saved["states"]]
+    _agree_missing(missing, f"{source}: no optimizer state for")
+    for group, hyper in zip(optimizer.param_groups, saved["groups"], strict=True):
+        group.update(hyper)
+        for param in group["params"]:
+            name = names[id(param)]
+            _set_state(optimizer.optim, param, saved["states"][name])
+            if name in saved["masters"]:
+                with torch.no_grad():
+                    param.copy_(saved["masters"][name])
+
+
+def _set_state(optim: torch.optim.Optimizer, param: nn.Parameter, state: dict) -> None:
+    if not state:
+        optim.state.pop(param, None)
+        return
+    optim.state[param] = {
+        k: _placed(v, param.device) if torch.is_tensor(v) else v for k, v in state.items()
+    }
+
+
+def _placed(value: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A copy of a loaded state tensor: on the parameter's device, scalars (``step``) on the
+    CPU as torch's optimizers keep them."""
+    return value.clone().to(device) if value.dim() > 0 else value.clone()
