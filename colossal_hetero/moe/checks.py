@@ -61,12 +61,14 @@ def check_moe_run(config: Any) -> None:
     """Run-level checks (a ``RunConfig``): what an expert-parallel run cannot do yet.
 
     Raises:
-        ConfigError: naming ``checkpoint.dir``.
+        ConfigError: naming ``parallel.zero_stage`` (checkpoints of an expert-parallel run
+            under ZeRO: checkpoint/moe.py saves our reducers' plain optimizer states).
     """
-    if config.parallel.ep > 1 and config.checkpoint.dir is not None:
+    parallel = config.parallel
+    if parallel.ep > 1 and config.checkpoint.dir is not None and parallel.zero_stage > 0:
         raise ConfigError(
-            "checkpoint.dir: checkpointing an expert-parallel run (parallel.ep > 1) is not "
-            "supported yet"
+            f"parallel.zero_stage: checkpointing an expert-parallel run (checkpoint.dir) needs "
+            f"zero_stage 0, got {parallel.zero_stage}"
         )
 
 
