@@ -6,8 +6,8 @@ loopback (model mode), as ``run_pipeline_worker(rank=, world_size=, device=, spe
 side by side (each its own plugin, process groups and model copy); the rounds helper steps
 them in rotating order, so every round's variants share the machine load and the network
 state. Rounds are numbered globally across the phases; each round's first step reports that
-number to the shaped launcher's preemption controller (tenant traffic on or off) and waits
-``settle_s`` for it to take effect.
+number to the shaped launcher's preemption controller (tenant traffic on or off) and, when
+that turns the tenant on or off, waits ``settle_s`` for it to take effect.
 
 Variants (names used in the JSON):
 
@@ -208,12 +208,20 @@ class Phases:
         number = self.offset + index
         if number == self._reported:
             return number, False
-        report_bench_step(self.rank, number)  # the round's first step: let the tenant settle
+        report_bench_step(self.rank, number)  # the round's first step
         drain = self.drain_s(number)
-        time.sleep(self.spec["settle_s"] + drain)
+        time.sleep(self.settle_s(number) + drain)
         dist.barrier()
         self._reported = number
         return number, drain > 0
+
+    def settle_s(self, number: int) -> float:
+        """The wait before round ``number`` for the tenant to start or stop: ``settle_s`` when
+        the targeted link's share changes from the round before, else none (the rounds of
+        phases a and c, and those inside a stretch, change nothing on the link)."""
+        shares = self.spec["shares"]
+        changed = 0 < number < len(shares) and shares[number - 1] != shares[number]
+        return float(self.spec["settle_s"]) if changed else 0.0
 
     def drain_s(self, number: int) -> float:
         """Extra wait before round ``number`` when it is the first free round after a tenant

@@ -13,7 +13,11 @@ steps and keep the fastest. :func:`pick_split` is that trial:
 - each step's seconds are the slowest rank's (one ``all_reduce`` MAX on ``group``): a
   pipeline step lasts as long as its slowest stage;
 - each candidate's score is the median of its steps; the least median wins, ties to the
-  earlier candidate (list the plugin's own split first).
+  earlier candidate (list the plugin's own split first);
+- the trial stops early, after a whole step of every candidate, once the remaining steps cannot
+  change the pick (:func:`decided`: the leader's median with every remaining step infinitely
+  slow still beats every other's with its remaining steps free). The pick is then the one the
+  full trial would make.
 
 Contract: every rank of ``group`` calls with the same candidates in the same order and the same
 ``steps`` (``step_seconds`` may run collectives: every rank runs the same steps in the same
@@ -24,6 +28,7 @@ near-best ones its stage times predict).
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -57,6 +62,26 @@ def rotated(count: int, step: int) -> list[int]:
     return [*range(shift, count), *range(shift)]
 
 
+def decided(seen: Sequence[Sequence[float]], steps: int) -> int | None:
+    """The candidate that wins whatever the remaining steps bring, or None.
+
+    ``seen[i]``: candidate ``i``'s step seconds so far (every one the same count), out of
+    ``steps``. Candidate ``c`` is decided when its median with every missing step at +inf is
+    below every other candidate's median with its missing steps at 0 s (step times are >= 0),
+    or equal to it for a later candidate (ties go to the earlier one)."""
+    missing = [steps - len(s) for s in seen]
+    worst = [statistics.median([*s, *[math.inf] * n]) for s, n in zip(seen, missing, strict=True)]
+    best = [statistics.median([*s, *[0.0] * n]) for s, n in zip(seen, missing, strict=True)]
+    for c in range(len(seen)):
+        if all(
+            worst[c] < best[o] or (worst[c] == best[o] and c < o)
+            for o in range(len(seen))
+            if o != c
+        ):
+            return c
+    return None
+
+
 def pick_split(
     candidates: Sequence[Sequence[int]],
     step_seconds: Callable[[int, int], float],
@@ -65,7 +90,7 @@ def pick_split(
     *,
     device: torch.device,
 ) -> SplitTrial:
-    """Run ``steps`` steps of every candidate (``step_seconds(index, step)``: this rank's
+    """Run up to ``steps`` steps of every candidate (``step_seconds(index, step)``: this rank's
     seconds for step ``step`` of ``candidates[index]``) and pick the one whose median slowest-
     rank step is least; see the module docstring for the contract. One candidate: no steps run.
     ``group``: the process group the ranks agree over (None: the world); ``device``: where its
@@ -91,6 +116,8 @@ def pick_split(
             mine = torch.tensor([seconds], dtype=torch.float64, device=device)
             dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
             seen[index].append(float(mine.item()))
+        if step + 1 < steps and decided(seen, steps) is not None:
+            break  # the remaining steps cannot change the pick
     medians = [statistics.median(s) for s in seen]
     best = min(range(len(frozen)), key=lambda i: (medians[i], i))
     return SplitTrial(frozen, tuple(tuple(s) for s in seen), best)

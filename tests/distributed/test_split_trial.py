@@ -45,6 +45,17 @@ def _run(rank, world_size, device):
         CANDIDATES, lambda index, step: 1.0 + rank, steps=2, device=torch.device("cpu")
     )
     assert tie.best == 0 and tie.medians_s == [2.0, 2.0, 2.0]
+    # Separated after two steps (slowest rank: [1.0, 1.0] against [2.0, 2.0]): the third step
+    # cannot change the pick, so it is not run, on either rank.
+    calls.clear()
+    early = pick_split(
+        [[3, 3], [4, 2]],
+        lambda index, step: calls.append((index, step)) or (index + 1.0) * (1 + rank) / 2,
+        steps=3,
+        device=torch.device("cpu"),
+    )
+    assert early.best == 0 and early.steps_s == ((1.0, 1.0), (2.0, 2.0))
+    assert calls == [(0, 0), (1, 0), (1, 1), (0, 1)]
 
 
 @pytest.mark.dist

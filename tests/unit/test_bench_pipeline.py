@@ -24,9 +24,9 @@ from colossal_hetero.bench.pipeline_model import ROW, network_config, stage_peak
 
 def test_round_plan_and_tenant_trace():
     plan = phase_plan(quick=True)
-    assert [plan[p]["start"] for p in "abc"] == [0, 5, 13]
+    assert [plan[p]["start"] for p in "abc"] == [0, 4, 12]
     shares = job_shares(plan)
-    assert len(shares) == 17
+    assert len(shares) == 16
     b = plan["b"]
     inside = range(b["start"], b["start"] + b["rounds"])
     assert all(shares[r] == 1.0 for r in range(len(shares)) if r not in inside)
@@ -34,7 +34,7 @@ def test_round_plan_and_tenant_trace():
     # The tenant takes 80-90% of the link whenever it is on.
     assert all(0.1 <= s <= 0.2 for s in shares if s < 1.0)
     specs = preemptions(shares, target_rank=2)
-    assert [(p.start_step, p.end_step, p.factor) for p in specs] == [(6, 9, 0.15), (10, 13, 0.1)]
+    assert [(p.start_step, p.end_step, p.factor) for p in specs] == [(5, 8, 0.15), (9, 12, 0.1)]
     assert all(p.kind == "tenant" and p.ranks == [2] for p in specs)
     # Every preempted round is covered by exactly the spec with its share.
     for r, share in enumerate(shares):
@@ -284,10 +284,15 @@ def test_first_free_round_after_a_tenant_stretch_drains():
     spec = pp4.to_dict()
     phases = Phases(spec, rank=0)
     waits = {n: phases.drain_s(n) for n in range(len(spec["shares"]))}
-    # Quick plan: stretches in rounds 6-8 and 10-12 (test_round_plan_and_tenant_trace), so
-    # rounds 9 (phase b) and 13 (phase c's first) wait; no other round does.
-    assert {n for n, w in waits.items() if w > 0} == {9, 13}
-    assert waits[9] == spec["drain_s"] == 1.0
+    # Quick plan: stretches in rounds 5-7 and 9-11 (test_round_plan_and_tenant_trace), so
+    # rounds 8 (phase b) and 12 (phase c's first) wait; no other round does.
+    assert {n for n, w in waits.items() if w > 0} == {8, 12}
+    assert waits[8] == spec["drain_s"] == 1.0
+    # The tenant's settling wait: only where the link's share changes (on at 5 and 9, off at
+    # 8 and 12).
+    settles = {n for n in range(len(spec["shares"])) if phases.settle_s(n) > 0}
+    assert settles == {5, 8, 9, 12}
+    assert phases.settle_s(5) == spec["settle_s"] == 0.3
 
 
 def test_the_first_step_after_a_stretch_is_preceded_by_an_unrecorded_one(monkeypatch):
@@ -310,9 +315,9 @@ def test_the_first_step_after_a_stretch_is_preceded_by_an_unrecorded_one(monkeyp
     phases = worker.Phases(spec, rank=0)
     fakes: list[Any] = [FakeRunner(), FakeRunner()]
     first, second = (phases.variant(fake) for fake in fakes)
-    phases.offset = 5  # phase b: its round 4 is global round 9, the first free after 6-8
+    phases.offset = 4  # phase b: its round 4 is global round 8, the first free after 5-7
     for index in range(6):
         first(index, warmup=False)
         second(index, warmup=False)
     # Round 9's first variant ran the unrecorded step, then its own; nobody else did.
-    assert seeds == [5, 5, 6, 6, 7, 7, 8, 8, worker.WARM_SEED, 9, 9, 10, 10]
+    assert seeds == [4, 4, 5, 5, 6, 6, 7, 7, worker.WARM_SEED, 8, 8, 9, 9]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colossal_hetero.pipeline.split_trial import SplitTrial, pick_split, rotated
+from colossal_hetero.pipeline.split_trial import SplitTrial, decided, pick_split, rotated
 from colossal_hetero.planner.stages import StageTimes, split_candidates
 
 CPU = torch.device("cpu")
@@ -40,3 +40,43 @@ def test_one_candidate_runs_nothing_and_bad_input_is_refused():
             pick_split(bad, never, steps=3, device=CPU)
     with pytest.raises(ValueError, match="steps must be >= 1"):
         pick_split([[2, 2], [3, 1]], never, steps=0, device=CPU)
+
+
+def _full_pick(seen: list[list[float]]) -> int:
+    medians = [sorted(s)[len(s) // 2] for s in seen]  # odd counts: the middle one
+    return min(range(len(seen)), key=lambda i: (medians[i], i))
+
+
+def test_decided_only_when_no_remaining_steps_can_change_the_pick():
+    # PP=2 x TP=2's trial (session 9, idle): [4, 8] 1.706 1.662 vs [5, 7] 1.841 1.843. With
+    # one step of 3 left, [4, 8]'s median is at most max(1.706, 1.662) and [5, 7]'s at least
+    # min(1.841, 1.843): decided.
+    assert decided([[1.706, 1.662], [1.841, 1.843]], steps=3) == 0
+    # Overlapping steps: a third step decides (PP=4's trial).
+    assert decided([[0.975, 1.069], [1.028, 1.260], [1.120, 1.048]], steps=3) is None
+    # One step of three: never decided (a median needs two of the three).
+    assert decided([[1.0], [5.0]], steps=3) is None
+    # Ties go to the earlier candidate: equal bounds decide for it, not for a later one.
+    assert decided([[1.0, 1.0], [1.0, 1.0]], steps=3) == 0  # at most 1.0 against at least 1.0
+    assert decided([[1.0, 2.0], [1.0, 1.0]], steps=3) is None  # the later one only ties at best
+    assert decided([[2.0, 2.0], [1.0, 1.0]], steps=3) == 1
+
+
+def test_decided_agrees_with_every_completion_by_brute_force():
+    # Every decision made early is the full trial's pick for every way the remaining steps
+    # could go (values from a small grid, which holds ties and both orders).
+    import itertools
+
+    grid = [1.0, 2.0, 3.0]
+    for first in itertools.product(grid, repeat=4):
+        seen = [list(first[0:2]), list(first[2:4])]
+        early = decided(seen, steps=3)
+        picks = {
+            _full_pick([[*seen[0], a], [*seen[1], b]])
+            for a in [0.0, *grid, 9.0]
+            for b in [0.0, *grid, 9.0]
+        }
+        if early is not None:
+            assert picks == {early}
+        if len(picks) > 1:
+            assert early is None
