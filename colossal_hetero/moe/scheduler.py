@@ -22,6 +22,12 @@ Contract, for one data-parallel ``group`` (the gradient group):
 - ``flush()`` (before ``optimizer.step()``) zero-fills gradients this rank never produced (an
   expert that got no tokens here), launches every remaining chunk in order and waits for all.
   Afterwards every gradient equals a plain all-reduce of the same gradients.
+- Gradient accumulation: while ``syncing()`` is False (the model's ``no_sync``, see
+  moe/wiring.py) hooks and :meth:`mark_idle` do nothing, so a backward only accumulates into
+  ``.grad``; the first backward with ``syncing()`` True (the last micro-step) marks and
+  launches the chunks of the accumulated gradients as usual, and a flush with only
+  accumulated gradients reduces them all. One *syncing* backward per flush: a second gradient
+  for the same parameter before ``flush`` raises RuntimeError.
 
 Why this cannot hang on gloo, where the collectives of one group must be issued in the same
 order on every rank: the gradient group only ever sees ``all_reduce(chunk 0), ..., all_reduce(
@@ -72,6 +78,10 @@ class Event:
 def _stamp(event: Event) -> None:
     if event.t_done is None:  # the callback may run after a wait() already observed it
         event.t_done = time.perf_counter()
+
+
+def _always() -> bool:
+    return True
 
 
 @dataclass(slots=True)
@@ -132,6 +142,8 @@ class ChunkedGradReducer:
         self.window_until: float | None = None
         self._profile: tuple[float, float] | None = None
         self._ratios: deque[float] = deque(maxlen=8)
+        self.syncing: Callable[[], bool] = _always
+        """False while gradients only accumulate locally (the model's ``no_sync``)."""
         self._reset()
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self._params)
@@ -141,14 +153,19 @@ class ChunkedGradReducer:
         self._ready = [False] * len(self._params)
         self._missing = [len(c.params) for c in self.chunks]
         self._next = 0
+        self._accumulated = False  # a backward ran under no_sync since the last flush
 
     @property
     def touched(self) -> bool:
-        """Whether any gradient arrived since the last flush (a backward ran here)."""
-        return any(self._ready)
+        """Whether any gradient arrived since the last flush (a backward ran here, syncing or
+        accumulating under ``no_sync``)."""
+        return self._accumulated or any(self._ready)
 
     def _hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def on_grad(_: torch.Tensor) -> None:
+            if not self.syncing():  # no_sync: the gradient stays in .grad, reduced later
+                self._accumulated = True
+                return
             self._mark_ready(index)
             self._pump()
 
@@ -157,7 +174,10 @@ class ChunkedGradReducer:
     def mark_idle(self, params: Sequence[nn.Parameter]) -> None:
         """``params`` (those of this reducer; others are ignored) get no gradient in this
         backward, e.g. an expert that no token reached: their gradients are zeros from now, so
-        their chunks need not wait for ``flush``. Already ready ones are left alone."""
+        their chunks need not wait for ``flush``. Already ready ones are left alone. Under
+        ``no_sync`` nothing is marked (a later micro-step may still bring gradients)."""
+        if not self.syncing():
+            return
         for param in params:
             index = self._index.get(id(param))
             if index is None or self._ready[index]:
@@ -170,7 +190,8 @@ class ChunkedGradReducer:
     def _mark_ready(self, index: int) -> None:
         if self._ready[index]:
             raise RuntimeError(
-                f"parameter {index} got a second gradient before flush(): one backward per flush"
+                f"parameter {index} got a second gradient before flush(): one syncing backward "
+                f"per flush (accumulate the earlier micro-steps under booster.no_sync)"
             )
         self._ready[index] = True
         for c in self._chunks_of[index]:
@@ -344,6 +365,11 @@ class ChunkedGradReducer:
         """Whether, inside a flush (after :meth:`launch_rest`), every chunk has been launched
         and waited: the gradients of :attr:`parameters` hold their final values."""
         return all(self._ready) and not self._inflight and self._next >= len(self.chunks)
+
+    @property
+    def group(self) -> ProcessGroup:
+        """The gradient group this reducer all-reduces over."""
+        return self._group
 
     @property
     def parameters(self) -> list[nn.Parameter]:

@@ -14,6 +14,11 @@ The reducers then run on the step seam:
 - the boosted optimizer's ``step`` first flushes both reducers, so every gradient is reduced
   before the update (and before clipping); a group reduced while the other is still on the
   wire is stepped then, on its own, where that is the same update (moe/split_step.py);
+- gradient accumulation: the reducers sync only while the boosted model's
+  ``require_grad_sync`` is on, so micro-steps under ``booster.no_sync(model, optimizer)``
+  accumulate locally and the last one (outside it) reduces the sum, chunked and prioritised;
+- clipping (``parallel.max_norm``): the wrapper's norm is replaced by the global one over
+  dense and expert gradients (moe/clip.py), one all-reduce after the flush;
 - :class:`MoeStepLog`, a seam controller, starts each step's event log and, with a metrics
   folder, writes it as one record per step to ``moe_rank{r}.jsonl`` (with the placement in
   the first record); with ``moe.pipeline_auto`` it feeds the pipelining choice
@@ -22,6 +27,7 @@ The reducers then run on the step seam:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +41,7 @@ from colossal_hetero.metrics.decisions import DecisionWriter
 from colossal_hetero.moe.block import HeteroEPMixtralSparseMoeBlock
 from colossal_hetero.moe.checks import check_moe_model
 from colossal_hetero.moe.chunks import chunk_bytes_for, even_chunk_bytes
+from colossal_hetero.moe.clip import install_ep_grad_norm
 from colossal_hetero.moe.comm import MoeComm
 from colossal_hetero.moe.pipeline_choice import PipelineChooser
 from colossal_hetero.moe.placement import Placement
@@ -121,10 +128,25 @@ def install_reducers(
         size = _evened(group_params, size)
         reducers[name] = ChunkedGradReducer(group_params, group, chunk_bytes=size, **common)
         reducers[name].set_profile(*profile)
+    syncing = _sync_flag(model)
+    for reducer in reducers.values():
+        reducer.syncing = syncing
     comm.attach(reducers)
     if optimizer is not None:
+        if float(getattr(optimizer, "max_norm", 0.0) or 0.0) > 0:
+            install_ep_grad_norm(optimizer, reducers)
         optimizer.step = flush_then_step(optimizer, optimizer.step, comm)
     return reducers
+
+
+def _sync_flag(model: nn.Module) -> Callable[[], bool]:
+    """The reducers' ``syncing``: Colossal-AI's ``require_grad_sync`` of the boosted model,
+    which ``booster.no_sync(model, optimizer)`` (and ``model.no_sync()``) turn off."""
+
+    def syncing() -> bool:
+        return bool(getattr(model, "require_grad_sync", True))
+
+    return syncing
 
 
 def _evened(params: list[nn.Parameter], size: int) -> int:
