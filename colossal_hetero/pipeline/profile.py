@@ -30,6 +30,7 @@ import statistics
 from bisect import bisect_left, bisect_right
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from itertools import zip_longest
 from typing import Any
 
 from colossal_hetero.pipeline.tuner import PipelineProfile, simulate_profile
@@ -181,18 +182,20 @@ def _seconds(
     msg: _Message,
     history: Sequence[tuple[float, float]],
     seen: float,
-    crossing: Sequence[float] = (),
-    unseen: Sequence[tuple[float, float]] = (),
+    crossing: Sequence[Sequence[float]] = (),
+    unseen: Sequence[Sequence[tuple[float, float]]] = (),
 ) -> tuple[float, str, float]:
     """Link seconds of one message that landed at ``msg.arrived``: the least of the upper
     bounds a first-in first-out link of constant time per message gives. ``history`` holds the
     earlier messages of its direction, ``(release, landing seen or NOT_BLOCKED)`` in order:
     messages ``i .. j`` all moved after ``release_i``, one at a time, and after a landing seen
     on message ``i`` the rest did. ``seen``: the last landing seen on the ports it shares with
-    other directions (it moved after that, too). ``crossing``: landings of the other directions
-    on those ports, sorted; those between a landing seen and this one took the port's time
-    too, and so did those the receiver found landed (``unseen``: ``(release, asked)``: it
-    landed between the two) when released after that landing and asked for before this one.
+    other directions (it moved after that, too). ``crossing``: per port it crossed, the landings
+    of the other directions there, sorted; those between a landing seen and this one took that
+    port's time too, and so did those the receiver found landed (``unseen``, per port:
+    ``(release, asked)``: it landed between the two) when released after that landing and asked
+    for before this one. The ports work side by side, so the busiest of them bounds the time
+    (session 10: summing both ports' messages halved it on a middle stage of PP=4).
     Also which bound it is: ``"queued"`` (after a landing seen: the link's time per message
     alone), ``"alone"`` (its own release, no message ahead: its time per message plus any
     latency) or ``"burst"`` (an earlier release); and for ``"queued"``, how long before that
@@ -201,8 +204,7 @@ def _seconds(
     how, ahead = ("alone", 0.0) if msg.release >= seen else ("queued", seen - msg.release)
     for n, (release, landed) in enumerate(reversed(history), start=2):
         if landed != NOT_BLOCKED:  # crossing is sorted: count landed < t < arrived by bisection
-            between = max(0, bisect_left(crossing, msg.arrived) - bisect_right(crossing, landed))
-            between += len([lo for lo, hi in unseen if landed < lo and hi < msg.arrived])
+            between = _busiest_port(crossing, unseen, landed, msg.arrived)
             bound, kind = (msg.arrived - landed) / (n - 1 + between), "queued"
         else:
             bound, kind = (msg.arrived - release) / n, "burst"
@@ -211,6 +213,24 @@ def _seconds(
         if landed != NOT_BLOCKED:
             break
     return max(0.0, best), how, ahead
+
+
+def _busiest_port(
+    crossing: Sequence[Sequence[float]],
+    unseen: Sequence[Sequence[tuple[float, float]]],
+    after: float,
+    before: float,
+) -> int:
+    """The most messages of other directions one port carried strictly between ``after`` and
+    ``before``: its landings there (sorted: counted by bisection) and its messages found landed
+    (``(release, asked)`` both inside)."""
+    counts = [
+        bisect_left(landings, before)
+        - bisect_right(landings, after)
+        + len([lo for lo, hi in spans if after < lo and hi < before])
+        for landings, spans in zip_longest(crossing, unseen, fillvalue=())
+    ]
+    return max([0, *counts])
 
 
 DESCHEDULED_S = 0.01
@@ -281,10 +301,10 @@ def link_seconds(
             samples.setdefault((f"{op}0", boundary, column), []).append((first, "first", 0.0))
         else:
             latest = max([NOT_BLOCKED, *(seen.get(q, -1) for q in ports)])
-            crossing = sorted(
-                t for q in ports for t, kind in port_landings.get(q, []) if kind != msg.kind
-            )
-            found = [span for q in ports for kind, span in unseen.get(q, []) if kind != msg.kind]
+            crossing = [
+                sorted(t for t, kind in port_landings.get(q, []) if kind != msg.kind) for q in ports
+            ]
+            found = [[span for kind, span in unseen.get(q, []) if kind != msg.kind] for q in ports]
             seconds, how, ahead = _seconds(msg, earlier, latest, crossing, found)
             if _waited(msg, seconds):
                 samples.setdefault(msg.kind, []).append((seconds, how, ahead))

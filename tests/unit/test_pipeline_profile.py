@@ -375,3 +375,23 @@ def test_unseen_landings_of_the_other_direction_share_the_port_time_too():
                         asked_prev=(asked,), arrived_next=(0.5, nb, 2.0), posted_next=(0.0,) * 3,
                         asked_next=(0.0, 0.6, 1.9))  # fmt: skip
         assert link_seconds([r0, r1, r2], 3)["B"] == (0.0, pytest.approx(seconds))
+
+
+def test_the_busiest_port_bounds_the_time_not_both_ports_together():
+    # Four stages, one port each way per rank. Gradients 2 -> 1 leave rank 2's upload and enter
+    # rank 1's download: the first lands 0.5 (seen), the second (sent 0.6) 2.0. In between each
+    # of those ports carried one activation: 2 -> 3 on rank 2's upload (landed 0.9) and 0 -> 1 on
+    # rank 1's download (landed 1.0). The two ports run side by side, so each delivered two
+    # messages since 0.5: 1.5 s / 2 = 0.75 s each. Counting both activations (as one port) gave
+    # 1.5 s / 3 = 0.5; the second gradient's own bound from the last landing on its ports is
+    # 2.0 - 1.0 = 1.0.
+    r0 = RankRecord(0, 0, 1, 1.0, 1.0, 2.0, 8.0, 4.0, sent_next=(0.55,))
+    r1 = RankRecord(1, 1, 2, 1.0, 1.0, 2.0, 8.0, 4.0, arrived_prev=(1.0,), posted_prev=(0.0,),
+                    asked_prev=(0.0,), arrived_next=(0.5, 2.0), posted_next=(0.0, 0.0),
+                    asked_next=(0.0, 1.9))  # fmt: skip
+    r2 = RankRecord(2, 2, 3, 1.0, 1.0, 2.0, 8.0, 4.0, sent_next=(0.56,), sent_prev=(0.0, 0.6))
+    r3 = RankRecord(3, 3, None, 1.0, 1.0, 2.0, 8.0, 0.0, arrived_prev=(0.9,), posted_prev=(0.0,),
+                    asked_prev=(0.0,))  # fmt: skip
+    records = [r0, r1, r2, r3]
+    assert link_seconds(records, 4)["B"] == (0.0, pytest.approx(0.75), 0.0)
+    assert link_seconds(records[::-1], 4) == link_seconds(records, 4)
