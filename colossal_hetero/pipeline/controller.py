@@ -182,7 +182,10 @@ class AdaKController:
         chosen, reason = decision.k, "model" if decision.k != ran else "kept"
         if self.guard is not None:
             times = decision.step_s_by_k
-            chosen, reason = self.guard.choose(self._retunings, ran, measured_s, decision.k, times)
+            latest = {k: self._cache[(profile, k)] for k in times}  # this step's profile alone
+            chosen, reason = self.guard.choose(
+                self._retunings, ran, measured_s, decision.k, times, latest
+            )
         self._retunings += 1
         self.schedule.set_k(chosen)
         before = decision.step_s_by_k.get(previous)  # None: the old k no longer fits memory

@@ -18,13 +18,23 @@ retuning, in this order:
    measurement, else go back to ``base``.
 2. **A switch the measurements refute is not made**: when the simulator proposes another ``k``
    whose recent comparable measurement is more than ``margin`` slower than the running
-   ``k``'s, the running ``k`` stays.
+   ``k``'s, the running ``k`` stays; so it does when that measurement is merely no faster and
+   the simulator's predicted gain (per step) is below ``margin`` (session 10: PP=4 moved from
+   ``k = 2`` to 3 on a predicted 1.5% that the step measured at 3 had not shown, and ran 3-4%
+   slower for the rest of the phase).
 3. **Exploration**: when the simulator keeps the running ``k``, a neighbour ``k ± 1`` that fits
    the memory budget, has no recent measurement and is predicted within ``explore`` of the
    running ``k`` (the simulator cannot tell them apart) runs for one period (the one predicted
    faster; the smaller on a tie). It costs at most one period per neighbour every ``memory``
    retunings, at a ``k`` predicted at most ``explore`` slower.
 
+**Conditions the simulator saw** (``latest``, optional: each ``k``'s predicted seconds from the
+newest step's profile alone): a measurement also keeps, as it is taken, the prediction of its
+own ``k`` from its own step's profile; when the newest profile predicts that ``k`` more than the
+factor ``conditions`` away from it, the conditions changed (slower compute, a slower link) and
+the measurement is not comparable. The measured ratio alone let a first step of phase (c) at
+``k = 2`` (1.12 s, its own profile predicting 1.15) judge an exploration of ``k = 3`` (0.90 s,
+both ``k`` predicted at 0.90 from that step): kept, where ``k = 2`` ran 0.91 and ``k = 3`` 0.95.
 A comparable measurement from before a change of conditions can still mislead rules 1-2 until
 it expires. Not a rule: going back to a ``k`` that measured faster when the simulator keeps the
 running one (tried: on PP=2 x TP=2 a tenant costs 15-30%, within any ratio that still lets
@@ -33,6 +43,7 @@ running one (tried: on PP=2 x TP=2 a tenant costs 15-30%, within any ratio that 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -49,8 +60,12 @@ class MeasuredGuard:
     """Retunings a measurement stays recent."""
     comparable: float = 1.25
     """Largest ratio of two step times still compared as measurements of one condition."""
-    times: dict[int, tuple[int, float]] = field(default_factory=dict)
-    """Per ``k``: (retuning index, measured step seconds) of its last measurement."""
+    conditions: float = 1.15
+    """Largest factor between a measured ``k``'s prediction from its own step's profile and from
+    the newest one for the measurement to stay comparable (see the module doc)."""
+    times: dict[int, tuple[int, float, float | None]] = field(default_factory=dict)
+    """Per ``k``: (retuning index, measured step seconds, its prediction from that step's own
+    profile or None) of its last measurement."""
     explored_from: int | None = None
     """The ``k`` an exploration left, until rule 1 has judged it."""
 
@@ -59,8 +74,10 @@ class MeasuredGuard:
             raise ValueError("margin, explore: fractions must be >= 0")
         if self.memory < 2:  # rule 1 compares with the retuning before
             raise ValueError(f"memory: must be >= 2 retunings, got {self.memory}")
-        if self.comparable < 1:
-            raise ValueError(f"comparable: a ratio >= 1, got {self.comparable}")
+        if self.comparable < 1 or self.conditions < 1:
+            raise ValueError(
+                f"comparable, conditions: ratios >= 1, got {self.comparable}, {self.conditions}"
+            )
 
     def choose(
         self,
@@ -69,20 +86,26 @@ class MeasuredGuard:
         measured_s: float,
         proposed: int,
         predicted: Mapping[int, float],
+        latest: Mapping[int, float] | None = None,
     ) -> tuple[int, str]:
         """The ``k`` for the next period and the rule that chose it.
 
         ``running`` ran the step measured (``measured_s`` seconds), ``proposed`` is the
-        simulator's choice and ``predicted`` its time for every candidate that fits memory.
+        simulator's choice and ``predicted`` its time for every candidate that fits memory
+        (summed over the window). ``latest``: each ``k``'s predicted seconds from the measured
+        step's profile alone (conditions, see the module doc); None skips that check.
         Reasons: ``"explored-kept"``, ``"explored-back"`` (rule 1), ``"refuted"`` (rule 2),
         ``"explore"`` (rule 3), ``"model"`` (the simulator's switch), ``"kept"``.
         """
-        self.times[running] = (index, measured_s)
-        recent = {k: s for k, (i, s) in self.times.items() if index - i < self.memory}
+        latest = latest or {}
+        self.times[running] = (index, measured_s, latest.get(running))
+        recent = {k: s for k, (i, s, _) in self.times.items() if index - i < self.memory}
         comparable = {
             k: s
             for k, s in recent.items()
-            if k in predicted and max(s, measured_s) < self.comparable * min(s, measured_s)
+            if k in predicted
+            and _within(s, measured_s, self.comparable)
+            and self._same_conditions(k, latest)
         }
         if self.explored_from is not None:
             base, self.explored_from = self.explored_from, None
@@ -118,7 +141,23 @@ class MeasuredGuard:
         if proposed == running:
             return running, reason
         measured = comparable.get(proposed)
-        slower = measured is not None and measured > measured_s * (1 + self.margin)
+        gain = predicted[running] / predicted[proposed] - 1 if running in predicted else math.inf
+        slower = measured is not None and (
+            measured > measured_s * (1 + self.margin)
+            or (measured >= measured_s and gain < self.margin)
+        )
         if slower and running in predicted:
             return running, "explored-kept" if reason == "explored-kept" else "refuted"
         return proposed, "model"
+
+    def _same_conditions(self, k: int, latest: Mapping[int, float]) -> bool:
+        """Whether ``k``'s measurement was taken under the conditions of the newest profile:
+        its own step's prediction of ``k`` within ``conditions`` of the newest one's (True when
+        either is unknown)."""
+        then, now = self.times[k][2], latest.get(k)
+        return then is None or now is None or _within(then, now, self.conditions)
+
+
+def _within(a: float, b: float, factor: float) -> bool:
+    """Whether ``a`` and ``b`` differ by less than ``factor``."""
+    return max(a, b) < factor * min(a, b)
