@@ -51,6 +51,7 @@ from colossal_hetero.balance.inlayer import (
     plan_units,
     predicted_times,
 )
+from colossal_hetero.balance.recovery import RecoveryWatch, near_empty, seeds_of
 from colossal_hetero.balance.replan import (
     ReplanDecision,
     best_plan,
@@ -60,7 +61,6 @@ from colossal_hetero.balance.replan import (
     measurable_slowdown,
     off_plan,
     planning_speeds,
-    reading_drops,
 )
 from colossal_hetero.balance.semi import (
     SemiInputs,
@@ -117,6 +117,8 @@ class _View:
     slowdown: tuple[float, ...]
     """Per position, the slowdown to plan in-layer ops from (``inlayer.effective_slowdown``)."""
     stragglers: tuple[int, ...]
+    released: tuple[int, ...] = ()
+    """Flagged ranks near no work released at this agreement by a fall of their readings."""
 
 
 class BalanceController:
@@ -151,7 +153,7 @@ class BalanceController:
         self.settings, self.tp_size, self.tp_rank = settings, tp_size, tp_rank
         self.group_index, self.planned_for = group_index, planned_for
         self._held: tuple[float, ...] | None = None  # the speeds the widths were planned at
-        self._slowest: dict[int, float] | None = {}  # slowest readings at these widths
+        self._watch = RecoveryWatch()  # readings at these widths (near-empty recoveries)
         self.weight_bytes, self.actuator, self.device = weight_bytes, actuator, device
         self.log = log
         detector = DetectorSettings(
@@ -242,6 +244,10 @@ class BalanceController:
         self._refine_fixed_fraction(agreed)
         work = plan_units(self.plan, shares, self.phi)
         detection = self.detector.update(step, agreed.windows, work)
+        readings = measurable_slowdown(detection.slowdown, shares)
+        released = self._watch.update(readings, shares, detection.stragglers)
+        if released:  # near-empty ranks whose readings fell (balance/recovery.py)
+            detection = self.detector.rebase(step, released)
         self.detections.append(detection)
         self._log_measured(step, agreed)
         if self.actuator.ops is not None:
@@ -254,7 +260,7 @@ class BalanceController:
             release=self.settings.release,
             budget=self.settings.accuracy_budget,
         )
-        view = _View(detection, agreed, widths, shares, work, slowdown, stragglers)
+        view = _View(detection, agreed, widths, shares, work, slowdown, stragglers, released)
         decision, gain, act = self._decide(step, view)
         self.log.write(
             {
@@ -433,12 +439,11 @@ class BalanceController:
         straggler, ``_sudden``) and moved off those the widths were planned for (replan.py)."""
         settings, shares = self.settings, self._shares(widths)
         slowdown = measurable_slowdown(detection.slowdown, shares)
-        self._slowest, drops = reading_drops(self._slowest, slowdown)
         if detection.stable_for() < settings.stable_steps and not self._sudden(detection):
             why = f"stable for {detection.stable_for()} < stable_steps {settings.stable_steps}"
             return ReplanDecision("none", widths, 0.0, why)
         speeds = flagged_speeds(slowdown, detection.stragglers)
-        speeds = held_speeds(speeds, self._held, shares, detection.stragglers, drops)
+        speeds = held_speeds(speeds, self._held, shares, detection.stragglers)
         target = planning_speeds(speeds, self.fixed_fraction)
         if not off_plan(target, self.planned_for, settings.stable_tolerance):
             return ReplanDecision("none", widths, 0.0, "widths already planned for these speeds")
@@ -464,7 +469,8 @@ class BalanceController:
             self.planned_for, self._held = target, speeds
         if decision.action == "resize":  # a move's cost is the planner's time and the resize
             self._move_s += planning_s
-            self._slowest = None  # new widths: their readings start after the next
+            new_shares = self._shares(decision.widths)
+            self._watch.restart(seeds_of(speeds, new_shares, detection.stragglers))
         return decision
 
     def _shares(self, widths: Mapping[str, tuple[int, ...]]) -> tuple[float, ...]:
@@ -473,12 +479,16 @@ class BalanceController:
 
     def _sudden(self, detection: Detection) -> bool:
         """Whether a rank flagged at this agreement, not at the one before, reads over
-        ``1 + 2 * threshold``: a slowdown that large is no timing noise, and its first reading
-        (a window mostly of slow steps) is near its size, so the re-plan need not wait for
-        ``stable_steps`` (a recovery, or a straggler that stays flagged, still waits)."""
-        before = set(self.detections[-2].stragglers) if len(self.detections) > 1 else set()
-        limit = 1 + 2 * self.settings.threshold
-        return any(detection.slowdown[r] > limit for r in set(detection.stragglers) - before)
+        ``1 + 2 * threshold``, or a rank released at it reads under ``1 / (1 + 2 * threshold)``
+        of its slowdown before: a change that large is no timing noise, and its first reading
+        (a window mostly of new steps) is near its size, so the re-plan need not wait for
+        ``stable_steps`` (a mild straggler, a slow release, or one that stays flagged, waits)."""
+        last = self.detections[-2] if len(self.detections) > 1 else None
+        before = set(last.stragglers) if last is not None else set()
+        limit, now = 1 + 2 * self.settings.threshold, detection.slowdown
+        gone = before - set(detection.stragglers)
+        recovered = any(last.slowdown[r] > limit * now[r] for r in gone) if last else False
+        return any(now[r] > limit for r in set(detection.stragglers) - before) or recovered
 
     def _restart_window(self) -> None:
         """Forget the recent steps (they ran another layout) and skip the next (warm-up)."""
@@ -508,6 +518,8 @@ class BalanceController:
         """Before a width move (``kind`` "move") or a change of the in-layer plan ("ops"):
         keep the scaling shares, times and offloading ranks, for ``_refine_fixed_fraction``."""
         self._moved = (kind, self._scaling(), agreed.times, {o.rank for o in self.plan.offloads})
+        if kind == "ops":  # other work per rank: readings start afresh (a move seeds them)
+            self._watch.restart()
 
     def _refine_fixed_fraction(self, agreed: Agreed) -> None:
         """At the first agreement after a move or a change of the in-layer plan (its windows
@@ -522,7 +534,11 @@ class BalanceController:
         kind, old_scaling, before, offloading = self._moved
         self._moved = None
         after, steady, scaling = agreed.times, 1 + 2 * self.settings.threshold, self._scaling()
-        only = None if kind == "move" else offloading | {o.rank for o in self.plan.offloads}
+        # A rank near no work on either side of a move runs its fixed part alone there, and a
+        # speed change of its hides in it (a recovery mid-window read phi 0.06 in a quiet s9 run).
+        only = set(range(self.tp_size)) - near_empty(old_scaling) - near_empty(scaling)
+        if kind != "move":
+            only = offloading | {o.rank for o in self.plan.offloads}
         estimate = fixed_fraction_from_move(before, old_scaling, after, scaling, steady, only)
         if estimate is None:
             return
@@ -557,24 +573,10 @@ class BalanceController:
             self.bridge_off = (step, before - agreed.step_time)
 
     def _semi_inputs(self, agreed: Agreed, widths: Widths, times: tuple[float, ...]) -> SemiInputs:
-        positions = agreed.positions
-        return SemiInputs(
-            times=times,
-            shares=self._shares(widths),
-            bandwidth=agreed.bandwidth,
-            weight_bytes=tuple(r.weight_bytes for r in positions),
-            activation_bytes=max(r.allreduce_bytes for r in positions),
-        )
+        return SemiInputs.of(agreed.positions, agreed.bandwidth, self._shares(widths), times)
 
     def _semi_settings(self) -> SemiSettings:
-        s = self.settings
-        return SemiSettings(
-            threshold=s.threshold,
-            accuracy_budget=s.accuracy_budget,
-            accuracy_weight=s.accuracy_weight,
-            horizon_steps=s.horizon_steps,
-            replan_cost_s=self.move_cost_s,
-        )
+        return SemiSettings.of(self.settings, self.move_cost_s)
 
 
 def _inputs(
@@ -594,4 +596,5 @@ def _inputs(
         "widths": {k: list(v) for k, v in widths.items()},
         "move_cost_s": move_cost_s,
         "fixed_fraction": round(fixed_fraction, 4),
+        "recovered": list(view.released),
     }

@@ -14,7 +14,9 @@ replaces it; the slowdown vector is ``s_i = u_i / min_j u_j`` (the fastest rank 
 
 Hysteresis. A rank is flagged when ``s_i > 1 + threshold`` and released only when
 ``s_i < 1 + release`` (release < threshold), so a rank hovering near the threshold does not
-flap. The vector is *stable since* the last agreement at which the flagged set changed or
+flap. A flagged rank whose slowdown fell by more than ``1 + 2 * threshold`` since the last
+agreement (a *sudden* recovery, not a hover) is released below ``1 + threshold`` already.
+The vector is *stable since* the last agreement at which the flagged set changed or
 any ``s_i`` moved by more than ``stable_tolerance`` (relative) from the vector held then.
 """
 
@@ -82,11 +84,14 @@ class StragglerDetector:
         self._flagged: frozenset[int] = frozenset()
         self._reference: tuple[float, ...] | None = None
         self._stable_since = 0
+        self._last: tuple[float, ...] | None = None  # the slowdown at the last agreement
+        self._scale: dict[int, float] = {}  # per-unit rescaling of rebased ranks
 
     def reset(self, step: int) -> None:
-        """Forget the smoothed times (after a move their shares changed); flags are kept and
-        stability restarts at ``step``."""
+        """Forget the smoothed times (after a move their shares changed), the last slowdown
+        and any rebasing; flags are kept and stability restarts at ``step``."""
         self._ewma, self._reference, self._stable_since = None, None, step
+        self._last, self._scale = None, {}
 
     def update(
         self, step: int, window: Sequence[Sequence[float]], shares: Sequence[float]
@@ -101,19 +106,47 @@ class StragglerDetector:
         assert len(window) == len(shares) == self.size
         # A rank given no width still runs the replicated layers: floor its share.
         unit = [
-            statistics.median(times) / max(share, MIN_SHARE)
-            for times, share in zip(window, shares, strict=True)
+            statistics.median(times) / max(share, MIN_SHARE) * self._scale.get(rank, 1.0)
+            for rank, (times, share) in enumerate(zip(window, shares, strict=True))
         ]
         if self._ewma is None:
             self._ewma = unit
         else:
             self._ewma = [self._smooth(old, new) for old, new in zip(self._ewma, unit, strict=True)]
+        slowdown = self._slowdown()
+        last, limit = self._last, sudden(self.settings)
+        dropped = {r for r in self._flagged if last is not None and last[r] > limit * slowdown[r]}
+        flagged = frozenset(flag_stragglers(slowdown, self._flagged - dropped, self.settings))
+        return self._settle(step, slowdown, flagged)
+
+    def rebase(self, step: int, ranks: Collection[int]) -> Detection:
+        """Release ``ranks`` and read them from now on as fast as the fastest other rank,
+        until the next ``reset``: their later per-unit times are scaled by the factor that
+        makes the present one the fastest's, so only a change of their times counts.
+
+        For a rank near no scaling work, whose per-unit time is its fixed part over the
+        fitted fixed fraction (so its level carries the fit's error), and which the caller
+        judged recovered from a drop of its readings at the same widths
+        (``balance.recovery``): its level would otherwise keep it flagged, or flag it again
+        at the next agreement."""
+        assert self._ewma is not None and self._last is not None
+        for rank in ranks:
+            others = [u for r, u in enumerate(self._ewma) if r != rank]
+            fastest = min(others) if others else self._ewma[rank]
+            self._scale[rank] = self._scale.get(rank, 1.0) * fastest / self._ewma[rank]
+            self._ewma[rank] = fastest
+        return self._settle(step, self._slowdown(), self._flagged - frozenset(ranks))
+
+    def _slowdown(self) -> tuple[float, ...]:
+        assert self._ewma is not None
         fastest = min(self._ewma)
-        slowdown = tuple(u / fastest if fastest > 0 else 1.0 for u in self._ewma)
-        flagged = frozenset(flag_stragglers(slowdown, self._flagged, self.settings))
+        return tuple(u / fastest if fastest > 0 else 1.0 for u in self._ewma)
+
+    def _settle(self, step: int, slowdown: tuple[float, ...], flagged: frozenset[int]) -> Detection:
+        """Keep the new flags and vector; stability restarts where either changed."""
         if flagged != self._flagged or not _close(slowdown, self._reference, self.settings):
             self._reference, self._stable_since = slowdown, step
-        self._flagged = flagged
+        self._flagged, self._last = flagged, slowdown
         return Detection(step, slowdown, tuple(sorted(flagged)), self._stable_since)
 
     def _smooth(self, old: float, new: float) -> float:

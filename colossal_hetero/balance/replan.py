@@ -159,7 +159,7 @@ def reading_drops(
 
 RECOVERY_DROP = 1.5
 """A near-empty flagged rank whose reading fell to under 1 / this of the slowest it read at
-its present widths has sped up (``held_speeds``)."""
+its present widths has sped up (``balance.recovery``: the controller releases it)."""
 
 
 def held_speeds(
@@ -167,18 +167,13 @@ def held_speeds(
     held: Sequence[float] | None,
     shares: Sequence[float],
     stragglers: Sequence[int],
-    drops: Sequence[float] | None = None,
 ) -> tuple[float, ...]:
     """``speeds`` (``flagged_speeds``) with every flagged rank left near no scaling work
     (``n * share < NEAR_EMPTY``) kept at no more than ``held``, the speed its widths were
     planned at: its reading may lower its speed (it holds the step) but not raise it until
-    its flag is released (a recovery: it plans at 1 then), or until its reading fell by
-    ``RECOVERY_DROP`` or more at the same widths (``drops``: the slowest reading at these
-    widths over the present one), when its held speed is raised by that factor (at most 1).
-    The drop compares readings of the same widths, so the fitted fixed fraction's bias
-    cancels: in a quiet session-9 run GPT-2's 4x rank, left with no heads, read 4.0-4.1 and
-    after its recovery 1.32-1.40, never under the release threshold, and kept no work for
-    the whole recovered phase (slowdown removed 0.60 where replanning at once gave 0.9).
+    its flag is released (a recovery: it plans at 1 then; ``balance.recovery`` releases a
+    near-empty rank whose readings at the same widths fell, since its level alone may never
+    fall under the release threshold).
 
     Such a rank is measured on its fixed part alone, and a fixed fraction fitted 0.1 too
     high reads it faster than it is: in the quiet session-8 run Llama's 2x rank, planned at
@@ -189,10 +184,8 @@ def held_speeds(
     n = len(speeds)
     if held is None:
         return tuple(speeds)
-    drops = drops if drops is not None else (1.0,) * n
-    caps = [min(h * d, 1.0) if d >= RECOVERY_DROP else h for h, d in zip(held, drops, strict=True)]
     return tuple(
-        min(v, caps[i]) if i in stragglers and n * shares[i] < NEAR_EMPTY else v
+        min(v, held[i]) if i in stragglers and n * shares[i] < NEAR_EMPTY else v
         for i, v in enumerate(speeds)
     )
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 IN_LAYER = ("resize", "migrate", "migrate+resize")
 """Actions that need the in-layer ops (ZERO-resizing, migration)."""
@@ -50,6 +51,17 @@ class SemiSettings:
     replan_cost_s: float = 1.0
     """One-off seconds of a re-plan and resize (inf: never re-plan)."""
 
+    @classmethod
+    def of(cls, config: Any, replan_cost_s: float) -> SemiSettings:
+        """From a ``BalancerConfig`` and the measured move cost."""
+        return cls(
+            threshold=config.threshold,
+            accuracy_budget=config.accuracy_budget,
+            accuracy_weight=config.accuracy_weight,
+            horizon_steps=config.horizon_steps,
+            replan_cost_s=replan_cost_s,
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class SemiInputs:
@@ -67,6 +79,20 @@ class SemiInputs:
     """Per migrating straggler per step: bytes of its layer outputs and output gradients."""
     priorities: tuple[tuple[float, ...], ...] | None = None
     """Per rank, priority scores of its reduction columns (None: uniform)."""
+
+    @classmethod
+    def of(
+        cls, positions: Sequence[Any], bandwidth: float, shares: tuple[float, ...], times: Any
+    ) -> SemiInputs:
+        """From the agreed report per position (``window.Report``: weight and all-reduce
+        bytes), the agreed bandwidth, the shares and the times to decide from."""
+        return cls(
+            times=tuple(times),
+            shares=shares,
+            bandwidth=bandwidth,
+            weight_bytes=tuple(r.weight_bytes for r in positions),
+            activation_bytes=max(r.allreduce_bytes for r in positions),
+        )
 
 
 @dataclass(frozen=True, slots=True)
