@@ -238,6 +238,34 @@ class ExpertReplacer:
                 self.reducer.rebind(params)
         self.writer.write(record)
 
+    def state(self) -> dict[str, Any]:
+        """What a resumed run needs to decide as this one would: each layer's placement and
+        the loads counted since the last decision, summed over the world (one all-reduce;
+        integer counts, so the sum is exact in any order)."""
+        loads = self.meter.counts.clone()
+        dist.all_reduce(loads)
+        return {"placements": [list(b.placement.device_of) for b in self.blocks], "loads": loads}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Adopt :meth:`state` after a checkpoint's weights and optimizer state are loaded:
+        experts move to the saved placements exactly (:func:`move_experts`, collective over
+        the ep group, on every rank) and the saved loads count towards the next decision."""
+        ep = self.blocks[0].ep_size
+        saved = [Placement(tuple(int(d) for d in p), ep) for p in state["placements"]]
+        if len(saved) != len(self.blocks) or any(
+            p.num_experts != b.num_experts for p, b in zip(saved, self.blocks, strict=False)
+        ):
+            raise ValueError(
+                f"checkpoint: saved placements of {len(saved)} layers do not fit the model's "
+                f"{len(self.blocks)} MoE layers"
+            )
+        if saved != [block.placement for block in self.blocks]:
+            params = move_experts(self.blocks, saved, self.optimizer)
+            if self.reducer is not None:
+                self.reducer.rebind(params)
+        loads = state["loads"].to(torch.long)
+        self.meter.counts = loads if dist.get_rank() == 0 else torch.zeros_like(loads)
+
     def close(self) -> None:
         self.meter.remove()
         self.writer.close()

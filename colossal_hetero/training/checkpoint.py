@@ -1,8 +1,13 @@
 """Checkpoints through Colossal-AI's checkpoint IO, plus the trainer's own position.
 
 Layout of ``<dir>/step_<N>/``: ``model/`` (sharded, gathered to the full HF parameter names),
-``optimizer/`` (sharded), ``lr_scheduler.pt``, and ``trainer.json`` written last, so a folder
-without ``trainer.json`` is an interrupted save and is ignored on resume.
+``optimizer/`` (sharded), ``lr_scheduler.pt``, with ``moe.replace_every`` also
+``moe_placement.pt`` (the experts' placement and the loads counted since the last decision, so
+a resumed run places as the uninterrupted one would), and ``trainer.json`` written last, so a
+folder without ``trainer.json`` is an interrupted save and is ignored on resume.
+
+Expert-parallel runs (``parallel.ep > 1``) save through checkpoint/moe.py: tensors by their
+Hugging Face names, whatever the placement, so a checkpoint loads under any placement.
 """
 
 from __future__ import annotations
@@ -12,10 +17,12 @@ import re
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from colossalai.booster import Booster
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_REPLACER_FILE = "moe_placement.pt"
 
 
 def save_checkpoint(
@@ -26,6 +33,11 @@ def save_checkpoint(
     booster.save_model(model, str(target / "model"), shard=True)
     booster.save_optimizer(optimizer, str(target / "optimizer"), shard=True)
     booster.save_lr_scheduler(lr_scheduler, str(target / "lr_scheduler.pt"))
+    replacer = getattr(booster.plugin, "moe_replacer", None)
+    if replacer is not None:  # moe.replace_every: the placement in use and the loads so far
+        state = replacer.state()
+        if dist.get_rank() == 0:
+            torch.save(state, target / _REPLACER_FILE)
     dist.barrier()
     if dist.get_rank() == 0:
         (target / "trainer.json").write_text(json.dumps({"step": step}))
@@ -54,4 +66,7 @@ def load_checkpoint(
     booster.load_model(model, str(source / "model"))
     booster.load_optimizer(optimizer, str(source / "optimizer"))
     booster.load_lr_scheduler(lr_scheduler, str(source / "lr_scheduler.pt"))
+    replacer = getattr(booster.plugin, "moe_replacer", None)
+    if replacer is not None and (source / _REPLACER_FILE).is_file():
+        replacer.restore(torch.load(source / _REPLACER_FILE, weights_only=False))
     return int(json.loads((source / "trainer.json").read_text())["step"])
