@@ -69,14 +69,16 @@ from colossal_hetero.planner.stages import StageTimes, split_candidates
 
 WARM_SEED = 10**6
 """Batch seed of each variant's unrecorded first step (rounds use their global number)."""
-TRIAL_SLACK = 0.12
+TRIAL_SLACK = 0.2
 TRIAL_SPLITS = 3
 TRIAL_STEPS = 3
 """Phase (c)'s split trial (``try_splits``, ``pipeline.split_trial.pick_split``): the plugin's
-split and candidates within 12% of the best predicted, at most 3, 3 steps each. 12%: under
-load a stage's measured block time moved by 10-14% between runs and splits (PP=2 x TP=2's
-full-speed stage: 10.6 and 12.0 ms in two runs, 8.4 to 9.4 ms over the splits of one
-experiment), so a 5% window left ``[4, 8]`` out (predicted 11% behind)."""
+split and candidates within 20% of the best predicted, at most 3, up to 3 steps each (the
+trial stops once the last step cannot change its pick). Under load a stage's measured block
+time moves by 10-14% between runs and splits (PP=2 x TP=2's full-speed stage: 10.6 and 12.0
+ms in two runs, 8.4 to 9.4 ms over the splits of one experiment): a 5% window left ``[4, 8]``
+out (predicted 11% behind), and 12% left it out once more (session 10, load 12: predicted
+12.4% behind ``[5, 7]``, which it had beaten by 10% on the idle machine)."""
 
 
 class InFlightMeter:
