@@ -12,6 +12,11 @@ Per step and variant: the slowest rank's step time; the time inside synchronous 
 (:func:`_a2a_medians`: from the last rank's arrival to the end) of the forward ("alone": no
 gradient exists yet) and of the backward (gradient chunks are reduced around them), the share
 of a2a calls with a chunk on the wire, the world's a2a bytes. Placement: bench/moe_hetero.py.
+
+The EP=4 section (``EP4_VARIANTS``) runs in the same rounds: the stock plugin, ours all on and
+DeepSpeed-MoE with EP=4 on the same 4 ranks (one expert per rank, no expert replicas), from
+the same weights and batches. The warm-up (``WARMUP``) covers all on's pipelining choice and
+its trial (moe/pipeline_choice.py), so that no measured step runs a setting it then drops.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch.distributed as dist
 from colossal_hetero.bench.moe_deepspeed import baseline_round_entries
 from colossal_hetero.bench.moe_devices import CollectiveTimer, transfer_time
 from colossal_hetero.bench.moe_hetero import run_hetero_case
+from colossal_hetero.moe.pipeline_choice import DECIDE_AFTER, TRIAL_STEPS
 
 HF = {
     "vocab_size": 256,
@@ -45,7 +51,7 @@ HF = {
     "output_router_logits": True,
     "router_aux_loss_coef": 0.02,
 }
-SEQ, PER_RANK, EP = 64, 4, 2
+SEQ, PER_RANK, EP, EP4 = 64, 4, 2, 4
 RATE_MBIT = {"dedicated": 300.0, "none": 900.0}
 """Link rate per emulation (``bench/moe_devices.py``), for a stock comm fraction of 0.40-0.60:
 ``dedicated`` 0.44-0.49 at 300 Mbit/s (0.31 at 900), ``none`` 0.40-0.44 at 900 (1200: 0.39)."""
@@ -72,11 +78,12 @@ heterogeneous case measures it). ``ours_s7`` is all on as session 7 left it (``S
 gap fitting, the optimizer stepped once after the whole flush, and the routing counts in an
 a2a of their own (moe/split_step.py and moe/folded.py since)."""
 SESSION7 = ("ours_s7",)
-
-_NOT_BUILT = {
-    "all_on_vs_deepspeed_moe": "DeepSpeed-MoE baseline not run (optional extra, not installed)",
-    "speed_aware_vs_even_placement": "runtime re-placement and the heterogeneous case not built",
-}
+QUICK_SKIPS = SESSION7
+"""Variants ``--quick`` leaves out (session 7's all on: a comparison kept for the full run)."""
+EP4_VARIANTS = {"ours_all_ep4": "ours_all"}
+"""Variants of ours at EP=4 (``EP4``) and the EP=2 x DP=2 variant whose settings each takes."""
+WARMUP = DECIDE_AFTER + 1 + 2 * TRIAL_STEPS
+"""Warm-up rounds: all on's pipelining choice (after step ``DECIDE_AFTER``) and its trial."""
 
 
 def _model() -> torch.nn.Module:
@@ -86,12 +93,12 @@ def _model() -> torch.nn.Module:
     return MixtralForCausalLM(MixtralConfig(**HF))
 
 
-def _build_stock(device: torch.device) -> tuple[Any, Any, Any]:
+def _build_stock(device: torch.device, ep: int = EP) -> tuple[Any, Any, Any]:
     from colossalai.booster import Booster
     from colossalai.booster.plugin import MoeHybridParallelPlugin
 
     plugin = MoeHybridParallelPlugin(
-        tp_size=1, pp_size=1, ep_size=EP, zero_stage=1, precision="bf16"
+        tp_size=1, pp_size=1, ep_size=ep, zero_stage=1, precision="bf16"
     )
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -111,6 +118,7 @@ def _build_ours(
     *,
     emulation: Any,
     stretch: str,
+    ep: int = EP,
 ) -> tuple[Any, Any, Any, Any]:
     from colossalai.booster import Booster
 
@@ -120,7 +128,7 @@ def _build_ours(
     from colossal_hetero.plugin import HeteroParallelPlugin
 
     config = HeteroConfig(
-        parallel=ParallelConfig(ep=EP, precision="bf16"),
+        parallel=ParallelConfig(ep=ep, precision="bf16"),
         moe=MoeConfig(
             chunk_kib=chunk_kib,
             max_inflight=max_inflight,
@@ -214,8 +222,8 @@ def a2a_split(
 def moe_worker(
     rank: int, world_size: int, device: torch.device, *, quick: bool, stretch: str = "dedicated"
 ) -> dict:
-    """One rank of the benchmark (module doc; 3 warm-ups: all on picks its pipelining), every
-    variant on the devices ``stretch`` emulates (bench/moe_devices.py)."""
+    """One rank of the benchmark (module doc; ``WARMUP`` warm-ups: all on picks its
+    pipelining), every variant on the devices ``stretch`` emulates (bench/moe_devices.py)."""
     from colossal_hetero.bench.moe_devices import emulated_devices
     from colossal_hetero.utils.quiet import quiet_third_party_warnings
 
@@ -236,40 +244,41 @@ def _measure(
     counter, timer = devices.counter, devices.timer
     chunk_kib, profiles = _profiled_chunk_kib()
     # ours first: our plugin installs Colossal-AI's CPU fixes (compat/)
-    ours = _build_variants(chunk_kib, emulation, stretch)
+    ours = _build_variants(chunk_kib, emulation, stretch, skip=QUICK_SKIPS if quick else ())
     logs: dict[str, list[tuple[float, list]]] = {name: [] for name in ours}
-    stock = _build_stock(device)
+    stocks = {"stock": _build_stock(device), "stock_ep4": _build_stock(device, EP4)}
     batches = _Batches(rank, world_size)
-    batch, agreed = batches.get, _agreed
-    # H6's baseline (bench/moe_deepspeed.py): DeepSpeed-MoE, when the optional extra is here.
-    ds_variants, ds_figures, ds_info = baseline_round_entries(
-        _model, EP, "bf16", PER_RANK, batch, agreed, all_on="ours_all",
-        scope=lambda index: scoped_step(clock, counter, index),
-    )  # fmt: skip
+    batch = batches.get
 
-    policy = RoundsPolicy(warmup=3, min_rounds=8 if quick else 12, budget_s=50 if quick else 300)
-    stock_run = _stock_variant(rank, stock, batch, lambda i: scoped_step(clock, counter, i), timer)
+    def scope(index: int) -> AbstractContextManager[dict[str, float]]:
+        return scoped_step(clock, counter, index)
+
+    variants = {n: _stock_variant(rank, b, batch, scope, timer) for n, b in stocks.items()}
+    variants.update(
+        {n: _ours_variant(b, batch, (counter, timer), logs[n]) for n, b in ours.items()}
+    )
+    ds_variants, ds_figures, ds_info = _deepspeed(batch, scope)
+    policy = RoundsPolicy(
+        warmup=WARMUP, min_rounds=8 if quick else 12, budget_s=70 if quick else 300
+    )
     result = run_rounds(
-        {
-            "stock": stock_run,
-            **{n: _ours_variant(ours[n], batch, (counter, timer), logs[n]) for n in VARIANTS},
-            **ds_variants,
-        },
-        {**_ratios(), **ds_figures},
+        {**variants, **ds_variants},
+        {**_ratios(list(variants)), **ds_figures},
         policy,
         decide=rank0_decides(device),
     )
     timelines = {name: _median_step(steps) for name, steps in logs.items()}
-    loss_diff = _loss_check(stock, ours, batch, len(batches.drawn))
+    others = [b[1] for b in ours.values()] + [stocks["stock_ep4"][1]]
+    loss_diff = _loss_check(stocks["stock"][1], others, batch, len(batches.drawn))
     for _, _, _, plugin in ours.values():
         plugin.close()
-    ds_info.pop("engine", None)
     return {
-        "pipelining": getattr(ours["ours_all"][3].moe_log.comm.chooser, "record", None),
+        "pipelining": _choice(ours["ours_all"]),
+        "pipelining_ep4": _choice(ours["ours_all_ep4"]),
         "packing": _packing_stats(ours["ours_pack"][1]),
         "rounds": result.to_dict(),
         "deepspeed": ds_info,
-        "max_loss_diff_vs_stock": loss_diff,
+        "max_loss_diff_vs_stock": loss_diff,  # EP=4 included
         "timelines": timelines,
         "chunking": {
             "chunk_kib": chunk_kib,
@@ -277,6 +286,31 @@ def _measure(
             "ours_on": _chunking(ours["ours_on"][3]),
         },
     }
+
+
+def _choice(built: tuple) -> dict[str, Any] | None:
+    """The pipelining choice of a variant of ours (its record; None without a chooser)."""
+    return getattr(built[3].moe_log.comm.chooser, "record", None)
+
+
+def _deepspeed(
+    batch: Callable[[int], Any], scope: Callable[[int], Any]
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """DeepSpeed-MoE at EP=2 x DP=2 and at EP=4 (bench/moe_deepspeed.py), when the optional
+    extra is here: (variants, figures, info of the EP=2 one with ``ep4``'s inside)."""
+    entries = {"deepspeed": (EP, "ours_all"), "deepspeed_ep4": (EP4, "ours_all_ep4")}
+    variants: dict[str, Any] = {}
+    figures: dict[str, Any] = {}
+    infos = {}
+    for name, (ep, all_on) in entries.items():
+        run, figure, info = baseline_round_entries(
+            _model, ep, "bf16", PER_RANK, batch, _agreed, all_on=all_on, scope=scope, name=name
+        )
+        variants.update(run)
+        figures.update(figure)
+        info.pop("engine", None)
+        infos[name] = info
+    return variants, figures, {**infos["deepspeed"], "ep4": infos["deepspeed_ep4"]}
 
 
 def _ours_variant(
@@ -303,17 +337,21 @@ def _ours_variant(
 
 
 def _build_variants(
-    chunk_kib: int, emulation: Any, stretch: str
+    chunk_kib: int, emulation: Any, stretch: str, skip: tuple[str, ...]
 ) -> dict[str, tuple[Any, Any, Any, Any]]:
-    """Every variant of ours (``VARIANTS``); those of ``SESSION7`` without session 8's split
-    optimizer step and folded routing counts."""
+    """Every variant of ours (``VARIANTS`` but ``skip``, then ``EP4_VARIANTS``); those of
+    ``SESSION7`` without session 8's split optimizer step and folded routing counts."""
     from colossal_hetero.moe.block import HeteroEPMixtralSparseMoeBlock
 
     ours = {
         name: _build_ours(chunk_kib, *setting, emulation=emulation, stretch=stretch)
         for name, setting in VARIANTS.items()
+        if name not in skip
     }
-    for name in SESSION7:
+    for name, like in EP4_VARIANTS.items():
+        setting = VARIANTS[like]
+        ours[name] = _build_ours(chunk_kib, *setting, emulation=emulation, stretch=stretch, ep=EP4)
+    for name in set(SESSION7) & set(ours):
         ours[name][3].moe_log.comm.split_step = False
         for block in ours[name][1].modules():
             if isinstance(block, HeteroEPMixtralSparseMoeBlock):
@@ -346,9 +384,10 @@ def _stock_variant(
     return run
 
 
-def _ratios() -> dict[str, Callable[[Mapping[str, float]], float]]:
-    """The rounds' paired ratios (each > 1 when the second-named variant is faster)."""
-    return {
+def _ratios(ran: list[str]) -> dict[str, Callable[[Mapping[str, float]], float]]:
+    """The rounds' paired ratios (each > 1 when the second-named variant is faster) whose
+    variants are among ``ran``."""
+    ratios = {
         "ours_all_vs_stock": lambda v: v["stock.step"] / v["ours_all.step"],
         "all_vs_on": lambda v: v["ours_on.step"] / v["ours_all.step"],
         "pack_vs_on": lambda v: v["ours_on.step"] / v["ours_pack.step"],
@@ -359,7 +398,10 @@ def _ratios() -> dict[str, Callable[[Mapping[str, float]], float]]:
         "on_vs_off": lambda v: v["ours_off.step"] / v["ours_on.step"],
         "on_vs_hold": lambda v: v["ours_hold.step"] / v["ours_on.step"],
         "all_vs_s7": lambda v: v["ours_s7.step"] / v["ours_all.step"],
+        "ep4_all_vs_stock": lambda v: v["stock_ep4.step"] / v["ours_all_ep4.step"],
     }
+    needs = {"all_vs_s7": "ours_s7"}
+    return {name: f for name, f in ratios.items() if needs.get(name, "stock") in ran}
 
 
 def _profiled_chunk_kib() -> tuple[int, list[tuple[float, float]]]:
@@ -441,95 +483,22 @@ def _median_step(steps: list[tuple[float, list]]) -> list:
 
 
 def _loss_check(
-    stock: Any, ours: dict[str, Any], batch: Callable[[int], torch.Tensor], n: int
+    stock: Any, others: list[Any], batch: Callable[[int], torch.Tensor], n: int
 ) -> float:
-    """Largest |mean loss difference| between ours and stock on held batches after training
-    the same rounds (forward only, no step); every variant saw the same batches."""
+    """Largest |mean loss difference| between each of ``others`` (models) and ``stock`` on
+    held batches after training the same rounds (forward only, no step); every variant saw
+    the same batches."""
     diffs = []
     with torch.no_grad():
         for index in range(min(n, 4)):
             ids = batch(index)
-            values = [float(stock[1](input_ids=ids, labels=ids).loss)]
-            values += [float(v[1](input_ids=ids, labels=ids).loss) for v in ours.values()]
+            values = [float(stock(input_ids=ids, labels=ids).loss)]
+            values += [float(model(input_ids=ids, labels=ids).loss) for model in others]
             tensor = torch.tensor(values, dtype=torch.float64)
             dist.all_reduce(tensor)
             tensor /= dist.get_world_size()
             diffs += [abs(float(tensor[i] - tensor[0])) for i in range(1, len(values))]
     return max(diffs)
-
-
-def summarise(result: dict, network_mode: str, stretch: str = "dedicated") -> dict[str, Any]:
-    """The issue's summary keys from one rank's result (all ranks agree)."""
-    from colossal_hetero.bench.moe_devices import boundary_summary, describe
-
-    medians = result["rounds"]["medians"]
-    figures = result["rounds"]["figures"]
-
-    def med(key: str) -> float:
-        return float(medians[key]["value"])
-
-    summary: dict[str, Any] = {
-        "network_mode": network_mode,
-        "emulation": describe(stretch),
-        "link_rate_mbit": RATE_MBIT[stretch],
-        "precision": "bf16",
-        "stock_comm_fraction": med("stock.transfer") / med("stock.step"),
-        "stock_comm_fraction_with_waits": med("stock.comm") / med("stock.step"),
-        "all_on_vs_colossalai_moe": float(figures["ours_all_vs_stock"]["value"]),
-        "priority_on_vs_colossalai_moe": float(figures["ours_on_vs_stock"]["value"]),
-        "pipelining_on_vs_off": float(figures["pipe_vs_on"]["value"]),
-        "all_on_vs_priority_on": float(figures["all_vs_on"]["value"]),
-        "priority_off_vs_colossalai_moe": float(figures["ours_off_vs_stock"]["value"]),
-        "priority_on_vs_off": float(figures["on_vs_off"]["value"]),
-        "fit_vs_hold": float(figures["on_vs_hold"]["value"]),
-        "all_on_vs_session7_all_on": float(figures["all_vs_s7"]["value"]),
-        "a2a_under_allreduce_over_alone": med("ours_on.a2a_under") / med("ours_on.a2a_alone"),
-        "a2a_under_allreduce_over_alone_priority_off": med("ours_off.a2a_under")
-        / med("ours_off.a2a_alone"),
-        "a2a_under_allreduce_over_alone_hold": med("ours_hold.a2a_under")
-        / med("ours_hold.a2a_alone"),
-        "a2a_with_chunks_on_wire": {name: med(f"{name}.a2a_overlapped") for name in VARIANTS},
-        "max_loss_diff_vs_stock": result["max_loss_diff_vs_stock"],
-        "all_on_means": "priority on, chunks held from dispatch to combine (no gap fitting), "
-        f"a2a/expert pipelining over 1 to "
-        f"{PIPELINE_MOST} token ranges as its cost model chooses, routing counts inside the "
-        "dispatch a2a, the expert optimizer step during the dense gradient transfer "
-        "(all_on_vs_session7_all_on: against all on without the last two); expert packing apart "
-        "(packing_on_vs_priority_on: it does not combine with pipelining and slowed the step); "
-        "placement: even on equal devices, speed-aware in the heterogeneous case; "
-        f"pipelining_on_vs_off: forced to {PIPELINE} ranges",
-        "packing_on_vs_priority_on": float(figures["pack_vs_on"]["value"]),
-        "a2a_bytes_per_step": {name: med(f"{name}.a2a_bytes") for name in VARIANTS},
-        "packing_a2a_bytes_saved": 1 - med("ours_pack.a2a_bytes") / med("ours_on.a2a_bytes"),
-        "packing_remote_bytes": result.get("packing"),
-        **_pipelining_summary(result.get("pipelining"), med),
-        "collectives_outside_interceptor": boundary_summary(result["rounds"].get("series", {})),
-    }
-    for key, reason in _NOT_BUILT.items():
-        summary[key] = None
-        summary[f"{key}_reason"] = reason
-    if "all_on_vs_deepspeed" in figures:  # H6's baseline ran (bench/moe_deepspeed.py)
-        summary["all_on_vs_deepspeed_moe"] = float(figures["all_on_vs_deepspeed"]["value"])
-        summary.pop("all_on_vs_deepspeed_moe_reason")
-    elif "reason" in result.get("deepspeed", {}):
-        summary["all_on_vs_deepspeed_moe_reason"] = result["deepspeed"]["reason"]
-    return summary
-
-
-def _pipelining_summary(record: dict | None, med: Callable[[str], float]) -> dict[str, Any]:
-    """The all-on variant's pipelining choice, and the cost model's predicted step change of
-    the forced ``PIPELINE`` ranges over one against the measured one (ours_pipe - ours_on)."""
-    if not record:
-        return {"pipelining_ranges_chosen": None}
-    predicted = {int(n): float(t) for n, t in record["predicted_s"].items()}
-    layers = HF["num_hidden_layers"]
-    return {
-        "pipelining_ranges_chosen": record["ranges"],
-        "pipelining_step_delta_ms": {
-            "measured": 1e3 * (med("ours_pipe.step") - med("ours_on.step")),
-            "predicted": 1e3 * layers * (predicted[PIPELINE] - predicted[1]),
-        },
-    }
 
 
 def run_moe_benchmark(
@@ -539,6 +508,7 @@ def run_moe_benchmark(
     ``stretch``: ``dedicated`` (every rank on an emulated device of its own) or ``none``
     (bench/moe_devices.py)."""
     from colossal_hetero.bench.moe_devices import device_emulation
+    from colossal_hetero.bench.moe_report import summarise, write_report
     from colossal_hetero.bench.shaped_spawn import run_bench_ranks
     from colossal_hetero.config.schema import NetworkEmulationConfig
 
@@ -557,7 +527,7 @@ def run_moe_benchmark(
         "benchmark": "moe",
         "quick": quick,
         "world_size": 4,
-        "layout": f"EP={EP} x DP=2",
+        "layout": f"EP={EP} x DP=2 (section ep4: EP={EP4})",
         "model": HF,
         "seq_len": SEQ,
         "per_rank_batch": PER_RANK,
@@ -567,26 +537,12 @@ def run_moe_benchmark(
         "summary": summary,
         "chunking": results[0]["chunking"],
         "rounds": results[0]["rounds"],
+        "pipelining": {"ep2": results[0]["pipelining"], "ep4": results[0]["pipelining_ep4"]},
         "deepspeed": results[0]["deepspeed"],
         "heterogeneous": hetero,
     }
     print(json.dumps(summary, indent=1))
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=1))
-        from colossal_hetero.moe.timeline import plot_timelines
-
-        logs = results[0]["timelines"]
-        titles = {
-            "ours_off": "priority off (plain bucketed overlap)",
-            "ours_hold": "priority on, chunks held from dispatch to combine",
-            "ours_on": "priority on, chunks fitted into the gaps between a2a's",
-            "ours_pipe": f"fitted chunks and a2a/expert pipelining forced to {PIPELINE} ranges",
-            "ours_pack": "fitted chunks and expert packing",
-            "ours_all": "all on: fitted chunks, pipelining as its cost model chooses",
-            "ours_s7": "all on as in session 7 (one step after the flush, counts a2a)",
-        }
-        png = Path(json_path).with_suffix(".timeline.png")
-        plot_timelines({titles[k]: v for k, v in logs.items()}, png)
-        report["timeline_png"] = str(png)
-        Path(json_path).write_text(json.dumps(report, indent=1))
+        write_report(report, results[0]["timelines"], json_path)
     return 0

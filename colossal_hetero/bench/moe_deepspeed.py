@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+FIGURES = {"deepspeed": "all_on_vs_deepspeed", "deepspeed_ep4": "ep4_all_vs_deepspeed"}
+"""The paired figure's name per variant name (``baseline_round_entries``)."""
 MISSING = "DeepSpeed-MoE baseline not run: deepspeed is not installed (pip install .[deepspeed])"
 
 
@@ -167,19 +169,22 @@ def baseline_round_entries(
     agreed: Callable[[list[float]], list[float]],
     all_on: str,
     scope: Callable[[int], AbstractContextManager[dict[str, float]]] | None = None,
+    name: str = "deepspeed",
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """``bench moe``'s registration: (variants, figures, info) to merge into its rounds.
 
-    ``all_on`` names the everything-on variant; the figure ``all_on_vs_deepspeed`` is
-    DeepSpeed's step over it, paired per round; ``scope`` as in ``deepspeed_variant``. Empty
-    dicts and the reason when DeepSpeed is missing. Call on every rank.
+    ``all_on`` names the everything-on variant; the figure (``FIGURES[name]``, e.g.
+    ``all_on_vs_deepspeed``) is DeepSpeed's step over it, paired per round; the variant is
+    called ``name``; ``scope`` as in ``deepspeed_variant``. Empty dicts and the reason when
+    DeepSpeed is missing. Call on every rank.
     """
     run, reason, engine = deepspeed_variant(
         make_model, ep, precision, micro_batch, batch, agreed, scope
     )
     if run is None:
         return {}, {}, {"reason": reason}
-    figures = {"all_on_vs_deepspeed": lambda v: v["deepspeed.step"] / v[f"{all_on}.step"]}
+    figure = FIGURES.get(name, f"all_on_vs_{name}")
+    figures = {figure: lambda v: v[f"{name}.step"] / v[f"{all_on}.step"]}
     import deepspeed
     from deepspeed import comm as ds_comm
 
@@ -190,4 +195,4 @@ def baseline_round_entries(
         "comm_backend": backend,
         "engine": engine,
     }
-    return {"deepspeed": run}, figures, info
+    return {name: run}, figures, info

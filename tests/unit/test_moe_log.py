@@ -3,7 +3,8 @@ the timeline PNG. Hand-built logs, hand-counted answers."""
 
 from __future__ import annotations
 
-from colossal_hetero.bench.moe import a2a_split, summarise
+from colossal_hetero.bench.moe import _ratios, a2a_split
+from colossal_hetero.bench.moe_report import ep4_summary, summarise
 from colossal_hetero.moe.comm import chunks_inside
 from colossal_hetero.moe.timeline import plot_timelines
 
@@ -113,6 +114,35 @@ def test_summary_keys_and_nulls() -> None:
     assert abs(summary["packing_a2a_bytes_saved"] - 0.15) < 1e-12  # 1 - 850 / 1000
     assert summary["a2a_bytes_per_step"]["ours_pack"] == 850.0
     assert summary["all_on_vs_deepspeed_moe"] is None and summary["all_on_vs_deepspeed_moe_reason"]
+    assert "ep4" not in summary  # no EP=4 figure in this result
+    del result["rounds"]["figures"]["all_vs_s7"]  # --quick leaves session 7's all on out
+    assert summarise(result, "shaped")["all_on_vs_session7_all_on"] is None
+
+
+def test_ep4_section_from_its_paired_figures() -> None:
+    ci = {"value": 1.6, "ci": [1.5, 1.7], "half_width": 0.06}
+    result = {
+        "rounds": {
+            "figures": {"ep4_all_vs_stock": ci},
+            "medians": {"stock_ep4.step": {"value": 0.32}, "ours_all_ep4.step": {"value": 0.2}},
+        },
+        "pipelining_ep4": {"ranges": 1},
+    }
+    section = ep4_summary(result)["ep4"]
+    assert section["all_on_vs_colossalai_moe"] == 1.6
+    assert section["all_on_vs_colossalai_moe_ci"] == [1.5, 1.7]
+    assert section["step_s"] == {"stock_ep4": 0.32, "ours_all_ep4": 0.2}
+    assert "all_on_vs_deepspeed_moe" not in section  # DeepSpeed's EP=4 figure absent
+    result["rounds"]["figures"]["ep4_all_vs_deepspeed"] = {"value": 1.4, "ci": [1.3, 1.5]}
+    assert ep4_summary(result)["ep4"]["all_on_vs_deepspeed_moe"] == 1.4
+
+
+def test_ratios_skip_variants_that_did_not_run() -> None:
+    everything = ["stock", "ours_all", "ours_s7", "stock_ep4", "ours_all_ep4"]
+    assert "all_vs_s7" in _ratios(everything)
+    assert "all_vs_s7" not in _ratios([n for n in everything if n != "ours_s7"])
+    step = {"stock_ep4.step": 0.3, "ours_all_ep4.step": 0.2}
+    assert abs(_ratios(everything)["ep4_all_vs_stock"](step) - 1.5) < 1e-12
 
 
 def test_timeline_png(tmp_path) -> None:
