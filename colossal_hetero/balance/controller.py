@@ -117,8 +117,7 @@ class _View:
     slowdown: tuple[float, ...]
     """Per position, the slowdown to plan in-layer ops from (``inlayer.effective_slowdown``)."""
     stragglers: tuple[int, ...]
-    released: tuple[int, ...] = ()
-    """Flagged ranks near no work released at this agreement by a fall of their readings."""
+    released: tuple[int, ...] = ()  # near-empty ranks released by a fall of their readings
 
 
 class BalanceController:
@@ -178,8 +177,8 @@ class BalanceController:
         for the rest of the run, re-planning alone (its cost model had under-priced them)."""
         self._attached_at = 0  # the step the in-layer plan attached now was last measured raw
         self.fixed_fraction = settings.fixed_fraction
-        """The work model's fixed fraction: the config's, then refined from each move's
-        measured times (``detector.fixed_fraction_from_move``)."""
+        """The work model's fixed fraction: the config's, then the median of it and each
+        move's estimate from measured times (``detector.fixed_fraction_from_move``)."""
         self.ops_fraction = settings.fixed_fraction
         """The work model's fixed fraction under in-layer ops: the part of a rank's compute
         that dropping or migrating its columns does not shrink (its replicated layers, and
@@ -187,7 +186,7 @@ class BalanceController:
         change of the attached plan refits it from the measured times before and after
         (the median of every such estimate), so that a rank's seconds per unit of work stay
         its device's under the ops and a recovery shows in them."""
-        self._ops_estimates: list[float] = []
+        self._estimates: dict[str, list[float]] = {"move": [self.fixed_fraction], "ops": []}
         self._moved: tuple[str, tuple[float, ...], tuple[float, ...], set[int]] | None = None
         # ("move" | "ops", scaling shares, per-position times) of the window before the
         # last width move or change of the in-layer plan
@@ -525,10 +524,11 @@ class BalanceController:
         """At the first agreement after a move or a change of the in-layer plan (its windows
         hold two steps or more: ``_agree_and_act`` decides nothing from one), estimate the
         fixed fraction from the times before and after it (none where a rank changed speed
-        by over ``1 + 2 threshold``). A move keeps the mean of the old ``fixed_fraction`` and
-        the estimate (one noisy window moves it half-way); an in-layer change sets
-        ``ops_fraction`` to the median of every estimate so far, from the offloading ranks'
-        times alone (a helper's include the ops' own costs, which no fixed fraction models)."""
+        by over ``1 + 2 threshold``). A move sets ``fixed_fraction`` to the median of the
+        configured one and every move's estimate (before session 10, the mean of the old
+        value and the estimate: one contaminated window read 0.06 and halved it); an in-layer
+        change sets ``ops_fraction`` to the median of every estimate so far, from the
+        offloading ranks' times alone (a helper's carry the ops' own costs)."""
         if self._moved is None:
             return
         kind, old_scaling, before, offloading = self._moved
@@ -542,11 +542,11 @@ class BalanceController:
         estimate = fixed_fraction_from_move(before, old_scaling, after, scaling, steady, only)
         if estimate is None:
             return
+        self._estimates[kind].append(estimate)
         if kind == "move":
-            self.fixed_fraction = 0.5 * (self.fixed_fraction + estimate)
+            self.fixed_fraction = statistics.median(self._estimates[kind])
         else:
-            self._ops_estimates.append(estimate)
-            self.ops_fraction = statistics.median(self._ops_estimates)
+            self.ops_fraction = statistics.median(self._estimates[kind])
 
     def _log_measured(self, step: int, agreed: Agreed) -> None:
         if self._pending is None:

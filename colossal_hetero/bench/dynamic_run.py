@@ -107,10 +107,13 @@ def emulation_of(phases: tuple[Phase, ...], base: float = 1.0) -> EmulationConfi
     return EmulationConfig(compute=[SlowdownSpec(**spec) for spec in specs])
 
 
-CALIBRATION = (Phase("even", 0, 4, (1.0,) * 4), Phase("skew", 4, 8, (1.0, 1.0, 2.5, 2.5)))
-"""The fixed-fraction calibration: 4 steps at even widths, then 4 at the planner's widths for
+CALIBRATION = (Phase("even", 0, 8, (1.0,) * 4), Phase("skew", 8, 16, (1.0, 1.0, 2.5, 2.5)))
+"""The fixed-fraction calibration: 8 steps at even widths, then 8 at the planner's widths for
 speeds (1, 1, 0.4, 0.4), every rank on the base device (no straggler): each rank's work moves
-by 0.43 of an even split, so all four give an estimate. Only the widths follow the factors."""
+by 0.43 of an even split, so all four give an estimate. Only the widths follow the factors.
+Each estimate moves by 1 / 0.43 = 2.3 times a rank's error in its time ratio: with 4 steps
+a phase (medians of 3), the idle session-9 runs read GPT-2 at 0.33 and 0.58 (session 10:
+8 steps a phase, medians of 7, about 1.5 s more per model)."""
 
 
 def calibrate_fixed_fraction(
@@ -171,15 +174,16 @@ def fixed_fraction_of_rows(
     size: int,
 ) -> float | None:
     """``fixed_fraction_from_move`` from ``CALIBRATION``'s rows (``[step, compute, wait,
-    loss] * ranks`` per step) and its two widths: per rank the median compute of steps 1-3
-    and of steps 5-7."""
+    loss] * ranks`` per step) and its two widths: per rank the median compute of each phase's
+    steps after its first (which warms up the shapes)."""
     from colossal_hetero.balance.detector import fixed_fraction_from_move, shares_of
 
-    def medians(steps: range) -> list[float]:
+    def medians(phase: Phase) -> list[float]:
+        steps = range(phase.start + 1, phase.end)
         return [statistics.median(rows[s][1 + 4 * r] for s in steps) for r in range(size)]
 
-    even, skew = (shares_of(w, size, compute) for w in widths)
-    return fixed_fraction_from_move(medians(range(1, 4)), even, medians(range(5, 8)), skew)
+    (first, second), (even, skew) = CALIBRATION, (shares_of(w, size, compute) for w in widths)
+    return fixed_fraction_from_move(medians(first), even, medians(second), skew)
 
 
 def unperturbed_of(phases: tuple[Phase, ...], base: float = DEVICE_BASE) -> EmulationConfig:
