@@ -151,7 +151,7 @@ class MoeCheckpointIO(HeteroCheckpointIO):
         """The tensors this rank holds now (any placement), by name, from one file."""
         from colossalai.checkpoint_io.utils import load_state_dict
 
-        saved = load_state_dict(Path(checkpoint))
+        saved = load_state_dict(str(checkpoint))
         _copy_into(model, saved.get, checkpoint)
 
     def _gathered_model(self, model: Any) -> dict[str, torch.Tensor] | None:

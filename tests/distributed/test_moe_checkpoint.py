@@ -10,10 +10,10 @@ test_moe_plugin (4 experts, top-2, router aux loss on). One spawn:
   ``a``'s at the save bit for bit; its next two steps' losses, and then every weight and
   state, equal ``a``'s bit for bit (same placement, same arithmetic).
 - ``c`` places the experts differently (``moe.placement`` [[0, 2], [1, 3]] against the even
-  [[0, 1], [2, 3]]) and loads the same checkpoint: the loaded state equals ``a``'s at the save
-  bit for bit (names, not positions); the next step's loss is within the fp32 chain tolerance
-  of ``a``'s (only where the experts run changes; Adam is compared one step from equal state,
-  see tests/tolerances.py).
+  [[0, 1], [2, 3]]) and loads the one-file checkpoint (``shard=False``) of the same state: the
+  loaded state equals ``a``'s at the save bit for bit (names, not positions); the next step's
+  loss is within the fp32 chain tolerance of ``a``'s (only where the experts run changes; Adam
+  is compared one step from equal state, see tests/tolerances.py).
 - the model folder loads into a single-process Hugging Face ``MixtralForCausalLM``
   (``from_pretrained``, EP=1, the independent reference): its loss on each rank's next batch
   equals ``a``'s loss there within the fp32 chain tolerance of the forward.
@@ -114,6 +114,9 @@ def _check(rank: int, world_size: int, device: torch.device, folder: str) -> Non
     _train(a, batches[:STEPS_BEFORE], rank)
     a[1].save_model(a[2], str(model_dir), shard=True)
     a[1].save_optimizer(a[3], str(optim_dir), shard=True)
+    one_file = Path(folder) / "model.bin", Path(folder) / "optimizer.bin"  # shard=False
+    a[1].save_model(a[2], str(one_file[0]))
+    a[1].save_optimizer(a[3], str(one_file[1]))
     saved = _state(a)
     after_a = _train(a, batches[STEPS_BEFORE:], rank)
     final_a = _state(a)
@@ -127,8 +130,8 @@ def _check(rank: int, world_size: int, device: torch.device, folder: str) -> Non
 
     c = _build(placement=[[0, 2], [1, 3]], seed=11)
     assert c[4][0].held != a[4][0].held
-    c[1].load_model(c[2], str(model_dir))
-    c[1].load_optimizer(c[3], str(optim_dir))
+    c[1].load_model(c[2], str(one_file[0]))
+    c[1].load_optimizer(c[3], str(one_file[1]))
     _assert_equal(_state(c), saved, "loaded, other placement")
     forward = chain_atol(transformer_depth(LAYERS, backward=False) + 4, K_MAX, torch.float32, 10.0)
     (loss_c,) = _train(c, batches[STEPS_BEFORE : STEPS_BEFORE + 1], rank)
