@@ -93,6 +93,7 @@ def _check(rank: int, world_size: int, device: torch.device) -> None:
         comm.flush()
         _compare_grads(inner, reference, skews)
         _check_sequences(plugin, comm, rank, world_size, skews, t_flush)
+        _check_group_norms(plugin, optimizer, reference, skews)
         _check_clipped_step(inner, reference, optimizer, world_size, skews)
     plugin.close()
 
@@ -137,6 +138,29 @@ def _check_sequences(plugin, comm, rank: int, world_size: int, skews, t_flush: f
     assert all(o["expert"] == mine["expert"] for o in replicas), skews
 
 
+def _norm_atol(grads: list[torch.Tensor], total: float) -> float:
+    """Our gradients are within ``_grad_atol`` of the reference's elementwise, so the norms
+    differ by at most the 2-norm of those bounds, plus the two norms' own rounding."""
+    bound = math.sqrt(sum(g.numel() * _grad_atol(g) ** 2 for g in grads))
+    return bound + sum_order_atol(sum(g.numel() for g in grads), torch.float32, total)
+
+
+def _check_group_norms(plugin, optimizer, reference, skews) -> None:  # type: ignore[no-untyped-def]
+    """The installed norm over only the expert, then only the dense gradients (collective)
+    equals the reference's over all experts, and over the rest: each counted exactly once
+    (the expert share of the whole norm is too small to show a miscount there)."""
+    for part in ("expert", "dense"):
+        mine = plugin.moe_reducers[part].parameters
+        norm = optimizer._compute_grad_norm([(p, p.grad) for p in mine])
+        grads = [
+            p.grad if p.grad is not None else torch.zeros_like(p)
+            for name, p in reference.named_parameters()
+            if (".experts." in name) == (part == "expert")
+        ]
+        total = math.sqrt(sum(float(g.double().norm()) ** 2 for g in grads))
+        assert total > 0 and abs(norm - total) <= _norm_atol(grads, total), (skews, part, norm)
+
+
 def _check_clipped_step(inner, reference, optimizer, world_size: int, skews) -> None:  # type: ignore[no-untyped-def]
     """Our step (flush, global norm, clip, SGD) against clip_grad_norm_ and SGD on the reference."""
     refs = dict(reference.named_parameters())
@@ -146,12 +170,8 @@ def _check_clipped_step(inner, reference, optimizer, world_size: int, skews) -> 
         for name, p in refs.items()
         if p.grad is not None
     }
-    # Our gradients are within _grad_atol of the reference's elementwise, so the norms differ
-    # by at most the 2-norm of those bounds, plus the two norms' own rounding.
-    bound = math.sqrt(sum(g.numel() * _grad_atol(g) ** 2 for g in grads))
+    norm_atol = _norm_atol(grads, math.sqrt(sum(float(g.double().norm()) ** 2 for g in grads)))
     total = float(torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM))
-    numel = sum(g.numel() for g in grads)
-    norm_atol = bound + sum_order_atol(numel, torch.float32, total)
     assert total > 2 * MAX_NORM, (skews, total)  # the clip binds
     before = {name: p.detach().clone() for name, p in inner.named_parameters()}
     optimizer.step()
