@@ -15,6 +15,7 @@ window beside each move so that the model can be checked.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -248,6 +249,30 @@ def segment_time(
     )
 
 
+def balanced_key(
+    counts: Sequence[int], speeds: Sequence[float], fixed_fraction: float
+) -> tuple[int, ...]:
+    """One width key's split of ``sum(counts)`` that ``segment_time`` rates best: the least
+    slowest ``(phi + (1 - phi) n c_i / C) / v_i``. Greedy in steps of the counts' gcd (a
+    planner's granularity divides it), each step to the rank whose term after it is least
+    (ties to the lower index): optimal for a bottleneck of terms that grow with ``c_i``. A
+    rank gets at least one step unless ``counts`` holds a 0 (the planner's floor: a model
+    type that may hold no heads, or a key that may be empty)."""
+    n, total, phi = len(counts), sum(counts), fixed_fraction
+    step = math.gcd(*counts)
+    if total <= 0 or step <= 0:
+        return tuple(counts)
+    alloc = [0 if min(counts) == 0 else step] * n
+
+    def term(i: int) -> float:
+        share = (alloc[i] + step) / total
+        return (phi + (1 - phi) * n * share) / max(speeds[i], MIN_PLANNING_SPEED)
+
+    for _ in range((total - sum(alloc)) // step):
+        alloc[min(range(n), key=lambda i: (term(i), i))] += step
+    return tuple(alloc)
+
+
 def best_plan(
     plan: Callable[[tuple[float, ...]], dict[str, tuple[int, ...]]],
     speeds: Sequence[float],
@@ -257,24 +282,31 @@ def best_plan(
     """The planner's widths the work model predicts fastest, and the speeds planned with.
 
     Candidates: the planner at ``planning_speeds`` for ``fixed_fraction``, for half of it,
-    and at the measured speeds. Ranked by ``segment_time`` (each layer waits for its own
-    slowest rank), then by the whole-step model's times sorted slowest first (among plans
-    with the same slowest rank, the one that balances the rest best). When one rank's floor
-    binds (a 4x rank keeps one head), every split of the rest ties in the planner's
-    objective and it may return a lopsided one: at planning speeds (1, 0.012, 1, 0.34) ffn
-    (1017, 0, 519, 0); in a bench run (1047, 0, 112, 377) with heads (4, 1, 1, 2), whose
-    whole-step maximum was the least of the candidates while its layers waited on rank 0
-    (measured: 12 ms per step slower)."""
+    and at the measured speeds, each also with every width key re-split by
+    ``balanced_key`` (session 10: the planner balances whole steps, while every layer waits
+    for its own slowest rank; in a quiet session-9 run Llama's 2x rank, given no heads, got
+    19 of 1024 ffn columns where its ffn layer balanced at 73, and computed 0.057 s against
+    the others' 0.088). Ranked by ``segment_time`` (each layer waits for its own slowest
+    rank), then by the whole-step model's times sorted slowest first (among plans with the
+    same slowest rank, the one that balances the rest best). When one rank's floor binds (a
+    4x rank keeps one head), every split of the rest ties in the planner's objective and it
+    may return a lopsided one: at planning speeds (1, 0.012, 1, 0.34) ffn (1017, 0, 519, 0);
+    in a bench run (1047, 0, 112, 377) with heads (4, 1, 1, 2), whose whole-step maximum was
+    the least of the candidates while its layers waited on rank 0 (measured: 12 ms per step
+    slower)."""
     phi = min(max(fixed_fraction, 0.0), 0.9)
     tried: dict[tuple[float, ...], None] = dict.fromkeys(
         (planning_speeds(speeds, phi), planning_speeds(speeds, phi / 2), tuple(speeds))
     )
     ranked = []
     for index, candidate in enumerate(tried):
-        widths = plan(candidate)
-        times = sorted(model_times(speeds, widths, phi, compute), reverse=True)
-        ranked.append((segment_time(speeds, widths, phi, compute), times, index, widths, candidate))
-    *_, widths, candidate = min(ranked, key=lambda r: (r[0], r[1], r[2]))
+        planned = plan(candidate)
+        split = {key: balanced_key(counts, speeds, phi) for key, counts in planned.items()}
+        for order, widths in enumerate((planned, split)):  # the planner's first on a tie
+            times = sorted(model_times(speeds, widths, phi, compute), reverse=True)
+            rank = (segment_time(speeds, widths, phi, compute), times, order, index)
+            ranked.append((*rank, widths, candidate))
+    *_, widths, candidate = min(ranked, key=lambda r: r[:4])
     return widths, candidate
 
 

@@ -31,7 +31,9 @@ from colossal_hetero.emulation import StepTiming
 from colossal_hetero.metrics.decisions import DecisionWriter
 
 EVEN = {"ffn": (48, 48)}
-SKEW = {"ffn": (76, 20)}
+SKEW = {"ffn": (84, 12)}
+"""The work model's balance at 4x and phi 0.2: 0.2 + 1.6 x 84 / 96 = 4 (0.2 + 1.6 x 12 / 96)
+= 1.6 (``replan.best_plan`` re-splits any planner's ffn to it)."""
 PHI = 0.2
 
 
@@ -154,7 +156,7 @@ def test_replan_moves_to_the_fast_rank_and_back(monkeypatch):
     # Flagged at 8 at 4x, over 1 + 2 * threshold: a sudden straggler, moved at once;
     # recovered at 30: the window 30..32 reads 1.0 at 32, released from 4.0 (a fall by over
     # 1 + 2 * threshold: a sudden recovery), moved back at once (before session 10: at 35).
-    assert moves == [(8, {"ffn": [76, 20]}), (32, {"ffn": [48, 48]})]
+    assert moves == [(8, {"ffn": [84, 12]}), (32, {"ffn": [48, 48]})]
     assert cluster.moves == [SKEW, EVEN]
     measured = [r for r in records if r["decision"]["action"] == "measured"]
     assert [r["inputs"]["decision_step"] for r in measured] == [8, 32]
@@ -304,10 +306,18 @@ def test_migrate_balances_straggler_and_helper(monkeypatch):
     assert all(d.slowdown == pytest.approx((1.0, 4.0)) and d.stragglers == (1,) for d in slow)
 
 
+class _Coarse(_Cluster):
+    """A planner whose ffn comes in steps of 16 columns: the balance at 12 is out of reach."""
+
+    def plan(self, speeds: tuple[float, ...]) -> dict[str, tuple[int, ...]]:
+        return {"ffn": (80, 16)} if speeds[1] < 0.5 else dict(EVEN)
+
+
 def test_semi_executes_its_pick(monkeypatch):
     """With a re-plan too costly to pay, SEMI's in-layer pick for rank 1 is what runs; with a
-    cheap one the re-plan runs (in-layer ops removed first); the planner's stand-in leaves
-    rank 1 at 0.53 units x 4 = 2.1 ms against 1.47 ms, which SEMI then resizes."""
+    cheap one the re-plan runs (in-layer ops removed first); a planner in steps of 16 columns
+    leaves rank 1 at (0.2 + 0.8 x 2 x 16 / 96) x 4 = 1.87 ms against 0.2 + 0.8 x 2 x 80 / 96
+    = 1.53 ms, which SEMI then resizes."""
     cluster = _Cluster()
     controller = _controller(cluster, "semi", monkeypatch, move_cost_s=1e6)
     _drive(controller, cluster, 15)
@@ -317,10 +327,10 @@ def test_semi_executes_its_pick(monkeypatch):
         choice = record["decision"]["semi"]["choices"][0]
         assert record["decision"]["offloads"][0]["action"] == choice["action"]
         assert record["decision"]["executed"] == "in_layer"
-    cheap = _Cluster()
+    cheap = _Coarse()
     controller = _controller(cheap, "semi", monkeypatch)
     _drive(controller, cheap, 15)
-    assert cheap.moves == [SKEW]  # flagged at 8 at 4x > 1 + 2 * 0.15: sudden, re-planned
+    assert cheap.moves == [{"ffn": (80, 16)}]  # flagged at 8 at 4x > 1.3: sudden, re-planned
     replans = [r for r in controller.log.records if r["decision"].get("executed") == "replan"]
     assert [r["step"] for r in replans] == [8]
     assert cheap.ops.clears == 1

@@ -19,6 +19,7 @@ import pytest
 
 from colossal_hetero.balance.detector import DetectorSettings, StragglerDetector
 from colossal_hetero.balance.replan import (
+    balanced_key,
     best_plan,
     flagged_speeds,
     held_speeds,
@@ -138,7 +139,28 @@ def test_segment_time_by_hand_and_it_ranks_a_lopsided_split_last():
     def planner(candidate: tuple[float, ...]) -> dict[str, tuple[int, ...]]:
         return lopsided if candidate == tuple(speeds) else balanced
 
-    assert best_plan(planner, speeds, 0.3287, weights)[0] == balanced
+    # Since session 10 every key is re-split for its own slowest rank (``balanced_key``):
+    # the result rates at most the balanced split's segment time.
+    got = best_plan(planner, speeds, 0.3287, weights)[0]
+    assert got == {k: balanced_key(v, speeds, 0.3287) for k, v in balanced.items()}
+    assert by_hand(got) <= by_hand(balanced)
+
+
+def test_balanced_key_by_hand():
+    """Per key, the least slowest ``(phi + (1 - phi) n c / C) / v`` (greedy, exact)."""
+    # Two ranks at (1, 0.25), phi 0.2, 96 columns: 0.2 + 1.6 c0 / 96 = 4 (0.2 + 1.6 c1 / 96)
+    # at c1 = 12 (both 1.6); from any planner's split with a 0 or steps of 4.
+    assert balanced_key((76, 20), (1.0, 0.25), 0.2) == (84, 12)
+    # GPT-2's heads in the 4x phase, (1, 0.25, 1, 0.5), phi 0.39: a rank with h heads runs
+    # 0.39 + 0.61 h / 2 at its speed; rank 1 at 0 heads already 1.56. Ranks 0 and 2 at 3
+    # heads 1.305, rank 3 at 1 head 1.39, the eighth head to rank 0 (1.61; rank 3's second
+    # 2.0, rank 1's first 2.78): (4, 0, 3, 1) from (3, 0, 3, 2) (a quiet s9 run's plan).
+    assert balanced_key((3, 0, 3, 2), (1.0, 0.25, 1.0, 0.5), 0.39) == (4, 0, 3, 1)
+    # No 0 in the planner's counts: one step each at least, (3, 1, 3, 1) (rank 1's second
+    # head 4.0, rank 3's 2.0, ranks 0 and 2 at 3 heads 1.305).
+    assert balanced_key((3, 2, 2, 1), (1.0, 0.25, 1.0, 0.5), 0.39) == (3, 1, 3, 1)
+    # Steps of the gcd (32): (64, 32), rank 1 keeps its one step.
+    assert balanced_key((64, 32), (1.0, 0.25), 0.2) == (64, 32)
 
 
 class _Proportional(_Cluster):
