@@ -244,7 +244,8 @@ class BalanceController:
         work = plan_units(self.plan, shares, self.phi)
         detection = self.detector.update(step, agreed.windows, work)
         readings = measurable_slowdown(detection.slowdown, shares)
-        released = self._watch.update(readings, shares, detection.stragglers)
+        cap = 1 + 2 * self.settings.threshold  # a reading over it is slow whatever the fit
+        released = self._watch.update(readings, shares, detection.stragglers, cap)
         if released:  # near-empty ranks whose readings fell (balance/recovery.py)
             detection = self.detector.rebase(step, released)
         self.detections.append(detection)
@@ -480,8 +481,7 @@ class BalanceController:
         """Whether a rank flagged at this agreement, not at the one before, reads over
         ``1 + 2 * threshold``, or a rank released at it reads under ``1 / (1 + 2 * threshold)``
         of its slowdown before: a change that large is no timing noise, and its first reading
-        (a window mostly of new steps) is near its size, so the re-plan need not wait for
-        ``stable_steps`` (a mild straggler, a slow release, or one that stays flagged, waits)."""
+        is near its size, so the re-plan need not wait for ``stable_steps``."""
         last = self.detections[-2] if len(self.detections) > 1 else None
         before = set(last.stragglers) if last is not None else set()
         limit, now = 1 + 2 * self.settings.threshold, detection.slowdown

@@ -14,10 +14,13 @@ of the readings there is the device's. ``RecoveryWatch`` keeps, per rank, the sl
 since the last move (or change of in-layer ops) and, after a move, the slowdown each flagged
 rank left near empty was planned at (a *seed*). A flagged near-empty rank is recovered when
 its reading fell to under ``1 / RECOVERY_DROP`` of its slowest at these widths, or to under
-``1 / RECOVERY_DROP ** 2`` of its seed: a seed compares readings across a move, and with it
-the fit's error between the widths before (loaded: hardly any) and after (near empty: up to
+``1 / RECOVERY_DROP ** 2`` of its seed and reads at most ``cap`` (the controller's
+``1 + 2 * threshold``): a seed compares readings across a move, and with it the fit's error
+between the widths before (loaded: hardly any) and after (near empty: up to
 ``phi_fitted / phi_true``), up to 2 in the runs seen (a fit of 0.4 against 0.2 reads a 2x
 rank at 1.2 at 8 of 96 columns: 1.67 under its seed; a recovered 4x rank at 1.4, 2.9 under).
+A rank still reading over ``cap`` is slow whatever the fit: a session-10 run under load 14-18
+read a still-4x rank at 1.8 against its seed 4.2 (2.33) after a fit pulled up by the load.
 """
 
 from __future__ import annotations
@@ -39,16 +42,19 @@ def recovered(
     shares: Sequence[float],
     drops: Sequence[float],
     seed_drops: Mapping[int, float],
+    readings: Sequence[float],
+    cap: float,
 ) -> tuple[int, ...]:
     """The flagged ranks near no scaling work whose reading fell: ``drops[r]`` (slowest at
     these widths over the present reading) at least ``RECOVERY_DROP``, or ``seed_drops[r]``
-    (the slowdown planned at the last move over the present reading) at least its square."""
+    (the slowdown planned at the last move over the present reading) at least its square
+    with the present reading at most ``cap``."""
     empty = near_empty(shares)
-    return tuple(
-        r
-        for r in stragglers
-        if r in empty and (drops[r] >= RECOVERY_DROP or seed_drops.get(r, 0.0) >= RECOVERY_DROP**2)
-    )
+
+    def seeded(r: int) -> bool:
+        return seed_drops.get(r, 0.0) >= RECOVERY_DROP**2 and readings[r] <= cap
+
+    return tuple(r for r in stragglers if r in empty and (drops[r] >= RECOVERY_DROP or seeded(r)))
 
 
 @dataclass
@@ -65,12 +71,16 @@ class RecoveryWatch:
         self.slowest, self.seeds = {}, dict(seeds or {})
 
     def update(
-        self, readings: Sequence[float], shares: Sequence[float], stragglers: Sequence[int]
+        self,
+        readings: Sequence[float],
+        shares: Sequence[float],
+        stragglers: Sequence[int],
+        cap: float,
     ) -> tuple[int, ...]:
         """Record ``readings`` and return the flagged ranks that recovered (``recovered``)."""
         self.slowest, drops = reading_drops(self.slowest, readings)
         seed_drops = {r: s / readings[r] for r, s in self.seeds.items() if readings[r] > 0}
-        return recovered(stragglers, shares, drops, seed_drops)
+        return recovered(stragglers, shares, drops, seed_drops, readings, cap)
 
 
 def seeds_of(

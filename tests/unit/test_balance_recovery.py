@@ -35,26 +35,30 @@ def test_a_fall_at_the_same_widths_or_under_the_seed_squared_releases():
     shares = (0.37, 0.01, 0.37, 0.25)  # rank 1 near empty (0.04); rank 3 loaded (1.0)
     # Quiet s9 run 1, semi: GPT-2's 4x rank read 3.92 then 1.176 at the same widths:
     # 3.92 / 1.176 = 3.33 >= 1.5. Rank 3 fell as much but is loaded: its level counts.
-    assert recovered((1, 3), shares, (1.0, 3.92 / 1.176, 1.0, 3.0), {}) == (1,)
+    now = (1.0, 1.176, 1.0, 1.0)
+    assert recovered((1, 3), shares, (1.0, 3.92 / 1.176, 1.0, 3.0), {}, now, 1.6) == (1,)
     # Llama's 2x rank, 1.47 then 1.14: 1.29 < 1.5, kept.
-    assert recovered((1,), shares, (1.0, 1.47 / 1.14, 1.0, 1.0), {}) == ()
+    assert recovered((1,), shares, (1.0, 1.47 / 1.14, 1.0, 1.0), {}, now, 1.6) == ()
     # Across a move, against the seed: a recovered 4x rank planned at 4.07 reading 1.44 at no
     # work (fit 0.3 against 0.4): 2.83 >= 1.5 ** 2 = 2.25; a 2x rank planned at 2.0 reading
-    # 1.2 under a fit of 0.4 against 0.2: 1.67 < 2.25, kept (it is still slow).
-    assert recovered((1,), shares, (1.0,) * 4, {1: 4.07 / 1.44}) == (1,)
-    assert recovered((1,), shares, (1.0,) * 4, {1: 2.0 / 1.2}) == ()
+    # 1.2 under a fit of 0.4 against 0.2: 1.67 < 2.25, kept (it is still slow); a 4x rank
+    # planned at 4.2 reading 1.8 (a fit pulled up by load): 2.33, but over the cap 1.6, kept.
+    flat = (1.0,) * 4
+    assert recovered((1,), shares, flat, {1: 4.07 / 1.44}, (1, 1.44, 1, 1), 1.6) == (1,)
+    assert recovered((1,), shares, flat, {1: 2.0 / 1.2}, (1, 1.2, 1, 1), 1.6) == ()
+    assert recovered((1,), shares, flat, {1: 4.2 / 1.8}, (1, 1.8, 1, 1), 1.6) == ()
 
 
 def test_the_watch_records_readings_and_restarts_with_seeds():
-    watch, shares = RecoveryWatch(), (0.49, 0.01)
-    assert watch.update((1.0, 4.0), shares, (1,)) == ()
-    assert watch.update((1.0, 3.0), shares, (1,)) == ()  # 4 / 3 < 1.5
-    assert watch.update((1.0, 2.5), shares, (1,)) == (1,)  # 4 / 2.5 = 1.6
+    watch, shares, cap = RecoveryWatch(), (0.49, 0.01), 1.8
+    assert watch.update((1.0, 4.0), shares, (1,), cap) == ()
+    assert watch.update((1.0, 3.0), shares, (1,), cap) == ()  # 4 / 3 < 1.5
+    assert watch.update((1.0, 2.5), shares, (1,), cap) == (1,)  # 4 / 2.5 = 1.6, any level
     watch.restart({1: 4.0})  # a move: readings forgotten, the seed kept
-    assert watch.slowest == {} and watch.update((1.0, 2.0), shares, (1,)) == ()  # 2 < 2.25
-    assert watch.update((1.0, 1.7), shares, (1,)) == (1,)  # 4 / 1.7 = 2.35
+    assert watch.slowest == {} and watch.update((1.0, 2.0), shares, (1,), cap) == ()  # < 2.25
+    assert watch.update((1.0, 1.7), shares, (1,), cap) == (1,)  # 4 / 1.7 = 2.35, 1.7 <= 1.8
     watch.restart()
-    assert watch.update((1.0, 1.0), shares, (1,)) == ()  # nothing recorded yet: no fall
+    assert watch.update((1.0, 1.0), shares, (1,), cap) == ()  # nothing recorded yet: no fall
 
 
 def _reading(detector: StragglerDetector, step: int, factor: float) -> Any:
