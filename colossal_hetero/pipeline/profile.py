@@ -455,8 +455,7 @@ def profile_from_records(
     budgets = memory_budget_bytes or [math.inf] * num_stages
 
     def per_pass(r: RankRecord) -> float:  # a rank runs m forwards and m backwards
-        lists = (r.sent_next, r.sent_prev, r.arrived_prev, r.arrived_next)
-        passes = max(1, *(len(t) for t in lists))
+        passes = _pass_count(r)
         return _beyond_median_passes(r, passes) / (2 * passes)
 
     tp = _tp_width(records)
@@ -468,9 +467,15 @@ def profile_from_records(
             groups.setdefault(r.rank // tp, []).append(seconds)
         return max(min(g) for g in groups.values())
 
+    forward = tuple(stage_pass(m, False) for m in members)
+    backward = tuple(stage_pass(m, True) for m in members)
+    jitter = tuple(
+        min(f, b, max(_pass_jitter(r) for r in m))
+        for m, f, b in zip(members, forward, backward, strict=True)
+    )
     return PipelineProfile(
-        forward_s=tuple(stage_pass(m, False) for m in members),
-        backward_s=tuple(stage_pass(m, True) for m in members),
+        forward_s=forward,
+        backward_s=backward,
         transfer_s=links["F"],
         activation_bytes=tuple(max(r.activation_bytes for r in m) for m in members),
         memory_budget_bytes=tuple(budgets),
@@ -481,6 +486,7 @@ def profile_from_records(
         latency_s=links["LF"],
         latency_up_s=links["LB"],
         token_debt=any(links["D"]),
+        jitter_s=jitter,
     )
 
 
@@ -489,16 +495,37 @@ def _beyond_median_passes(r: RankRecord, passes: int) -> float:
     (the schedule's work between passes) plus its passes' excess over their median (a pass
     descheduled on a loaded host, a slow first pass). Without the times asked (older records)
     the blocked waits are unknown: ``overhead_s`` alone."""
+    outside = _outside_passes(r, passes)
+    return r.overhead_s if outside is None else max(r.overhead_s, outside)
+
+
+def _outside_passes(r: RankRecord, passes: int) -> float | None:
+    """Seconds of ``r``'s step outside its ``passes`` median passes and its blocked waits
+    (None without the times asked: the waits are unknown)."""
     asks = ((r.arrived_prev, r.asked_prev), (r.arrived_next, r.asked_next))
     blocked = 0.0
     for arrived, asked in asks:
         for j, a in enumerate(arrived):
             if a != NOT_BLOCKED:
                 if j >= len(asked):
-                    return r.overhead_s
+                    return None
                 blocked += a - asked[j]
-    outside = r.step_s - passes * (r.forward_s + r.backward_s) - blocked
-    return max(r.overhead_s, outside)
+    return r.step_s - passes * (r.forward_s + r.backward_s) - blocked
+
+
+def _pass_count(r: RankRecord) -> int:
+    """Forward (and backward) passes ``r`` ran: its most messages of one kind (at least 1)."""
+    lists = (r.sent_next, r.sent_prev, r.arrived_prev, r.arrived_next)
+    return max(1, *(len(t) for t in lists))
+
+
+def _pass_jitter(r: RankRecord) -> float:
+    """Seconds per pass of ``r``'s passes' excess over their median (the simulator's
+    ``jitter_s``): its step outside median passes and blocked waits, less the schedule's own
+    work between passes (``overhead_s``, which every pass pays alike), over its passes."""
+    passes = _pass_count(r)
+    outside = _outside_passes(r, passes)
+    return 0.0 if outside is None else max(0.0, outside - r.overhead_s) / (2 * passes)
 
 
 def _tp_width(records: Sequence[RankRecord]) -> int:

@@ -40,6 +40,14 @@ Model (the contract the tuner and the planner rely on):
   transfer time apart; a lone one arrives at once (PP=4 on 20 Mbit/s links, 16 KiB messages:
   lone ones landed 0-3 ms after their send, queued ones 6.6 ms apart). First messages (timed
   whole) land at their end as without it.
+- ``jitter_s`` (session 10): of each pass's seconds on stage ``s``, ``jitter_s[s]`` on average
+  come in jumps: a pass descheduled by the host's scheduler (4 ranks on 2 cores) loses a slice
+  of :data:`DESCHEDULE_S` to another rank. Passes take ``seconds - jitter_s[s]``, and a share
+  ``q = jitter_s[s] / DESCHEDULE_S`` of them (spread evenly: pass ``n`` jumps when ``n q`` plus
+  the stage's phase crosses an integer; phases golden-ratio apart) take a slice more, so the
+  mean stays. Deterministic, one simulation. Constant passes under-predict 1F1B, whose every
+  pass waits on a neighbour: a late pass on one stage delays the others (PP=4, 20 Mbit/s, load
+  2-4: k = 1 -5.5% median over 12 steps, +4% with it; k = 4, which buffers, -2.4% either way).
 - Memory: a micro-batch's activations live on stage ``s`` from its forward to its backward;
   peak memory is ``activation_bytes[s]`` times the peak number alive.
 """
@@ -54,6 +62,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from colossal_hetero.pipeline.order import Step, kfkb_order, peak_in_flight
+
+DESCHEDULE_S = 0.006
+"""Seconds a descheduled pass loses (``jitter_s``): one slice of the kernel's scheduler period
+(about 12 ms on 2 cores) shared by two runnable ranks per core; PP=4 passes on 2 cores ran
+6-12 ms over their median when they were descheduled."""
+GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +175,7 @@ def simulate(
     up_burst_s: Sequence[float] | None = None,
     keep_events: bool = True,
     token_debt: bool = False,
+    jitter_s: Sequence[float] | None = None,
 ) -> SimResult:
     """Simulate one step of kFkB with ``k`` over ``p = len(forward_s)`` stages.
 
@@ -177,6 +192,7 @@ def simulate(
     bucket's credit in seconds of boundary ``b``'s activations / gradients (see the module doc).
     ``keep_events=False`` leaves ``events`` empty (the same times, less work: the tuner's).
     ``token_debt``: messages land when they start and pay their transfer time after (module doc).
+    ``jitter_s[s]`` (default 0): seconds of stage ``s``'s mean pass in jumps (module doc).
     """
     p = len(forward_s)
     act = [0.0] * p if activation_bytes is None else list(activation_bytes)
@@ -186,14 +202,12 @@ def simulate(
         raise ValueError(f"simulate: {p} stages need {p - 1} up_transfers, got {len(up)}")
     lat = _per_boundary("latency_s", latency_s, p)
     up_lat = lat if up_latency_s is None else _per_boundary("up_latency_s", up_latency_s, p)
-    burst = _per_boundary("burst_s", burst_s, p)
-    up_burst = burst if up_burst_s is None else _per_boundary("up_burst_s", up_burst_s, p)
     orders = [kfkb_order(p, s, num_microbatches, k) for s in range(p)]
     first = _first_times(first_s, first_up_s, p)
     links = _Links(transfers, up, (lat, up_lat), shared_ports, start_time, first)
-    links.burst, links.debt = {"F": burst, "B": up_burst}, token_debt
+    links.burst, links.debt = _bursts(burst_s, up_burst_s, p), token_debt
     events: list[Event] | None = [] if keep_events else None
-    step, busy = _run(orders, forward_s, backward_s, links, start_time, events)
+    step, busy = _run(orders, _Passes(forward_s, backward_s, jitter_s), links, start_time, events)
     peaks = tuple(peak_in_flight(o) for o in orders)
     return SimResult(
         step_time=step,
@@ -203,6 +217,17 @@ def simulate(
         peak_memory=tuple(n * a for n, a in zip(peaks, act, strict=True)),
         events=tuple(events or ()),
     )
+
+
+def _bursts(
+    burst_s: Sequence[float] | None, up_burst_s: Sequence[float] | None, p: int
+) -> dict[str, list[float]]:
+    """Each direction's token-bucket credit per boundary (gradients default to activations')."""
+    burst = _per_boundary("burst_s", burst_s, p)
+    return {
+        "F": burst,
+        "B": burst if up_burst_s is None else _per_boundary("up_burst_s", up_burst_s, p),
+    }
 
 
 def _first_times(
@@ -275,10 +300,48 @@ class _Links:
         return leaves + self.latency[op][boundary]
 
 
+def _jitter(
+    jitter_s: Sequence[float] | None, forward_s: Sequence[float], backward_s: Sequence[float]
+) -> list[float]:
+    p = len(forward_s)
+    if jitter_s is None:
+        return [0.0] * p
+    pairs = zip(jitter_s, forward_s, backward_s, strict=False)
+    if len(jitter_s) != p or any(not (0 <= j <= min(f, b)) for j, f, b in pairs):
+        raise ValueError(
+            f"simulate: jitter_s needs {p} values in [0, min(forward, backward)], got {jitter_s}"
+        )
+    return [float(j) for j in jitter_s]
+
+
+class _Passes:
+    """Each stage's pass seconds in the order it runs them: constant, or with ``jitter`` its
+    mean less the jitter and, on an evenly spread share of passes, a descheduling jump."""
+
+    def __init__(
+        self,
+        forward_s: Sequence[float],
+        backward_s: Sequence[float],
+        jitter_s: Sequence[float] | None,
+    ) -> None:
+        self.seconds = {"F": forward_s, "B": backward_s}
+        self.jitter = _jitter(jitter_s, forward_s, backward_s)
+        self.count = [0] * len(forward_s)
+
+    def next(self, s: int, op: str) -> float:
+        seconds, jitter = self.seconds[op][s], self.jitter[s]
+        if jitter <= 0:
+            return seconds
+        share = min(1.0, jitter / DESCHEDULE_S)
+        n, phase = self.count[s], ((s + 1) * GOLDEN) % 1.0
+        self.count[s] += 1
+        jumps = math.floor((n + 1) * share + phase) - math.floor(n * share + phase)
+        return seconds - jitter + jumps * jitter / share
+
+
 def _run(
     orders: list[list[Step]],
-    forward_s: Sequence[float],
-    backward_s: Sequence[float],
+    passes: _Passes,
     links: _Links,
     start_time: float,
     events: list[Event] | None,
@@ -304,7 +367,7 @@ def _run(
                 for sent_mb in held.pop((s, op), []):
                     book(op, s + 1 if op == "B" else s - 1, s, now, sent_mb)
             return
-        end = now + (forward_s[s] if op == "F" else backward_s[s])
+        end = now + passes.next(s, op)
         began, ended = now - start_time, end - start_time
         computed[s] += ended - began
         last[0] = max(last[0], ended)  # passes end at >= 0: as the max over the events

@@ -57,6 +57,9 @@ class PipelineProfile:
     token_debt: bool = False
     """Whether a message lands as it starts on its link and pays its transfer time after
     (a shaper that lets a packet through on credit, tc htb: see the simulator)."""
+    jitter_s: tuple[float, ...] = ()
+    """Per stage, seconds of a mean pass that come as descheduling jumps (the simulator's
+    ``jitter_s``); empty: none."""
 
     @property
     def num_stages(self) -> int:
@@ -96,6 +99,8 @@ def _check_profile(profile: PipelineProfile) -> None:
             raise ValueError(f"profile.{name}: {p} stages need {p - 1} boundary times")
     if profile.latency_s and len(profile.latency_s) != p - 1:
         raise ValueError(f"profile.latency_s: {p} stages need {p - 1} boundary latencies")
+    if profile.jitter_s and len(profile.jitter_s) != p:
+        raise ValueError(f"profile.jitter_s: {p} stages need {p} values")
     pairs = zip(profile.activation_bytes, profile.memory_budget_bytes, strict=True)
     for s, (a, m) in enumerate(pairs):
         if m < a:
@@ -268,7 +273,7 @@ def simulate_profile(
     """One simulated step of ``profile`` under ``k``: constant link times, latencies and
     token-bucket credits, each direction's own when ``transfer_up_s`` / ``latency_up_s`` /
     ``burst_up_s`` is given, shared stage ports when ``shared_ports``, messages charged after
-    they land when ``token_debt`` (``keep_events``: see
+    they land when ``token_debt``, descheduling jumps ``jitter_s`` (``keep_events``: see
     :func:`~colossal_hetero.pipeline.simulator.simulate`)."""
     up = profile.transfer_up_s or profile.transfer_s
     return simulate(
@@ -288,4 +293,5 @@ def simulate_profile(
         up_burst_s=profile.burst_up_s or None,
         keep_events=keep_events,
         token_debt=profile.token_debt,
+        jitter_s=profile.jitter_s or None,
     )

@@ -266,9 +266,14 @@ def test_overhead_is_spread_over_the_passes():
     # 1.2 s outside median passes and blocked waits, 0.3 s a pass.
     slow = dataclasses.replace(r1, step_s=7.7)
     assert profile_from_records([r0, slow], 2).forward_s == (1.0, pytest.approx(1.3))
-    # Without the times asked, the blocked wait is unknown: overhead_s alone.
+    # Of those 0.3 s a pass, the 0.8 s beyond overhead_s (0.2 s a pass) came in jumps: the
+    # simulator's jitter; 0.5 s of stage 1's 6.9 s step were overhead_s and a wait: none.
+    assert profile_from_records([r0, slow], 2).jitter_s == (0.0, pytest.approx(0.2))
+    assert profile.jitter_s == (0.0, pytest.approx(0.0, abs=1e-12))
+    # Without the times asked, the blocked wait is unknown: overhead_s alone, no jitter.
     old = dataclasses.replace(slow, asked_prev=())
     assert profile_from_records([r0, old], 2).forward_s == (1.0, pytest.approx(1.1))
+    assert profile_from_records([r0, old], 2).jitter_s == (0.0, 0.0)
 
 
 def test_link_time_and_latency_split_by_hand():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from colossal_hetero.pipeline.order import kfkb_order
-from colossal_hetero.pipeline.simulator import Trace, simulate
+from colossal_hetero.pipeline.simulator import DESCHEDULE_S, Trace, simulate
 
 
 def uniform(p: int, f: float, b: float, c: float) -> tuple[list[float], list[float], list[Trace]]:
@@ -318,3 +318,63 @@ def test_without_events_the_times_are_the_events_sums(k, shared):
         sum(e.end - e.start for e in full.events if e.stage == s) for s in range(4)
     )
     assert (lean.idle, lean.peak_memory) == (full.idle, full.peak_memory)
+
+
+def _jittered_pass_seconds(seconds, jitter, stage, n):
+    """Pass ``n`` of ``stage`` by the rule the simulator documents, written out here:
+    share q = jitter / slice, phase = frac((stage + 1) * golden); a jump when n q + phase
+    crosses an integer; every pass jitter shorter, a jump jitter / q longer."""
+    if jitter == 0:
+        return seconds
+    q = min(1.0, jitter / DESCHEDULE_S)
+    phase = ((stage + 1) * (5**0.5 - 1) / 2) % 1.0
+    crosses = int((n + 1) * q + phase) - int(n * q + phase)
+    return seconds - jitter + crosses * jitter / q
+
+
+def _free_link_step(f, b, jitter, m, k):
+    """Brute-force step time on free links (transfers land at once): each stage runs its order;
+    a pass starts when its stage is free and its input's pass on the neighbour has ended."""
+    p = len(f)
+    orders = [kfkb_order(p, s, m, k) for s in range(p)]
+    end, pos, free = {}, [0] * p, [0.0] * p
+    while any(pos[s] < len(orders[s]) for s in range(p)):
+        for s in range(p):
+            while pos[s] < len(orders[s]):
+                op, mb = orders[s][pos[s]]
+                src = s - 1 if op == "F" else s + 1
+                if 0 <= src < p and (src, op, mb) not in end:
+                    break
+                ready = end.get((src, op, mb), 0.0)
+                seconds = (f if op == "F" else b)[s]
+                start = max(free[s], ready)
+                free[s] = start + _jittered_pass_seconds(seconds, jitter[s], s, pos[s])
+                end[(s, op, mb)] = free[s]
+                pos[s] += 1
+    return max(free)
+
+
+def test_jitter_keeps_a_lone_stages_total():
+    # One stage, 4 micro-batches: 8 passes, share 0.003 / 0.006 = 0.5 of them jump, 4 exactly
+    # (q n crosses 4 integers in 8 passes): 4 * (0.010 + 0.020) in all, as without jitter.
+    result = simulate([0.010], [0.020], [], 4, 1, jitter_s=[0.003])
+    assert result.step_time == pytest.approx(0.120, abs=1e-12)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_jitter_matches_the_pass_rule_and_slows_1f1b(k):
+    f, b, jitter = [0.010, 0.011, 0.009], [0.020, 0.018, 0.021], [0.002, 0.003, 0.0045]
+    free = [Trace.constant(0.0)] * 2
+    result = simulate(f, b, free, 8, k, jitter_s=jitter)
+    assert result.step_time == pytest.approx(_free_link_step(f, b, jitter, 8, k), abs=1e-12)
+    plain = simulate(f, b, free, 8, k).step_time
+    assert plain == pytest.approx(_free_link_step(f, b, [0.0] * 3, 8, k), abs=1e-12)
+    if k == 1:  # every pass waits on a neighbour: a late one delays the others
+        assert result.step_time > plain + 1e-4
+
+
+def test_jitter_beyond_a_pass_is_refused():
+    with pytest.raises(ValueError, match="jitter_s"):
+        simulate([0.010, 0.010], [0.020, 0.020], [Trace.constant(0.0)], 4, 1, jitter_s=[0.011, 0])
+    with pytest.raises(ValueError, match="jitter_s"):
+        simulate([0.010, 0.010], [0.020, 0.020], [Trace.constant(0.0)], 4, 1, jitter_s=[0.001])
