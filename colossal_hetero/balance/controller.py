@@ -242,10 +242,10 @@ class BalanceController:
         shares = self._shares(widths)
         self._refine_fixed_fraction(agreed)
         work = plan_units(self.plan, shares, self.phi)
-        detection = self.detector.update(step, agreed.windows, work)
-        readings = measurable_slowdown(detection.slowdown, shares)
+        loaded = set(range(self.tp_size)) - near_empty(shares)  # read against these
+        detection = self.detector.update(step, agreed.windows, work, loaded)
         cap = 1 + 2 * self.settings.threshold  # a reading over it is slow whatever the fit
-        released = self._watch.update(readings, shares, detection.stragglers, cap)
+        released = self._watch.update(detection.slowdown, shares, detection.stragglers, cap)
         if released:  # near-empty ranks whose readings fell (balance/recovery.py)
             detection = self.detector.rebase(step, released)
         self.detections.append(detection)

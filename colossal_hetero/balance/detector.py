@@ -85,6 +85,7 @@ class StragglerDetector:
         self._reference: tuple[float, ...] | None = None
         self._stable_since = 0
         self._last: tuple[float, ...] | None = None  # the slowdown at the last agreement
+        self._loaded: frozenset[int] | None = None  # the ranks read against (None: all)
         self._scale: dict[int, float] = {}  # per-unit rescaling of rebased ranks
 
     def reset(self, step: int) -> None:
@@ -94,7 +95,11 @@ class StragglerDetector:
         self._last, self._scale = None, {}
 
     def update(
-        self, step: int, window: Sequence[Sequence[float]], shares: Sequence[float]
+        self,
+        step: int,
+        window: Sequence[Sequence[float]],
+        shares: Sequence[float],
+        loaded: Collection[int] | None = None,
     ) -> Detection:
         """Fold one agreed window in and return the new state.
 
@@ -102,7 +107,15 @@ class StragglerDetector:
             step: the step the window ends at.
             window: per rank, its recent compute times in seconds (any non-empty length).
             shares: per rank, its amount of work, any positive scale (e.g. ``work_units``).
+            loaded: the ranks to read the others against (None or none given: every rank).
+                The slowdown is over the fastest of them, and a rank outside them reads at
+                least 1: a rank near no scaling work runs its fixed part alone, whose
+                per-unit time carries the fitted fixed fraction's error, so it may read the
+                fastest of all and every loaded rank slow against it (session 10: a run
+                under load read a recovered 4x rank with no heads fastest and flagged two
+                equal ranks at 1.26-1.34 against it, so no re-plan came in the phase).
         """
+        self._loaded = frozenset(loaded) if loaded else None
         assert len(window) == len(shares) == self.size
         # A rank given no width still runs the replicated layers: floor its share.
         unit = [
@@ -130,8 +143,9 @@ class StragglerDetector:
         (``balance.recovery``): its level would otherwise keep it flagged, or flag it again
         at the next agreement."""
         assert self._ewma is not None and self._last is not None
+        pool = self._loaded or range(self.size)
         for rank in ranks:
-            others = [u for r, u in enumerate(self._ewma) if r != rank]
+            others = [u for r, u in enumerate(self._ewma) if r != rank and r in pool]
             fastest = min(others) if others else self._ewma[rank]
             self._scale[rank] = self._scale.get(rank, 1.0) * fastest / self._ewma[rank]
             self._ewma[rank] = fastest
@@ -139,8 +153,9 @@ class StragglerDetector:
 
     def _slowdown(self) -> tuple[float, ...]:
         assert self._ewma is not None
-        fastest = min(self._ewma)
-        return tuple(u / fastest if fastest > 0 else 1.0 for u in self._ewma)
+        pool = self._loaded or range(self.size)
+        fastest = min(u for r, u in enumerate(self._ewma) if r in pool)
+        return tuple(max(u / fastest, 1.0) if fastest > 0 else 1.0 for u in self._ewma)
 
     def _settle(self, step: int, slowdown: tuple[float, ...], flagged: frozenset[int]) -> Detection:
         """Keep the new flags and vector; stability restarts where either changed."""

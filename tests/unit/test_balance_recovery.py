@@ -150,3 +150,17 @@ def test_a_recovered_near_empty_straggler_is_released_and_moved_back_at_once(
         "ffn": [48, 48]
     }
     assert all(records[s]["inputs"]["stragglers"] == [] for s in range(31, 50, 2))
+
+
+def test_slowdowns_are_read_against_the_loaded_ranks():
+    """Per-unit times 0.2, 0.2 and 0.1 (rank 2 near no work, its fixed part over a fit that
+    is too high): against every rank the two equal loaded ranks read 2.0 and are flagged;
+    against the loaded ranks (0, 1) they read 1.0 and rank 2 reads at least 1. A loaded rank
+    twice as slow still reads 2.0."""
+    window, shares = [[0.1], [0.1], [0.01]], (0.5, 0.5, 0.1)
+    state = StragglerDetector(3, BENCH).update(0, window, shares)
+    assert state.slowdown == pytest.approx((2.0, 2.0, 1.0)) and state.stragglers == (0, 1)
+    state = StragglerDetector(3, BENCH).update(0, window, shares, loaded={0, 1})
+    assert state.slowdown == pytest.approx((1.0, 1.0, 1.0)) and state.stragglers == ()
+    state = StragglerDetector(3, BENCH).update(0, [[0.1], [0.2], [0.01]], shares, {0, 1})
+    assert state.slowdown == pytest.approx((1.0, 2.0, 1.0)) and state.stragglers == (1,)
