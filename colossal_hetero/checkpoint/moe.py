@@ -19,9 +19,13 @@ which does not depend on where the expert lives:
   "groups": [hyperparameters]}``, gathered the same way. ``masters`` holds the fp32 master
   weights of mixed precision (which the bf16/fp16 model file cannot hold exactly).
 
+Both optimizer paths: our reducers' (``parallel.zero_stage`` 0, the fp32 naive or AMP
+wrapper) and Colossal-AI's ZeRO MoE optimizer (``zero_stage`` 1/2), whose flat, padded state
+and master shards are gathered over each parameter's ZeRO group to full shapes on save and
+sliced again on load; the file is the same either way, so a checkpoint also moves between them.
+
 Memory: ep rank 0 holds every expert (and state) of the model at once while writing; fine
 for the models this runs, not for a model whose experts do not fit one host's memory.
-Scope: ``parallel.zero_stage`` 0 (our reducers; ZeRO's flat shards are refused).
 """
 
 from __future__ import annotations
@@ -157,7 +161,6 @@ class MoeCheckpointIO(HeteroCheckpointIO):
     def _gathered_model(self, model: Any) -> dict[str, torch.Tensor] | None:
         """The whole model by HF name on the writer (None elsewhere); collective over the
         ep group of ``moe_dp`` rank 0."""
-        self._require_no_zero("save")
         if self.moe_dp_rank != 0:
             return None
         module = model.unwrap()
@@ -173,10 +176,11 @@ class MoeCheckpointIO(HeteroCheckpointIO):
     ) -> None:
         """States and fp32 masters by HF name (``shard``: in ``checkpoint/moe_optimizer.pt``,
         else in the file ``checkpoint``)."""
-        self._require_no_zero("save")
         saved = None
+        zero = self.zero_stage > 0  # every rank gathers its ZeRO shards: all take part
+        if zero or self.moe_dp_rank == 0:
+            local = _named_states(optimizer, dense=self.ep_rank == 0, zero=zero)
         if self.moe_dp_rank == 0:
-            local = _named_states(optimizer, dense=self.ep_rank == 0)
             parts = self._to_writer(local)
             if parts is not None:
                 saved = _merge(parts, optimizer)
@@ -188,7 +192,6 @@ class MoeCheckpointIO(HeteroCheckpointIO):
 
     def load_optimizer(self, optimizer: Any, checkpoint: str, *args: Any, **kwargs: Any) -> None:
         """The states of the parameters this rank's optimizer steps now (any placement)."""
-        self._require_no_zero("load")
         path = Path(checkpoint)
         path = path / OPTIMIZER_FILE if path.is_dir() else path
         if not path.is_file():
@@ -199,7 +202,7 @@ class MoeCheckpointIO(HeteroCheckpointIO):
         saved = torch.load(path, map_location="cpu", weights_only=False)
         if saved.get("format") != FORMAT:
             raise ValueError(f"{path}: not an expert-parallel optimizer checkpoint ({FORMAT})")
-        _load_named_states(optimizer, saved, str(path))
+        _load_named_states(optimizer, saved, str(path), zero=self.zero_stage > 0)
         dist.barrier()
 
     # -- helpers ----------------------------------------------------------------------------
@@ -213,13 +216,6 @@ class MoeCheckpointIO(HeteroCheckpointIO):
         if parts is None:
             return None
         return {key: value for part in parts for key, value in part.items()}
-
-    def _require_no_zero(self, action: str) -> None:
-        if self.zero_stage > 0:
-            raise ValueError(
-                f"parallel.zero_stage: cannot {action} an expert-parallel checkpoint under ZeRO "
-                f"(zero_stage {self.zero_stage}); expert-parallel checkpoints need zero_stage 0"
-            )
 
 
 def _shards(full: dict[str, torch.Tensor], size_mb: int) -> Iterator[tuple[dict, float]]:
@@ -274,21 +270,52 @@ def _names(optimizer: Any) -> dict[int, str]:
     }
 
 
-def _named_states(optimizer: Any, *, dense: bool) -> dict[str, Any]:
-    """``{name: (state, master or None)}`` of this rank's experts (and dense parameters)."""
+def _named_states(optimizer: Any, *, dense: bool, zero: bool) -> dict[str, Any]:
+    """``{name: (state, master or None)}`` of this rank's experts (and dense parameters),
+    full-shaped. ``zero``: each state and master is gathered from its ZeRO group (collective:
+    every rank calls this; dense parameters first, then experts, in optimizer order)."""
     names = _names(optimizer)
     to_working = optimizer.get_master_to_working_map() or {}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    moe = [is_moe_tensor(to_working.get(id(p), p)) for p in params]
     out: dict[str, Any] = {}
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            working = to_working.get(id(param), param)
-            if not (dense or is_moe_tensor(working)):
+    for expert_pass in (False, True):
+        for param, is_expert in zip(params, moe, strict=True):
+            if is_expert != expert_pass or not (zero or dense or is_expert):
                 continue
+            working = to_working.get(id(param), param)
             state = optimizer.optim.state.get(param, {})
-            copied = {k: _cpu(v) for k, v in state.items()}
-            master = None if working is param else param.detach().cpu().clone()
-            out[names[id(param)]] = (copied, master)
+            master = None if working is param else param.detach()
+            if zero:
+                state = {k: _zero_full(optimizer, param, v) for k, v in state.items()}
+                master = _zero_full(optimizer, param, param.detach())
+            if dense or is_expert:
+                copied = {k: _cpu(v) for k, v in state.items()}
+                out[names[id(param)]] = (copied, None if master is None else _cpu(master))
     return out
+
+
+def _zero_full(optimizer: Any, param: Any, value: Any) -> Any:
+    """A ZeRO shard of ``param`` (flat, a padded slice over the parameter's group) gathered to
+    the working parameter's shape; other values (``step``) as they are."""
+    if not (torch.is_tensor(value) and value.dim() == 1 and value.numel() == param.numel()):
+        return value
+    working = optimizer.get_master_to_working_map()[id(param)]
+    group = optimizer.param_to_pg[working]
+    parts = [torch.empty_like(value) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, value.contiguous(), group=group)
+    return torch.cat(parts)[: working.numel()].view(working.shape)
+
+
+def _zero_shard(optimizer: Any, param: Any, full: torch.Tensor) -> torch.Tensor:
+    """This rank's ZeRO slice of a full-shaped ``full`` (the inverse of :func:`_zero_full`)."""
+    working = optimizer.get_master_to_working_map()[id(param)]
+    if full.shape != working.shape:
+        return full  # not a per-element state (``step``)
+    group = optimizer.param_to_pg[working]
+    size = dist.get_world_size(group)
+    flat = torch.nn.functional.pad(full.reshape(-1), [0, param.numel() * size - full.numel()])
+    return flat.chunk(size)[dist.get_rank(group)].clone()
 
 
 def _cpu(value: Any) -> Any:
@@ -305,7 +332,7 @@ def _merge(parts: dict[str, Any], optimizer: Any) -> dict[str, Any]:
     }
 
 
-def _load_named_states(optimizer: Any, saved: dict[str, Any], source: str) -> None:
+def _load_named_states(optimizer: Any, saved: dict[str, Any], source: str, zero: bool) -> None:
     if len(saved["groups"]) != len(optimizer.param_groups):
         raise ValueError(
             f"{source}: {len(saved['groups'])} parameter groups saved, the optimizer has "
@@ -319,10 +346,18 @@ def _load_named_states(optimizer: Any, saved: dict[str, Any], source: str) -> No
         group.update(hyper)
         for param in group["params"]:
             name = names[id(param)]
-            _set_state(optimizer.optim, param, saved["states"][name])
-            if name in saved["masters"]:
+            state = saved["states"][name]
+            master = saved["masters"].get(name)
+            if zero:
+                state = {
+                    k: _zero_shard(optimizer, param, v) if torch.is_tensor(v) else v
+                    for k, v in state.items()
+                }
+                master = None if master is None else _zero_shard(optimizer, param, master)
+            _set_state(optimizer.optim, param, state)
+            if master is not None:
                 with torch.no_grad():
-                    param.copy_(saved["masters"][name])
+                    param.copy_(master)
 
 
 def _set_state(optim: torch.optim.Optimizer, param: nn.Parameter, state: dict) -> None:

@@ -57,21 +57,6 @@ def check_moe_layout(parallel: ParallelConfig, moe: MoeConfig, world_size: int) 
         )
 
 
-def check_moe_run(config: Any) -> None:
-    """Run-level checks (a ``RunConfig``): what an expert-parallel run cannot do yet.
-
-    Raises:
-        ConfigError: naming ``parallel.zero_stage`` (checkpoints of an expert-parallel run
-            under ZeRO: checkpoint/moe.py saves our reducers' plain optimizer states).
-    """
-    parallel = config.parallel
-    if parallel.ep > 1 and config.checkpoint.dir is not None and parallel.zero_stage > 0:
-        raise ConfigError(
-            f"parallel.zero_stage: checkpointing an expert-parallel run (checkpoint.dir) needs "
-            f"zero_stage 0, got {parallel.zero_stage}"
-        )
-
-
 def check_moe_model(
     parallel: ParallelConfig, moe: MoeConfig, hf_config: Any, world_size: int
 ) -> Placement | None:

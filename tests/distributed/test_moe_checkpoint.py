@@ -17,7 +17,10 @@ test_moe_plugin (4 experts, top-2, router aux loss on). One spawn:
 - the model folder loads into a single-process Hugging Face ``MixtralForCausalLM``
   (``from_pretrained``, EP=1, the independent reference): its loss on each rank's next batch
   equals ``a``'s loss there within the fp32 chain tolerance of the forward.
-- loading an optimizer checkpoint missing a parameter's state is one ValueError.
+- loading an optimizer checkpoint missing a parameter's state is one ValueError (every rank).
+- ZeRO-1 in bf16 (Colossal-AI's MoE optimizer, flat padded shards): ``d`` saves after 2 steps
+  and trains 2 more; ``e`` loads into a fresh booster: its two losses equal ``d``'s bit for
+  bit, and so do the optimizer states and fp32 masters both save at the end.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from tests.tolerances import chain_atol, transformer_depth
 STEPS_BEFORE, STEPS_AFTER = 2, 2
 
 
-def _build(placement: list | None = None, seed: int = 0):  # type: ignore[no-untyped-def]
+def _build(placement: list | None = None, seed: int = 0, zero: bool = False):  # type: ignore[no-untyped-def]
     from colossalai.booster import Booster
 
     from colossal_hetero.config.moe import MoeConfig
@@ -43,8 +46,11 @@ def _build(placement: list | None = None, seed: int = 0):  # type: ignore[no-unt
     from colossal_hetero.moe.block import HeteroEPMixtralSparseMoeBlock
     from colossal_hetero.plugin import HeteroParallelPlugin
 
+    parallel = ParallelConfig(ep=2)
+    if zero:
+        parallel = ParallelConfig(ep=2, zero_stage=1, precision="bf16")
     config = HeteroConfig(
-        parallel=ParallelConfig(ep=2),
+        parallel=parallel,
         moe=MoeConfig(chunk_kib=1, placement=placement or []),
         plan=PlanConfig(mode="even"),
     )
@@ -140,6 +146,40 @@ def _check(rank: int, world_size: int, device: torch.device, folder: str) -> Non
     _check_hf(model_dir, batches[STEPS_BEFORE], rank, after_a[0], forward)
     _check_missing_state(c, optim_dir, Path(folder), rank)
     for run in (a, b, c):
+        run[0].close()
+    _check_zero(batches, Path(folder) / "zero", rank)
+
+
+def _check_zero(batches: list[torch.Tensor], folder: Path, rank: int) -> None:
+    """ZeRO-1, bf16 (Colossal-AI's MoE optimizer): save, load into a fresh booster; the next
+    steps' losses are bit-equal, and so is what both runs save at the end (every state and
+    fp32 master, gathered from the ZeRO shards)."""
+    from colossal_hetero.checkpoint.moe import OPTIMIZER_FILE
+
+    d = _build(zero=True)
+    _train(d, batches[:STEPS_BEFORE], rank)
+    d[1].save_model(d[2], str(folder / "model"), shard=True)
+    d[1].save_optimizer(d[3], str(folder / "optimizer"), shard=True)
+    after_d = _train(d, batches[STEPS_BEFORE:], rank)
+    e = _build(zero=True, seed=7)
+    e[1].load_model(e[2], str(folder / "model"))
+    e[1].load_optimizer(e[3], str(folder / "optimizer"))
+    assert _train(e, batches[STEPS_BEFORE:], rank) == after_d
+    for run, name in ((d, "end_d"), (e, "end_e")):
+        run[1].save_optimizer(run[3], str(folder / name), shard=True)
+    if rank == 0:
+        ends = [
+            torch.load(folder / n / OPTIMIZER_FILE, weights_only=False) for n in ("end_d", "end_e")
+        ]
+        assert ends[0]["masters"] and sorted(ends[0]["states"]) == sorted(ends[1]["states"])
+        for kind in ("states", "masters"):
+            for name, value in ends[0][kind].items():
+                other = ends[1][kind][name]
+                items = value.items() if kind == "states" else [("", value)]
+                for key, tensor in items:
+                    got = other[key] if key else other
+                    assert torch.equal(got, tensor), (kind, name, key)
+    for run in (d, e):
         run[0].close()
 
 
