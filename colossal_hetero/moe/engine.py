@@ -9,7 +9,11 @@ gradients:
 - ``parallel.zero_stage`` 0 (any precision, fp32 included): the model is sharded without
   torch DDP (which needs one data-parallel group; the stock plugin refuses this layout), the
   optimizer is Colossal-AI's naive (fp32) or AMP (fp16/bf16) wrapper, and our
-  :class:`.scheduler.ChunkedGradReducer` s (moe/wiring.py) reduce the gradients.
+  :class:`.scheduler.ChunkedGradReducer` s (moe/wiring.py) reduce the gradients. The
+  wrapper clips (``max_norm``) by the global norm of moe/clip.py, which wiring installs in
+  place of its own (a rank's own norm would miss the experts held elsewhere), and
+  ``no_sync`` is Colossal-AI's: it turns off the model's ``require_grad_sync``, which the
+  reducers follow (gradient accumulation).
 """
 
 from __future__ import annotations
