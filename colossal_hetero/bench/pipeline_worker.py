@@ -149,6 +149,8 @@ class Runner:
         self.blocks = list(self.model.unwrap().transformer.h)
         self.stretch: Stretch | None = None
         """Set on the slowed stage's ranks for the variants of phase (c)."""
+        self.steps = 0
+        """Steps run so far (a first step pays lazy initialisation)."""
 
     @property
     def k(self) -> int:
@@ -173,6 +175,7 @@ class Runner:
             peak = self.meter.take_peak()
         if self.stretch is not None:
             slept = self.stretch.slept_s - slept
+        self.steps += 1
         return [ended - started, piped - started, float(k), float(peak), slept]
 
     def prediction(self, k: int) -> tuple[float, float]:
@@ -476,8 +479,8 @@ def measure_stage_times(
     """Each stage's measured per-block and fixed seconds, for phase (c)'s split.
 
     ``stock`` (Colossal-AI's 1F1B on the even split, with the planned variants' TP widths:
-    ``_probe``) runs ``steps`` steps (after one unrecorded) with ``stretch`` on, every rank at
-    its phase (c) speed. Per rank and step: one block's
+    ``_probe``) runs ``steps`` steps with ``stretch`` on, every rank at its phase (c) speed
+    (after one unrecorded step without it if it has not run yet). Per rank and step: one block's
     forward + backward per micro-batch (the stretch's timed block passes, over the passes
     run, times two) and the rest of the stage's own passes per micro-batch (forward_step +
     backward_step, ``InFlightMeter.busy_s``, less its blocks): embeddings, head and loss,
@@ -488,8 +491,9 @@ def measure_stage_times(
     """
     assert stock.meter is not None
     m, pp = spec["m"], spec["pp"]
+    if stock.steps == 0:  # a fresh probe (PP=2 x TP=2's): its lazy initialisation, unstretched
+        stock.step(seed=WARM_SEED + 1)
     stretch.enabled = True
-    stock.step(seed=WARM_SEED + 1)
     rows, before = [], _stretch_totals(stretch)
     for i in range(steps):
         seconds, passes, busy = stretch.passes_s, stretch.passes, stock.meter.busy_s
