@@ -321,3 +321,48 @@ def test_the_first_step_after_a_stretch_is_preceded_by_an_unrecorded_one(monkeyp
         second(index, warmup=False)
     # Round 9's first variant ran the unrecorded step, then its own; nobody else did.
     assert seeds == [4, 4, 5, 5, 6, 6, 7, 7, worker.WARM_SEED, 8, 8, 9, 9]
+
+
+class _FakeStretch:
+    """What measure_stage_times reads of a Stretch: totals it advances per step."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self.passes_s = self.passes = self.cpu_s = self.compute_wall_s = 0.0
+        self.slept_s = self.intervals = 0.0
+
+
+class _FakeProbe:
+    """One stage of 2 blocks, m = 4: each step runs 2 blocks x 4 micro-batches x (F + B) = 16
+    block passes of 5 ms when stretched (2 ms when not), and 60 ms of forward_step /
+    backward_step in all stretched."""
+
+    def __init__(self, stretch: _FakeStretch, steps: int) -> None:
+        self.stretch, self.steps, self.log = stretch, steps, []
+        self.meter = type("Meter", (), {"busy_s": 0.0})()
+
+    def step(self, seed: int) -> list[float]:
+        self.log.append(self.stretch.enabled)
+        per_pass = 0.005 if self.stretch.enabled else 0.002
+        self.stretch.passes += 16
+        self.stretch.passes_s += 16 * per_pass
+        self.meter.busy_s += 16 * per_pass + 0.02
+        self.steps += 1
+        return [0.0] * 5
+
+
+@pytest.mark.parametrize("warm", [0, 1])
+def test_stage_times_probe_warms_only_a_fresh_probe_and_off_the_stretch(monkeypatch, warm):
+    from colossal_hetero.bench import pipeline_worker as worker
+
+    monkeypatch.setattr(worker, "_gather", lambda row: [row] * 2)
+    stretch = _FakeStretch()
+    probe = _FakeProbe(stretch, steps=warm)
+    spec = {"m": 4, "pp": 1}
+    got = worker.measure_stage_times(probe, stretch, [0, 0], spec, steps=3)  # type: ignore[arg-type]
+    # A fresh probe: one unrecorded step without the stretch, then 3 with it; a warm one: 3.
+    assert probe.log == ([False] if warm == 0 else []) + [True, True, True]
+    assert not stretch.enabled
+    # Per block and micro-batch: 2 passes of 5 ms; the rest: 20 ms over 4 micro-batches.
+    assert got["block_s"] == [pytest.approx(0.010)]
+    assert got["fixed_s"] == [pytest.approx(0.005)]
