@@ -76,6 +76,14 @@ class MoeCheckpointIO(HeteroCheckpointIO):
         self.zero_stage = zero_stage
 
     # -- model ------------------------------------------------------------------------------
+    def save_model(self, model: Any, checkpoint: str, *args: Any, **kwargs: Any) -> None:
+        self._require_layout("save")
+        super().save_model(model, checkpoint, *args, **kwargs)
+
+    def load_model(self, model: Any, checkpoint: str, *args: Any, **kwargs: Any) -> Any:
+        self._require_layout("load")
+        return super().load_model(model, checkpoint, *args, **kwargs)
+
     def save_sharded_model(
         self,
         model: Any,
@@ -176,6 +184,7 @@ class MoeCheckpointIO(HeteroCheckpointIO):
     ) -> None:
         """States and fp32 masters by HF name (``shard``: in ``checkpoint/moe_optimizer.pt``,
         else in the file ``checkpoint``)."""
+        self._require_layout("save")
         saved = None
         zero = self.zero_stage > 0  # every rank gathers its ZeRO shards: all take part
         if zero or self.moe_dp_rank == 0:
@@ -192,6 +201,7 @@ class MoeCheckpointIO(HeteroCheckpointIO):
 
     def load_optimizer(self, optimizer: Any, checkpoint: str, *args: Any, **kwargs: Any) -> None:
         """The states of the parameters this rank's optimizer steps now (any placement)."""
+        self._require_layout("load")
         path = Path(checkpoint)
         path = path / OPTIMIZER_FILE if path.is_dir() else path
         if not path.is_file():
@@ -206,6 +216,15 @@ class MoeCheckpointIO(HeteroCheckpointIO):
         dist.barrier()
 
     # -- helpers ----------------------------------------------------------------------------
+    def _require_layout(self, action: str) -> None:
+        """Refused before any collective, on every rank: tensor-parallel shards (of experts
+        and dense weights) are not gathered here."""
+        if self.tp_size > 1 or self.pp_size > 1:
+            raise ValueError(
+                f"parallel.tp: cannot {action} an expert-parallel checkpoint with tensor or "
+                f"pipeline parallelism (tp={self.tp_size}, pp={self.pp_size}); it needs tp = pp = 1"
+            )
+
     def _to_writer(self, mine: dict[str, Any]) -> dict[str, Any] | None:
         """Merge every ep rank's ``mine`` on ep rank 0 (returned there, None elsewhere)."""
         writer = dist.get_global_rank(self.ep_group, 0)

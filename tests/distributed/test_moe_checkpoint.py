@@ -1,7 +1,7 @@
 """Checkpoints of an expert-parallel run through the plugin (checkpoint/moe.py), on gloo ranks.
 
 A plain Booster loop, EP=2 x DP=2 on 4 ranks, fp32, AdamW, the tiny Mixtral of
-test_moe_plugin (4 experts, top-2, router aux loss on). One spawn:
+test_moe_plugin (4 experts, top-2, router aux loss on). One spawn (and one slow one, ZeRO):
 
 - ``a`` trains 2 steps, saves model and optimizer (sharded folders) and trains 2 more: the
   uninterrupted run.
@@ -147,15 +147,15 @@ def _check(rank: int, world_size: int, device: torch.device, folder: str) -> Non
     _check_missing_state(c, optim_dir, Path(folder), rank)
     for run in (a, b, c):
         run[0].close()
-    _check_zero(batches, Path(folder) / "zero", rank)
 
 
-def _check_zero(batches: list[torch.Tensor], folder: Path, rank: int) -> None:
+def _check_zero(rank: int, world_size: int, device: torch.device, folder: str) -> None:
     """ZeRO-1, bf16 (Colossal-AI's MoE optimizer): save, load into a fresh booster; the next
     steps' losses are bit-equal, and so is what both runs save at the end (every state and
     fp32 master, gathered from the ZeRO shards)."""
     from colossal_hetero.checkpoint.moe import OPTIMIZER_FILE
 
+    batches, folder = _batches(world_size), Path(folder)
     d = _build(zero=True)
     _train(d, batches[:STEPS_BEFORE], rank)
     d[1].save_model(d[2], str(folder / "model"), shard=True)
@@ -211,3 +211,9 @@ def _check_missing_state(run, optim_dir: Path, folder: Path, rank: int) -> None:
 @pytest.mark.timeout(300)
 def test_ep_checkpoint_round_trips_across_placements(tmp_path: Path) -> None:
     run_distributed(_check, 4, force_cpu=True, folder=str(tmp_path))
+
+
+@pytest.mark.slow  # a second spawn of 4 ranks: over the default suite's 20 s
+@pytest.mark.timeout(300)
+def test_ep_checkpoint_round_trips_under_zero(tmp_path: Path) -> None:
+    run_distributed(_check_zero, 4, force_cpu=True, folder=str(tmp_path))
