@@ -390,6 +390,7 @@ def _ratios(ran: list[str]) -> dict[str, Callable[[Mapping[str, float]], float]]
     ratios = {
         "ours_all_vs_stock": lambda v: v["stock.step"] / v["ours_all.step"],
         "all_vs_on": lambda v: v["ours_on.step"] / v["ours_all.step"],
+        "all_vs_hold": lambda v: v["ours_hold.step"] / v["ours_all.step"],
         "pack_vs_on": lambda v: v["ours_on.step"] / v["ours_pack.step"],
         "pipe_vs_on": lambda v: v["ours_on.step"] / v["ours_pipe.step"],
         "ours_on_vs_stock": lambda v: v["stock.step"] / v["ours_on.step"],

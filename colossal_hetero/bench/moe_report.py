@@ -80,6 +80,7 @@ def summarise(result: dict, network_mode: str, stretch: str = "dedicated") -> di
         "priority_on_vs_colossalai_moe": float(figures["ours_on_vs_stock"]["value"]),
         "pipelining_on_vs_off": float(figures["pipe_vs_on"]["value"]),
         "all_on_vs_priority_on": float(figures["all_vs_on"]["value"]),
+        "all_on_vs_hold": _figure(figures, "all_vs_hold"),
         "priority_off_vs_colossalai_moe": float(figures["ours_off_vs_stock"]["value"]),
         "priority_on_vs_off": float(figures["on_vs_off"]["value"]),
         "fit_vs_hold": float(figures["on_vs_hold"]["value"]),

@@ -111,6 +111,7 @@ def test_summary_keys_and_nulls() -> None:
     assert summary["all_on_vs_colossalai_moe"] == 1.3 and summary["network_mode"] == "shaped"
     assert summary["packing_on_vs_priority_on"] == 0.85
     assert summary["all_on_vs_session7_all_on"] == 1.02
+    assert summary["all_on_vs_hold"] is None  # no such figure in this result
     assert abs(summary["packing_a2a_bytes_saved"] - 0.15) < 1e-12  # 1 - 850 / 1000
     assert summary["a2a_bytes_per_step"]["ours_pack"] == 850.0
     assert summary["all_on_vs_deepspeed_moe"] is None and summary["all_on_vs_deepspeed_moe_reason"]
