@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from colossalai.lazy import LazyInitContext
+from colossalai.shardformer.layer import Linear1D_Col, Linear1D_Row
 from colossalai.shardformer.modeling.mixtral import EPMixtralSparseMoeBlock
 from colossalai.shardformer.shard.utils import set_tensors_to_none
 from colossalai.tensor.moe_tensor.api import set_moe_tensor_ep_group
@@ -134,7 +135,7 @@ class HeteroEPMixtralSparseMoeBlock(EPMixtralSparseMoeBlock):
             raise ValueError("HeteroEPMixtralSparseMoeBlock needs ep_group, comm and placement")
         LazyInitContext.materialize(module)
         module.__class__ = HeteroEPMixtralSparseMoeBlock
-        module.setup_placement(ep_group, moe_dp_group, comm, placement)
+        module.setup_placement(ep_group, moe_dp_group, comm, placement, tp_group)
         module.packing = packing
         return module
 
@@ -144,8 +145,13 @@ class HeteroEPMixtralSparseMoeBlock(EPMixtralSparseMoeBlock):
         moe_dp_group: ProcessGroup | None,
         comm: MoeComm,
         placement: Placement,
+        tp_group: ProcessGroup | None = None,
     ) -> None:
-        """Keep the experts ``placement`` gives this ep rank; drop the others' tensors."""
+        """Keep the experts ``placement`` gives this ep rank; drop the others' tensors. With a
+        ``tp_group`` of more than one rank each held expert is split over it as Colossal-AI
+        splits it (w1, w3 by output columns, w2 by input rows, its output all-reduced): the
+        tp peers hold the same tokens and routing, so each issues the same a2a's on its own
+        ep group and computes its slice of every expert's FFN."""
         self.ep_group, self.ep_size = ep_group, dist.get_world_size(ep_group)
         self.ep_rank = dist.get_rank(ep_group)
         self.moe_dp_group = moe_dp_group
@@ -159,6 +165,12 @@ class HeteroEPMixtralSparseMoeBlock(EPMixtralSparseMoeBlock):
         self.index_placement(placement)
         kept = {self.experts[e] for e in self.held}
         set_tensors_to_none(self.experts, exclude=kept)
+        self.tp_group = tp_group
+        if tp_group is not None and dist.get_world_size(tp_group) > 1:
+            for expert in kept:
+                expert.w1 = Linear1D_Col.from_native_module(expert.w1, tp_group)
+                expert.w3 = Linear1D_Col.from_native_module(expert.w3, tp_group)
+                expert.w2 = Linear1D_Row.from_native_module(expert.w2, tp_group)
         for expert in kept:
             for param in expert.parameters():
                 set_moe_tensor_ep_group(param, ep_group)

@@ -33,14 +33,15 @@ def check_moe_layout(parallel: ParallelConfig, moe: MoeConfig, world_size: int) 
             )
             raise ConfigError(f"moe.{field}: needs expert parallelism (parallel.ep > 1)")
         return
-    if parallel.tp > 1 or parallel.pp > 1:
+    if parallel.pp > 1:
         raise ConfigError(
-            f"parallel.ep: expert parallelism runs with tp = pp = 1 so far, got tp={parallel.tp} "
-            f"pp={parallel.pp}"
+            f"parallel.pp: expert parallelism runs with pp = 1 so far, got pp={parallel.pp}"
         )
+    if parallel.tp > 1:
+        check_moe_tp(parallel, moe)
     if world_size % ep:
         raise ConfigError(f"parallel.ep={ep} does not divide the world size ({world_size})")
-    dp = parallel.dp or world_size
+    dp = parallel.dp or world_size // (parallel.tp * parallel.pp)
     if dp % ep:
         raise ConfigError(f"parallel.ep={ep} does not divide the data-parallel size ({dp})")
     if moe.replace_every and (parallel.zero_stage or parallel.precision != "fp32"):
@@ -55,6 +56,54 @@ def check_moe_layout(parallel: ParallelConfig, moe: MoeConfig, world_size: int) 
         raise ConfigError(
             f"moe.placement: lists {len(moe.placement)} expert-parallel ranks, parallel.ep is {ep}"
         )
+
+
+def check_moe_tp(parallel: ParallelConfig, moe: MoeConfig) -> None:
+    """Tensor parallelism around expert parallelism (``tp > 1`` with ``ep > 1``): what runs
+    is 1D TP (attention by Colossal-AI's Mixtral policy, each held expert split over the tp
+    group) with our reducers (ZeRO off); every feature not built for it is refused here.
+
+    Raises:
+        ConfigError: naming the first field that cannot run with ``parallel.tp > 1``.
+    """
+    tp = parallel.tp
+    refused = (
+        ("parallel.tp_mode", parallel.tp_mode != "1d", f"{parallel.tp_mode} (only 1d)"),
+        ("parallel.zero_stage", parallel.zero_stage > 0, f"{parallel.zero_stage} (only 0)"),
+        ("moe.packing", moe.packing, "on"),
+        ("moe.pipeline_chunks", moe.pipeline_chunks > 1, f"{moe.pipeline_chunks} (only 1)"),
+        ("moe.replace_every", moe.replace_every > 0, f"{moe.replace_every} (only 0)"),
+    )
+    for field, bad, got in refused:
+        if bad:
+            raise ConfigError(
+                f"{field}: expert parallelism with tensor parallelism (parallel.ep="
+                f"{parallel.ep}, tp={tp}) does not support it yet, got {got}"
+            )
+
+
+def check_moe_run(config: Any) -> None:
+    """Run-level checks of a ``RunConfig`` (``HeteroConfig`` fields plus ``checkpoint``):
+    the planner, the balancer and checkpoints do not handle tensor-parallel experts.
+
+    Raises:
+        ConfigError: naming ``plan.mode``, ``balancer.mode`` or ``checkpoint.dir``.
+    """
+    parallel = config.parallel
+    if parallel.ep == 1 or parallel.tp == 1:
+        return
+    checkpoint = getattr(config, "checkpoint", None)
+    refused = (
+        ("plan.mode", config.plan.mode == "file", "file"),
+        ("balancer.mode", config.balancer.mode != "none", config.balancer.mode),
+        ("checkpoint.dir", checkpoint is not None and checkpoint.dir is not None, "set"),
+    )
+    for field, bad, got in refused:
+        if bad:
+            raise ConfigError(
+                f"{field}: expert parallelism with tensor parallelism (parallel.ep="
+                f"{parallel.ep}, tp={parallel.tp}) does not support it yet, got {got}"
+            )
 
 
 def check_moe_model(
@@ -87,6 +136,7 @@ def check_moe_model(
     check_moe_layout(parallel, moe, world_size)
     if parallel.ep == 1:
         return None
+    _check_tp_experts(parallel.tp, hf_config)
     try:
         check_ep(experts, parallel.ep, world_size)
         if moe.placement:
@@ -97,3 +147,22 @@ def check_moe_model(
         if message.startswith("placement:"):
             message = "moe." + message
         raise ConfigError(message) from None
+
+
+def _check_tp_experts(tp: int, hf_config: Any) -> None:
+    """tp > 1: each expert's FFN splits evenly over the tp group, and tp peers (which hold
+    the same tokens) route alike, so no random router jitter."""
+    if tp == 1:
+        return
+    ffn = hf_config.intermediate_size
+    if ffn % tp:
+        raise ConfigError(
+            f"model.hf.intermediate_size: {ffn} does not split over parallel.tp={tp} (each "
+            f"expert's FFN is tensor-parallel)"
+        )
+    jitter = float(getattr(hf_config, "router_jitter_noise", 0.0) or 0.0)
+    if jitter > 0:
+        raise ConfigError(
+            f"model.hf.router_jitter_noise: {jitter} draws different noise on tensor-parallel "
+            f"peers, which must route their tokens alike (parallel.tp={tp}); use 0"
+        )

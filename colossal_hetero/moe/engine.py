@@ -93,13 +93,14 @@ class MoeEngine(MoeHybridParallelPlugin):
 
 
 def build_moe_engine(config: HeteroConfig, device: torch.device, policy: Any = None) -> MoeEngine:
-    """The engine for ``parallel.ep > 1`` (tp = pp = 1, checked by config validation)."""
+    """The engine for ``parallel.ep > 1`` (pp = 1, checked by config validation; tp > 1:
+    Colossal-AI's mesh puts the tp peers of one data-parallel rank next to each other)."""
     parallel = config.parallel
     kwargs: dict[str, Any] = {}
     if parallel.precision == "fp16":
         kwargs["initial_scale"] = 2**16
     return MoeEngine(
-        tp_size=1,
+        tp_size=parallel.tp,
         pp_size=1,
         ep_size=parallel.ep,
         precision=parallel.precision,

@@ -6,7 +6,8 @@ The reducers then run on the step seam:
 
 - gradients of dense parameters are reduced over all data-parallel ranks, those of the experts
   a rank holds over the ranks holding the same experts (``moe_dp``), both averaged over all
-  data-parallel ranks, in fixed chunks, on process groups of their own (never the a2a's);
+  data-parallel ranks (with ``parallel.tp > 1``: per tp index, each tp shard over the ranks
+  holding the same shard), in fixed chunks, on process groups of their own (never the a2a's);
   each group's all-reduce cost is profiled once (moe/profile.py) to predict chunk times and,
   with ``moe.chunk_efficiency``, to size the chunks; the size is then evened out over the
   group's gradient (``max(1, total // size)`` equal chunks, so no small tail chunk pays a
@@ -39,7 +40,7 @@ from torch.distributed import ProcessGroup
 from colossal_hetero.config.schema import HeteroConfig
 from colossal_hetero.metrics.decisions import DecisionWriter
 from colossal_hetero.moe.block import HeteroEPMixtralSparseMoeBlock
-from colossal_hetero.moe.checks import check_moe_model
+from colossal_hetero.moe.checks import check_moe_model, check_moe_run
 from colossal_hetero.moe.chunks import chunk_bytes_for, even_chunk_bytes
 from colossal_hetero.moe.clip import install_ep_grad_norm
 from colossal_hetero.moe.comm import MoeComm
@@ -68,28 +69,50 @@ def moe_policy(config: HeteroConfig, model: nn.Module, world_size: int) -> MoeSe
     """Check the model against ``parallel.ep`` and ``moe`` (ConfigError, on every rank, before
     any collective) and build the policy that installs our expert-parallel blocks."""
     placement = check_moe_model(config.parallel, config.moe, model.config, world_size)
+    check_moe_run(config)  # tp > 1: the planner and the balancer
     assert placement is not None  # ep > 1 here
     comm = MoeComm(log=config.moe.log_events, fit=config.moe.fit_gaps)
     policy = HeteroMixtralForCausalLMPolicy(comm, placement, packing=config.moe.packing)
     return MoeSetup(policy, comm, placement)
 
 
-def gradient_groups(world_size: int, ep: int) -> tuple[ProcessGroup, ProcessGroup]:
+def gradient_groups(world_size: int, ep: int, tp: int = 1) -> tuple[ProcessGroup, ProcessGroup]:
     """(dense group, expert group) of this rank, new groups of their own.
 
-    Colossal-AI's mesh ``(moe_dp, pp=1, ep, tp=1, sp=1)`` numbers rank ``i * ep + e`` for
-    replica ``i`` of ep index ``e``; the experts of index ``e`` are reduced over
-    ``{i * ep + e}``. Every rank creates every group, in the same order.
+    Colossal-AI's mesh ``(moe_dp, pp=1, ep, tp, sp=1)`` numbers rank ``(i * ep + e) * tp + t``
+    for replica ``i`` of ep index ``e`` and tp index ``t``: the dense gradients of tp index
+    ``t`` (a shard, or a copy of a replicated parameter) are reduced over every rank with that
+    ``t``, the experts of index ``e`` over ``{(i * ep + e) * tp + t}``. Every rank creates
+    every group, in the same order.
     """
     rank = dist.get_rank()
-    dense = dist.new_group(list(range(world_size)))
-    mine = None
+    replicas = world_size // (ep * tp)
+    dense = mine = None
+    for t in range(tp):
+        group = dist.new_group([r for r in range(world_size) if r % tp == t])
+        if rank % tp == t:
+            dense = group
     for e in range(ep):
-        group = dist.new_group([i * ep + e for i in range(world_size // ep)])
-        if rank % ep == e:
-            mine = group
+        for t in range(tp):
+            group = dist.new_group([(i * ep + e) * tp + t for i in range(replicas)])
+            if (rank // tp) % ep == e and rank % tp == t:
+                mine = group
     assert dense is not None and mine is not None
     return dense, mine
+
+
+def norm_groups(world_size: int, tp: int) -> tuple[ProcessGroup | None, ProcessGroup | None]:
+    """(tp group, group of every rank) for the clipping norm (moe/clip.py), new groups of
+    their own; (None, None) without tensor parallelism (the dense group is every rank)."""
+    if tp == 1:
+        return None, None
+    rank = dist.get_rank()
+    mine = None
+    for start in range(0, world_size, tp):
+        group = dist.new_group(list(range(start, start + tp)))
+        if start <= rank < start + tp:
+            mine = group
+    return mine, dist.new_group(list(range(world_size)))
 
 
 def install_reducers(
@@ -107,7 +130,8 @@ def install_reducers(
     params = [p for p in model.parameters() if p.requires_grad]
     dense_params = [p for p in params if id(p) not in expert_ids]
     expert_params = [p for p in params if id(p) in expert_ids]
-    dense_group, expert_group = gradient_groups(dist.get_world_size(), config.parallel.ep)
+    world, tp = dist.get_world_size(), config.parallel.tp
+    dense_group, expert_group = gradient_groups(world, config.parallel.ep, tp)
     common: dict[str, Any] = {
         "max_inflight": moe.max_inflight,
         "priority": moe.priority,
@@ -134,7 +158,7 @@ def install_reducers(
     comm.attach(reducers)
     if optimizer is not None:
         if float(getattr(optimizer, "max_norm", 0.0) or 0.0) > 0:
-            install_ep_grad_norm(optimizer, reducers)
+            install_ep_grad_norm(optimizer, reducers, *norm_groups(world, tp))
         optimizer.step = flush_then_step(optimizer, optimizer.step, comm)
     return reducers
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from colossal_hetero.config.loader import ConfigError
 from colossal_hetero.config.schema import EmulationConfig, HeteroConfig, ModelConfig, RunConfig
-from colossal_hetero.moe.checks import check_moe_layout, check_moe_model
+from colossal_hetero.moe.checks import check_moe_layout, check_moe_model, check_moe_run
 from colossal_hetero.pipeline.validate import check_pipeline_config, check_stage_split
 
 
@@ -107,6 +107,7 @@ def validate_run(config: RunConfig, world_size: int) -> int:
     hf_config = checked_hf_config(config.model)
     _validate_model_shape(config, hf_config, planned=planned)
     check_moe_model(config.parallel, config.moe, hf_config, world_size)
+    check_moe_run(config)
     parallel = config.parallel
     if hf_config.num_hidden_layers < parallel.pp:
         raise ConfigError(

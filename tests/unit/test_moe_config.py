@@ -53,7 +53,7 @@ def test_clipping_runs_on_our_reducers() -> None:
     [
         ({"ep": 3}, None, {"num_local_experts": 6}, 4, "parallel.ep=3 does not divide the world"),
         ({"ep": 4}, None, {"num_local_experts": 6}, 4, "parallel.ep=4 does not divide the number"),
-        ({"ep": 2, "tp": 2}, None, None, 4, "parallel.ep: expert parallelism runs with tp = pp"),
+        ({"ep": 2, "pp": 2}, None, None, 4, "parallel.pp: expert parallelism runs with pp = 1"),
         ({"ep": 2}, None, {"num_experts_per_tok": 5}, 4, "model.hf.num_experts_per_tok: top-5"),
         ({"ep": 2}, {"placement": [[0, 1], [2]]}, None, 4, "moe.placement: expert 3 is placed"),
         ({"ep": 2}, {"placement": [[0, 1], [2, 3, 0]]}, None, 4, "expert 0 is placed twice"),

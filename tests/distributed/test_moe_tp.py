@@ -1,0 +1,195 @@
+"""Tensor parallelism around expert parallelism: EP=2 x TP=2 on 4 gloo ranks (dp 2, moe_dp 1).
+
+Colossal-AI's mesh numbers rank ``e * 2 + t`` (ep index ``e``, tp index ``t``): ranks 0 and 1
+are the tp pair of data-parallel rank 0, ranks 2 and 3 of data-parallel rank 1; ep groups are
+{0, 2} and {1, 3}. Attention, embeddings, the router and the LM head are split by
+Colossal-AI's Mixtral policy, each held expert by our block (w1/w3 by columns, w2 by rows).
+
+A plain Booster loop trains a tiny ``MixtralForCausalLM`` (4 experts, top-2, router aux loss)
+in fp32 with clipping on; every rank also holds a single-process copy (EP=1, TP=1: the
+independent reference), which backpropagates the mean of the two data-parallel shards' losses.
+Two steps: the model's own routing, then ``zero`` (a router bias sends every token to experts
+0 and 1, so ep rank 1 -- ranks 2 and 3 -- receives no token and issues empty a2a's). Checks:
+- the loss equals the reference's on this rank's shard;
+- after the flush every gradient (tp shards gathered to the full shape) equals the reference's;
+  ``zero``: experts 2 and 3 have zero gradients;
+- the clipping norm (moe/clip.py) equals the reference's global norm (each shard and each
+  replicated parameter counted once), and the clipped SGD step gives the reference's weights;
+- every rank issued the same number of a2a's, each gradient group's ranks the same collective
+  sequence (no hang: the spawn has a time limit).
+Tolerance: ``chain_atol`` over the transformer's reduction chain (tests/tolerances.py).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist_utils import run_distributed
+from tests.tolerances import chain_atol, transformer_depth
+
+LAYERS, HIDDEN, FFN, EXPERTS, SEQ, PER_RANK, LR, TP = 2, 16, 32, 4, 8, 2, 0.1, 2
+VOCAB = 256  # a multiple of 64 * TP: the vocab-parallel embedding adds no padding rows
+K_MAX = max(HIDDEN, FFN, SEQ * PER_RANK * 2, VOCAB)
+MAX_NORM = 0.5  # below the gradients' norm (about 1-2 here): the step really clips
+
+
+def _model():  # type: ignore[no-untyped-def]
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=FFN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_local_experts=EXPERTS,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        output_router_logits=True,
+        router_aux_loss_coef=0.05,
+    )
+    torch.manual_seed(0)
+    return MixtralForCausalLM(config)
+
+
+def _full(local: torch.Tensor, shape: torch.Size, group) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """``local`` gathered over the tp ``group`` along the one dim where it is shorter than
+    ``shape`` (a replicated tensor is returned as it is)."""
+    dims = [d for d in range(local.dim()) if local.shape[d] != shape[d]]
+    if not dims:
+        return local
+    assert len(dims) == 1 and local.shape[dims[0]] * TP == shape[dims[0]], (local.shape, shape)
+    parts = [torch.empty_like(local) for _ in range(TP)]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return torch.cat(parts, dim=dims[0])
+
+
+def _check(rank: int, world_size: int, device: torch.device) -> None:
+    from colossalai.booster import Booster
+
+    from colossal_hetero.config.moe import MoeConfig
+    from colossal_hetero.config.parallel import ParallelConfig
+    from colossal_hetero.config.schema import HeteroConfig
+    from colossal_hetero.plugin import HeteroParallelPlugin
+
+    parallel = ParallelConfig(ep=2, tp=TP, max_norm=MAX_NORM)
+    config = HeteroConfig(parallel=parallel, moe=MoeConfig(chunk_kib=1, fit_gaps=False))
+    plugin = HeteroParallelPlugin(config)
+    tp_group = plugin.engine.tp_group
+    model = _model()
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    booster = Booster(plugin=plugin)
+    model, optimizer, *_ = booster.boost(model, optimizer)
+    inner = model.unwrap()
+    bias = [torch.zeros(EXPERTS)]
+    for net in (inner, reference):
+        for layer in net.model.layers:
+            layer.block_sparse_moe.gate.register_forward_hook(lambda m, i, out: out + bias[0])
+    generator = torch.Generator().manual_seed(1)
+    shard_index = rank // TP  # the data-parallel rank
+    for case, skew in (("even", None), ("zero", torch.tensor([8.0, 8.0, -8.0, -8.0]))):
+        bias[0] = torch.zeros(EXPERTS) if skew is None else skew
+        batch = torch.randint(0, VOCAB, (2 * PER_RANK, SEQ), generator=generator)
+        shards = batch.split(PER_RANK)
+        ref_losses = _reference_backward(reference, shards)
+        loss = model(input_ids=shards[shard_index], labels=shards[shard_index]).loss
+        booster.backward(loss, optimizer)
+        for reducer in plugin.moe_reducers.values():
+            reducer.flush()
+        forward = transformer_depth(LAYERS, backward=False) + 2
+        tol = chain_atol(forward, K_MAX, torch.float32, abs(ref_losses[shard_index]))
+        assert abs(float(loss) - ref_losses[shard_index]) <= tol, (case, float(loss))
+        depth = transformer_depth(LAYERS) + 4  # + router softmax, top-k weights, two a2a's
+        _compare_grads(inner, reference, case, depth, tp_group)
+        ref_norm = _clip_reference(reference)
+        optimizer.step()  # flushes (nothing left), clips by moe/clip.py's norm, steps
+        norm = float(optimizer._current_grad_norm)
+        assert abs(norm - ref_norm) <= chain_atol(depth, K_MAX, torch.float32, ref_norm), case
+        optimizer.zero_grad()
+        _check_sequences(plugin, rank, world_size, case)
+    _compare_params(inner, reference, tp_group)
+    plugin.close()
+
+
+def _reference_backward(reference, shards) -> list[float]:  # type: ignore[no-untyped-def]
+    """Backward of the mean of the shards' losses; returns each shard's loss."""
+    reference.zero_grad(set_to_none=True)
+    losses = []
+    for shard in shards:
+        loss = reference(input_ids=shard, labels=shard).loss
+        (loss / len(shards)).backward()
+        losses.append(float(loss))
+    return losses
+
+
+def _clip_reference(reference) -> float:  # type: ignore[no-untyped-def]
+    """The reference's global gradient norm, then its clipped SGD step (as the wrapper does:
+    ``max_norm / (norm + 1e-6)``, capped at 1)."""
+    grads = [p.grad for p in reference.parameters() if p.grad is not None]
+    norm = float(torch.sqrt(sum(g.double().pow(2).sum() for g in grads)))
+    scale = min(1.0, MAX_NORM / (norm + 1e-6))
+    assert scale < 1.0, norm  # the step does clip
+    with torch.no_grad():
+        for p in reference.parameters():
+            if p.grad is not None:
+                p.add_(p.grad, alpha=-LR * scale)
+    return norm
+
+
+def _compare_grads(inner, reference, case: str, depth: int, tp_group) -> None:  # type: ignore[no-untyped-def]
+    refs = dict(reference.named_parameters())
+    compared = set()
+    for name, p in inner.named_parameters():
+        ref = refs[name].grad
+        ref = torch.zeros_like(refs[name]) if ref is None else ref
+        assert p.grad is not None, (case, name)
+        grad = _full(p.grad, ref.shape, tp_group)
+        scale = max(float(ref.abs().max()), 1e-3)
+        atol = chain_atol(depth, K_MAX, torch.float32, scale)
+        torch.testing.assert_close(grad, ref, rtol=0, atol=atol, msg=f"{case}: {name}")
+        if case == "zero" and (".experts.2." in name or ".experts.3." in name):
+            assert torch.count_nonzero(grad) == 0, (case, name)
+        compared.add(name)
+    held = (0, 1) if dist.get_rank() < TP else (2, 3)
+    for name in refs:  # every dense parameter and every held expert's were compared
+        expert = next((e for e in range(EXPERTS) if f".experts.{e}." in name), None)
+        assert name in compared or expert not in held, (case, name)
+
+
+def _compare_params(inner, reference, tp_group) -> None:  # type: ignore[no-untyped-def]
+    refs = dict(reference.named_parameters())
+    for name, p in inner.named_parameters():
+        scale = float(refs[name].abs().max())
+        atol = chain_atol(transformer_depth(LAYERS) + 4, K_MAX, torch.float32, scale)
+        full = _full(p.detach(), refs[name].shape, tp_group)
+        torch.testing.assert_close(full, refs[name], rtol=0, atol=atol, msg=name)
+
+
+def _check_sequences(plugin, rank: int, world_size: int, case: str) -> None:  # type: ignore[no-untyped-def]
+    log = plugin.moe_log.last
+    mine: dict = {
+        "dense": list(plugin.moe_reducers["dense"].collectives),
+        "expert": list(plugin.moe_reducers["expert"].collectives),
+        "a2a": sum(1 for k, *_ in log if k == "a2a"),
+    }
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, mine)
+    assert mine["a2a"] >= 4 * LAYERS, case  # dispatch and combine, forward and backward
+    assert all(other["a2a"] == mine["a2a"] for other in everyone), case
+    same_shard = [everyone[r] for r in range(world_size) if r % TP == rank % TP]
+    assert all(other["dense"] == mine["dense"] for other in same_shard), case
+    assert len(mine["dense"]) > 1 and len(mine["expert"]) > 1, case
+
+
+@pytest.mark.slow  # 4 ranks: 75 s at load 17 on 2 cores (27 s of CPU)
+@pytest.mark.timeout(600)
+def test_mixtral_ep2_tp2_matches_single_process() -> None:
+    """EP=2 x TP=2 on 4 ranks: loss, gathered gradients, clipping norm and the clipped step
+    equal a single-process Mixtral, with zero-token routing on one ep rank."""
+    run_distributed(_check, 4, force_cpu=True)

@@ -1,0 +1,101 @@
+"""Tensor parallelism around expert parallelism (parallel.tp > 1 with parallel.ep > 1): the
+shipped EP=2 x TP=2 YAML validates; every feature not built for it is one ConfigError naming
+its field (the same pure check on every rank, before any collective)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from colossal_hetero.config.balancer import BalancerConfig
+from colossal_hetero.config.loader import ConfigError, from_dict, load_config
+from colossal_hetero.config.parallel import ParallelConfig
+from colossal_hetero.config.schema import HeteroConfig, PlanConfig, RunConfig
+from colossal_hetero.moe.checks import check_moe_run
+from colossal_hetero.preflight import validate_run
+
+ROOT = Path(__file__).resolve().parents[2]
+HF = {
+    "num_hidden_layers": 2,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 64,
+}
+EP2_TP2 = {"ep": 2, "tp": 2}
+
+
+def _run(parallel: dict, moe: dict | None = None, hf: dict | None = None, **extra) -> RunConfig:  # type: ignore[no-untyped-def]
+    data = {
+        "model": {"arch": "mixtral", "hf": {**HF, **(hf or {})}},
+        "data": {"seq_len": 16, "global_batch_size": 8},
+        "parallel": parallel,
+        "moe": moe or {},
+        "train": {"eval_every": 0},
+        **extra,
+    }
+    return from_dict(RunConfig, data)
+
+
+def test_shipped_config_validates_as_ep2_tp2() -> None:
+    config = load_config(ROOT / "configs" / "mixtral_ep2_tp2.yaml")
+    assert validate_run(config, 4) == 2  # dp 2: two tensor-parallel pairs
+    assert config.parallel.ep == 2 and config.parallel.tp == 2
+
+
+def test_ep2_tp2_on_eight_ranks_is_dp4() -> None:
+    assert validate_run(_run(EP2_TP2), 8) == 4
+
+
+@pytest.mark.parametrize(
+    ("parallel", "moe", "hf", "extra", "fragment"),
+    [
+        ({}, {"packing": True}, None, {}, "moe.packing: expert parallelism with tensor"),
+        ({}, {"pipeline_chunks": 2}, None, {}, "moe.pipeline_chunks: expert parallelism"),
+        ({}, {"replace_every": 5}, None, {}, "moe.replace_every: expert parallelism"),
+        (
+            {"zero_stage": 1, "precision": "bf16"},
+            None,
+            None,
+            {},
+            "parallel.zero_stage: expert parallelism with tensor parallelism",
+        ),
+        ({"pp": 2}, None, None, {}, "parallel.pp: expert parallelism runs with pp = 1"),
+        (
+            {},
+            None,
+            {"intermediate_size": 63},
+            {},
+            "parallel.tp: 2 does not divide the MLP width 63",
+        ),
+        ({}, None, {"router_jitter_noise": 0.1}, {}, "model.hf.router_jitter_noise: 0.1"),
+        ({}, None, None, {"checkpoint": {"dir": "/tmp/ckpt"}}, "checkpoint.dir: expert"),
+        ({}, None, None, {"balancer": {"mode": "resize"}}, "balancer.mode: expert parallelism"),
+    ],
+)
+def test_refused_with_tp_is_one_config_error(parallel, moe, hf, extra, fragment) -> None:  # type: ignore[no-untyped-def]
+    world = 8 if parallel.get("pp") else 4
+    with pytest.raises(ConfigError) as error:
+        validate_run(_run({**EP2_TP2, **parallel}, moe, hf, **extra), world)
+    assert fragment in str(error.value) and "\n" not in str(error.value)
+
+
+def test_checkpoint_runs_with_tp_1(tmp_path: Path) -> None:
+    """The checkpoint refusal is about tp > 1: at tp 1 the same ep run validates."""
+    checkpoint = {"checkpoint": {"dir": str(tmp_path / "ckpt")}}
+    assert validate_run(_run({"ep": 2}, **checkpoint), 4) == 4
+
+
+def test_plugin_config_refuses_plan_file_and_balancer() -> None:
+    """What the plugin checks at configure (moe/wiring.py's moe_policy): a HeteroConfig has no
+    checkpoint section, but plan.mode file and the balancer are refused with tp > 1."""
+    parallel = ParallelConfig(ep=2, tp=2)
+    with pytest.raises(ConfigError, match=r"^plan\.mode: expert parallelism"):
+        check_moe_run(HeteroConfig(parallel=parallel, plan=PlanConfig(mode="file", path="p")))
+    with pytest.raises(ConfigError, match=r"^balancer\.mode: expert parallelism"):
+        check_moe_run(HeteroConfig(parallel=parallel, balancer=BalancerConfig(mode="resize")))
+    check_moe_run(HeteroConfig(parallel=ParallelConfig(ep=2)))  # tp 1: nothing refused
