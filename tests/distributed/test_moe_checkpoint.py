@@ -18,9 +18,9 @@ test_moe_plugin (4 experts, top-2, router aux loss on). One spawn (and one slow 
   (``from_pretrained``, EP=1, the independent reference): its loss on each rank's next batch
   equals ``a``'s loss there within the fp32 chain tolerance of the forward.
 - loading an optimizer checkpoint missing a parameter's state is one ValueError (every rank).
-- ZeRO-1 in bf16 (Colossal-AI's MoE optimizer, flat padded shards): ``d`` saves after 2 steps
-  and trains 2 more; ``e`` loads into a fresh booster: its two losses equal ``d``'s bit for
-  bit, and so do the optimizer states and fp32 masters both save at the end.
+- slow: bf16 under ZeRO-1 (Colossal-AI's MoE optimizer) and at zero_stage 0 (AMP wrapper,
+  our reducers): the same round trip, bit-exact, fp32 masters included; and a zero_stage 0
+  checkpoint loads into a ZeRO booster (see ``_check_zero``).
 """
 
 from __future__ import annotations
@@ -37,7 +37,9 @@ from tests.tolerances import chain_atol, transformer_depth
 STEPS_BEFORE, STEPS_AFTER = 2, 2
 
 
-def _build(placement: list | None = None, seed: int = 0, zero: bool = False):  # type: ignore[no-untyped-def]
+def _build(  # type: ignore[no-untyped-def]
+    placement: list | None = None, seed: int = 0, zero: int = 0, precision: str = "fp32"
+):
     from colossalai.booster import Booster
 
     from colossal_hetero.config.moe import MoeConfig
@@ -46,9 +48,7 @@ def _build(placement: list | None = None, seed: int = 0, zero: bool = False):  #
     from colossal_hetero.moe.block import HeteroEPMixtralSparseMoeBlock
     from colossal_hetero.plugin import HeteroParallelPlugin
 
-    parallel = ParallelConfig(ep=2)
-    if zero:
-        parallel = ParallelConfig(ep=2, zero_stage=1, precision="bf16")
+    parallel = ParallelConfig(ep=2, zero_stage=1 if zero else 0, precision=precision)  # type: ignore[arg-type]
     config = HeteroConfig(
         parallel=parallel,
         moe=MoeConfig(chunk_kib=1, placement=placement or []),
@@ -150,37 +150,49 @@ def _check(rank: int, world_size: int, device: torch.device, folder: str) -> Non
 
 
 def _check_zero(rank: int, world_size: int, device: torch.device, folder: str) -> None:
-    """ZeRO-1, bf16 (Colossal-AI's MoE optimizer): save, load into a fresh booster; the next
-    steps' losses are bit-equal, and so is what both runs save at the end (every state and
-    fp32 master, gathered from the ZeRO shards)."""
+    """bf16 on both optimizer paths: ZeRO-1 (Colossal-AI's MoE optimizer, flat padded shards)
+    and zero_stage 0 (our reducers, Colossal-AI's AMP wrapper). Each saves after 2 steps and
+    trains 2 more; a fresh booster loads: its two losses are bit-equal, and so is what both
+    save at the end (every state and fp32 master). Then the zero_stage 0 checkpoint loads into
+    a ZeRO booster: the same file on both paths, so its first loss (the same bf16 weights) is
+    bit-equal too."""
+    batches, root = _batches(world_size), Path(folder)
+    firsts = []
+    for zero in (1, 0):
+        folder_ = root / f"zero{zero}"
+        d = _build(zero=zero, precision="bf16")
+        _train(d, batches[:STEPS_BEFORE], rank)
+        d[1].save_model(d[2], str(folder_ / "model"), shard=True)
+        d[1].save_optimizer(d[3], str(folder_ / "optimizer"), shard=True)
+        after_d = _train(d, batches[STEPS_BEFORE:], rank)
+        e = _build(zero=zero, precision="bf16", seed=7)
+        e[1].load_model(e[2], str(folder_ / "model"))
+        e[1].load_optimizer(e[3], str(folder_ / "optimizer"))
+        assert _train(e, batches[STEPS_BEFORE:], rank) == after_d, zero
+        for run, name in ((d, "end_d"), (e, "end_e")):
+            run[1].save_optimizer(run[3], str(folder_ / name), shard=True)
+            run[0].close()
+        if rank == 0:
+            _compare_saved(folder_ / "end_d", folder_ / "end_e")
+        firsts.append(after_d[0])
+    h = _build(zero=1, precision="bf16", seed=3)
+    h[1].load_model(h[2], str(root / "zero0" / "model"))
+    h[1].load_optimizer(h[3], str(root / "zero0" / "optimizer"))
+    assert _train(h, batches[STEPS_BEFORE : STEPS_BEFORE + 1], rank)[0] == firsts[1]
+    h[0].close()
+
+
+def _compare_saved(one: Path, two: Path) -> None:
     from colossal_hetero.checkpoint.moe import OPTIMIZER_FILE
 
-    batches, folder = _batches(world_size), Path(folder)
-    d = _build(zero=True)
-    _train(d, batches[:STEPS_BEFORE], rank)
-    d[1].save_model(d[2], str(folder / "model"), shard=True)
-    d[1].save_optimizer(d[3], str(folder / "optimizer"), shard=True)
-    after_d = _train(d, batches[STEPS_BEFORE:], rank)
-    e = _build(zero=True, seed=7)
-    e[1].load_model(e[2], str(folder / "model"))
-    e[1].load_optimizer(e[3], str(folder / "optimizer"))
-    assert _train(e, batches[STEPS_BEFORE:], rank) == after_d
-    for run, name in ((d, "end_d"), (e, "end_e")):
-        run[1].save_optimizer(run[3], str(folder / name), shard=True)
-    if rank == 0:
-        ends = [
-            torch.load(folder / n / OPTIMIZER_FILE, weights_only=False) for n in ("end_d", "end_e")
-        ]
-        assert ends[0]["masters"] and sorted(ends[0]["states"]) == sorted(ends[1]["states"])
-        for kind in ("states", "masters"):
-            for name, value in ends[0][kind].items():
-                other = ends[1][kind][name]
-                items = value.items() if kind == "states" else [("", value)]
-                for key, tensor in items:
-                    got = other[key] if key else other
-                    assert torch.equal(got, tensor), (kind, name, key)
-    for run in (d, e):
-        run[0].close()
+    ends = [torch.load(f / OPTIMIZER_FILE, weights_only=False) for f in (one, two)]
+    assert ends[0]["masters"] and sorted(ends[0]["states"]) == sorted(ends[1]["states"])
+    assert sorted(ends[0]["masters"]) == sorted(ends[1]["masters"])
+    for name, state in ends[0]["states"].items():
+        for key, value in state.items():
+            assert torch.equal(ends[1]["states"][name][key], value), (one, name, key)
+    for name, master in ends[0]["masters"].items():
+        assert master.dtype == torch.float32 and torch.equal(ends[1]["masters"][name], master)
 
 
 def _check_hf(model_dir: Path, batch: torch.Tensor, rank: int, loss: float, tol: float) -> None:
@@ -214,6 +226,6 @@ def test_ep_checkpoint_round_trips_across_placements(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow  # a second spawn of 4 ranks: over the default suite's 20 s
-@pytest.mark.timeout(300)
-def test_ep_checkpoint_round_trips_under_zero(tmp_path: Path) -> None:
+@pytest.mark.timeout(600)
+def test_ep_checkpoint_round_trips_in_bf16_with_and_without_zero(tmp_path: Path) -> None:
     run_distributed(_check_zero, 4, force_cpu=True, folder=str(tmp_path))
