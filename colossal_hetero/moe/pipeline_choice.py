@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from colossal_hetero.moe.folded import header_fits
 from colossal_hetero.moe.pipeline_model import (
     MIN_GAIN,
     ExchangeInputs,
@@ -110,7 +111,12 @@ class PipelineChooser:
         row_bytes = block.hidden_dim * next(block.experts[block.held[0]].parameters()).itemsize
         beta = 1.0 / per_byte if per_byte > 0 else float("inf")
         n_rows = int(rows_max)
-        inputs = ExchangeInputs(alpha, beta, n_rows, row_bytes, fwd / n_rows, bwd / n_rows)
+        # Folding blocks drop the counts a2a at one range only (pipeline_model.py).
+        folds = all(getattr(b, "fold_counts", False) for b in self.blocks)
+        folds = folds and header_fits(row_bytes, block.device_sizes)
+        inputs = ExchangeInputs(
+            alpha, beta, n_rows, row_bytes, fwd / n_rows, bwd / n_rows, counts_folded=folds
+        )
         ranges, record = choose_ranges(inputs, self.most)
         return {"step": step, **record, "ranges": ranges, "measured_steps": len(self.samples)}
 

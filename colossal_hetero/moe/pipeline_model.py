@@ -23,6 +23,14 @@ row_s / n``) start when its dispatch has arrived and range ``g - 1``'s experts a
 its combine a2a follows its experts once the wire is free. With ``n = 1`` that is ``2a + c``;
 with ``n = 2`` and ``c / 2 <= a`` it is ``4 alpha + 2 rows * row_bytes / beta``: pipelining
 pays only when the expert compute exceeds the extra latency.
+
+The routing counts: a pipelined block exchanges them in an a2a of its own before its
+dispatches (every range's counts at once), and so does an unpipelined block until it folds
+them into its dispatch (moe/folded.py), which it does once the choice is made. With
+``counts_folded`` the one-range block will fold, so every ``n > 1`` pays one more ``alpha``
+per forward (the padding the folded dispatch carries is left out: at most ``MARGIN`` - 1 of
+its rows). Session 10: without it the model proposed 2 ranges for a predicted 1.8-2.2 ms a
+block, less than the counts a2a's ``alpha`` (1.5-3.7 ms), and the trial dropped them.
 """
 
 from __future__ import annotations
@@ -46,6 +54,8 @@ class ExchangeInputs:
     row_bytes: int
     fwd_row_s: float
     bwd_row_s: float
+    counts_folded: bool = False
+    """Whether one range carries the routing counts inside its dispatch (see the module)."""
 
     def __post_init__(self) -> None:
         if self.alpha < 0 or self.beta <= 0 or self.rows < 0 or self.row_bytes < 0:
@@ -73,7 +83,8 @@ def exchange_time(n: int, inputs: ExchangeInputs) -> float:
     nbytes = inputs.rows * inputs.row_bytes
     forward = pass_time(n, inputs.alpha, inputs.beta, nbytes, inputs.rows * inputs.fwd_row_s)
     backward = pass_time(n, inputs.alpha, inputs.beta, nbytes, inputs.rows * inputs.bwd_row_s)
-    return forward + backward
+    counts = inputs.alpha if n > 1 and inputs.counts_folded else 0.0
+    return forward + backward + counts
 
 
 def choose_ranges(inputs: ExchangeInputs, most: int) -> tuple[int, dict]:

@@ -61,6 +61,24 @@ def test_compute_bound_block_pipelines_as_far_as_allowed() -> None:
     assert choose_ranges(inputs, 1)[0] == 1
 
 
+def test_folded_counts_charge_pipelining_the_counts_a2a() -> None:
+    # alpha 1.2 ms, S/beta 1 ms, compute 4 ms forward, 8 ms backward. n=1: a = 2.2, passes
+    # 4.4 + 4 and 4.4 + 8: 20.8 ms. n=2: a = 1.7, c = 2 and 4 per range: forward 7.4 ms
+    # (wire 3.4, range 0 computed 3.7, combine to 5.4, range 1 computed 5.7, combine to 7.4),
+    # backward 11.4 ms: 18.8 ms, 9.6% ahead. With the counts folded at one range, n=2 pays
+    # one more alpha: 20.0 ms, 3.8% ahead, under MIN_GAIN: one range.
+    kwargs = {"alpha": 1.2 * MS, "beta": 1e8, "rows": 1000, "row_bytes": 100}
+    compute = {"fwd_row_s": 4e-6, "bwd_row_s": 8e-6}
+    apart = ExchangeInputs(**kwargs, **compute)
+    folded = ExchangeInputs(**kwargs, **compute, counts_folded=True)
+    assert exchange_time(1, apart) == pytest.approx(20.8 * MS)
+    assert exchange_time(2, apart) == pytest.approx(18.8 * MS)
+    assert exchange_time(1, folded) == pytest.approx(20.8 * MS)
+    assert exchange_time(2, folded) == pytest.approx(20.0 * MS)
+    assert choose_ranges(apart, 2)[0] == 2 and choose_ranges(folded, 2)[0] == 1
+    assert choose_ranges(folded, 2)[1]["inputs"]["counts_folded"] is True
+
+
 def test_gain_below_margin_keeps_one_range() -> None:
     # alpha 0, S/beta 1 ms, compute 0.2 ms forward and backward: n=1 2 * 2.2 = 4.4 ms; n=2
     # latency... a2 = 0.5 >= c/2 = 0.1: 4 * 0.5 = 2 ms per pass, 4 ms: gain 9% > MIN_GAIN.
