@@ -250,17 +250,20 @@ def segment_time(
 
 
 def balanced_key(
-    counts: Sequence[int], speeds: Sequence[float], fixed_fraction: float
+    counts: Sequence[int],
+    speeds: Sequence[float],
+    fixed_fraction: float,
+    step: int | None = None,
 ) -> tuple[int, ...]:
     """One width key's split of ``sum(counts)`` that ``segment_time`` rates best: the least
-    slowest ``(phi + (1 - phi) n c_i / C) / v_i``. Greedy in steps of the counts' gcd (a
-    planner's granularity divides it), each step to the rank whose term after it is least
-    (ties to the lower index): optimal for a bottleneck of terms that grow with ``c_i``. A
-    rank gets at least one step unless ``counts`` holds a 0 (the planner's floor: a model
-    type that may hold no heads, or a key that may be empty)."""
+    slowest ``(phi + (1 - phi) n c_i / C) / v_i``. Greedy in units of ``step`` (default: the
+    counts' gcd, which a planner's granularity divides), each to the rank whose term after it
+    is least (ties to the lower index): optimal for a bottleneck of terms that grow with
+    ``c_i``. A rank gets at least one step unless ``counts`` holds a 0 (the planner's floor:
+    a model type that may hold no heads, or a key that may be empty)."""
     n, total, phi = len(counts), sum(counts), fixed_fraction
-    step = math.gcd(*counts)
-    if total <= 0 or step <= 0:
+    step = math.gcd(*counts) if step is None else step
+    if total <= 0 or step <= 0 or total % step:
         return tuple(counts)
     alloc = [0 if min(counts) == 0 else step] * n
 
@@ -298,10 +301,12 @@ def best_plan(
     tried: dict[tuple[float, ...], None] = dict.fromkeys(
         (planning_speeds(speeds, phi), planning_speeds(speeds, phi / 2), tuple(speeds))
     )
-    ranked = []
-    for index, candidate in enumerate(tried):
-        planned = plan(candidate)
-        split = {key: balanced_key(counts, speeds, phi) for key, counts in planned.items()}
+    ranked, plans = [], [plan(candidate) for candidate in tried]
+    # One step per key over every candidate: one candidate alone may hold a single nonzero
+    # count (a bench run under load planned heads (0, 0, 8, 0): gcd 8).
+    steps = {key: math.gcd(*(c for p in plans for c in p.get(key, ()))) for key in plans[0]}
+    for index, (candidate, planned) in enumerate(zip(tried, plans, strict=True)):
+        split = {k: balanced_key(v, speeds, phi, steps.get(k)) for k, v in planned.items()}
         for order, widths in enumerate((planned, split)):  # the planner's first on a tie
             times = sorted(model_times(speeds, widths, phi, compute), reverse=True)
             rank = (segment_time(speeds, widths, phi, compute), times, order, index)

@@ -161,6 +161,16 @@ def test_balanced_key_by_hand():
     assert balanced_key((3, 2, 2, 1), (1.0, 0.25, 1.0, 0.5), 0.39) == (3, 1, 3, 1)
     # Steps of the gcd (32): (64, 32), rank 1 keeps its one step.
     assert balanced_key((64, 32), (1.0, 0.25), 0.2) == (64, 32)
+    # A planner's one-rank split has gcd 8: one unit, to the lower of the fastest ranks; a
+    # step given (best_plan takes the gcd over all its candidates) re-splits it as above.
+    assert balanced_key((0, 0, 8, 0), (1.0, 0.25, 1.0, 0.5), 0.39) == (8, 0, 0, 0)
+    assert balanced_key((0, 0, 8, 0), (1.0, 0.25, 1.0, 0.5), 0.39, 1) == (4, 0, 3, 1)
+
+    def planner(candidate: tuple[float, ...]) -> dict[str, tuple[int, ...]]:
+        return {"heads": (0, 0, 8, 0) if candidate[1] < 0.01 else (3, 0, 3, 2)}
+
+    speeds = (1.0, 0.25, 1.0, 0.5)
+    assert best_plan(planner, speeds, 0.39, {"heads": 1.0})[0] == {"heads": (4, 0, 3, 1)}
 
 
 class _Proportional(_Cluster):
