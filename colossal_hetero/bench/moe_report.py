@@ -8,7 +8,15 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from colossal_hetero.bench.moe import EP4, HF, PIPELINE, PIPELINE_MOST, RATE_MBIT, VARIANTS
+from colossal_hetero.bench.moe import (
+    EP4,
+    HF,
+    PIPELINE,
+    PIPELINE_MOST,
+    RATE_MBIT,
+    VARIANTS,
+    WARMUP,
+)
 
 _NOT_BUILT = {
     "all_on_vs_deepspeed_moe": "DeepSpeed-MoE baseline not run (optional extra, not installed)",
@@ -128,8 +136,12 @@ def _pipelining_summary(record: dict | None, med: Callable[[str], float]) -> dic
         return {"pipelining_ranges_chosen": None}
     predicted = {int(n): float(t) for n, t in record["predicted_s"].items()}
     layers = HF["num_hidden_layers"]
+    decided = record.get("decided_at")
     return {
         "pipelining_ranges_chosen": record["ranges"],
+        "pipelining_trial": record.get("trial"),  # absent: one range chosen, nothing tried
+        # the warm-up covers the choice and its trial: no measured step ran a dropped setting
+        "pipelining_decided_in_warmup": None if decided is None else decided < WARMUP,
         "pipelining_step_delta_ms": {
             "measured": 1e3 * (med("ours_pipe.step") - med("ours_on.step")),
             "predicted": 1e3 * layers * (predicted[PIPELINE] - predicted[1]),

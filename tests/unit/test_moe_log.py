@@ -106,6 +106,9 @@ def test_summary_keys_and_nulls() -> None:
     assert summary["priority_on_vs_colossalai_moe"] == 1.2
     assert summary["pipelining_on_vs_off"] == 0.9 and summary["all_on_vs_priority_on"] == 1.01
     assert summary["pipelining_ranges_chosen"] == 1
+    assert summary["pipelining_decided_in_warmup"] is None  # no decided_at in this record
+    result["pipelining"]["decided_at"] = 8  # after the trial: WARMUP = 2 + 1 + 2 * 3 rounds
+    assert summarise(result, "shaped")["pipelining_decided_in_warmup"] is True
     delta = summary["pipelining_step_delta_ms"]  # 112 - 100 ms; 2 layers x 5 ms
     assert abs(delta["measured"] - 12.0) < 1e-9 and abs(delta["predicted"] - 10.0) < 1e-9
     assert summary["all_on_vs_colossalai_moe"] == 1.3 and summary["network_mode"] == "shaped"
