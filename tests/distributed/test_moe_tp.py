@@ -107,6 +107,7 @@ def _check(rank: int, world_size: int, device: torch.device) -> None:
         assert abs(float(loss) - ref_losses[shard_index]) <= tol, (case, float(loss))
         depth = transformer_depth(LAYERS) + 4  # + router softmax, top-k weights, two a2a's
         _compare_grads(inner, reference, case, depth, tp_group)
+        _check_norm_parts(optimizer, inner, reference, depth)
         ref_norm = _clip_reference(reference)
         optimizer.step()  # flushes (nothing left), clips by moe/clip.py's norm, steps
         norm = float(optimizer._current_grad_norm)
@@ -149,6 +150,8 @@ def _compare_grads(inner, reference, case: str, depth: int, tp_group) -> None:  
         ref = refs[name].grad
         ref = torch.zeros_like(refs[name]) if ref is None else ref
         assert p.grad is not None, (case, name)
+        if ".experts." in name or "self_attn.q_proj" in name:  # split over the tp pair
+            assert p.shape != ref.shape, (name, p.shape)
         grad = _full(p.grad, ref.shape, tp_group)
         scale = max(float(ref.abs().max()), 1e-3)
         atol = chain_atol(depth, K_MAX, torch.float32, scale)
@@ -160,6 +163,29 @@ def _compare_grads(inner, reference, case: str, depth: int, tp_group) -> None:  
     for name in refs:  # every dense parameter and every held expert's were compared
         expert = next((e for e in range(EXPERTS) if f".experts.{e}." in name), None)
         assert name in compared or expert not in held, (case, name)
+
+
+def _check_norm_parts(optimizer, inner, reference, depth: int) -> None:  # type: ignore[no-untyped-def]
+    """The installed norm over each kind of parameter alone equals the reference's over the
+    same parameters: replicated over the tp pair (the norms: 1.5e-4 of the whole squared
+    norm here, so only a part's norm can show them counted twice), dense tp shards, experts."""
+    from colossalai.tensor.d_tensor import is_distributed_tensor
+
+    refs, mine = dict(reference.named_parameters()), dict(inner.named_parameters())
+    parts = {
+        "replicated": lambda n, p: not is_distributed_tensor(p) and ".experts." not in n,
+        "dense shards": lambda n, p: is_distributed_tensor(p) and ".experts." not in n,
+        "experts": lambda n, p: ".experts." in n,
+    }
+    for part, wanted in parts.items():
+        pairs = [(p, p.grad) for n, p in mine.items() if wanted(n, p)]
+        norm = optimizer._compute_grad_norm(pairs)  # collective: every rank, same order
+        keep = {
+            n for n, p in refs.items() if wanted(n, mine.get(n, p))
+        }  # experts held elsewhere too
+        ref = float(torch.sqrt(sum(refs[n].grad.double().pow(2).sum() for n in keep)))
+        assert ref > 0, part
+        assert abs(norm - ref) <= chain_atol(depth, K_MAX, torch.float32, ref), (part, norm, ref)
 
 
 def _compare_params(inner, reference, tp_group) -> None:  # type: ignore[no-untyped-def]
