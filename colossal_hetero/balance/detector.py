@@ -252,6 +252,12 @@ MIN_SHARE_CHANGE = 0.25
 say anything about the fixed fraction (smaller changes drown in timing noise)."""
 
 
+ESTIMATE_BAND = (-0.5, 1.5)
+"""A rank's fixed-fraction estimate beyond half a unit outside ``[0, 1]`` is left out: its
+time ratio lies well outside the range any ``phi`` explains (timing noise of a few percent
+moves an estimate by about that over its share change, at least 0.25: 0.1 to 0.2)."""
+
+
 def fixed_fraction_from_move(
     before: Sequence[float],
     old_shares: Sequence[float],
@@ -266,8 +272,10 @@ def fixed_fraction_from_move(
     and ``b = n * new_share`` its times are ``v (phi + (1 - phi) a)`` before and
     ``v (phi + (1 - phi) b)`` after; their ratio ``r`` gives
     ``phi = (b - r a) / ((b - 1) - r (a - 1))``. Each rank whose ``|b - a|`` is at least
-    ``MIN_SHARE_CHANGE`` gives one estimate, clipped to ``[0, 0.9]``; the result is their
-    median (None when no rank's share moved enough or a time is not positive).
+    ``MIN_SHARE_CHANGE`` gives one estimate, clipped to ``[0, 0.9]``, unless it lies beyond
+    ``ESTIMATE_BAND`` (since session 10; before, it was clipped too: a run under load 11-21
+    read 0.9 from one rank whose time grew as its work shrank, and planned a 2x rank out of
+    work); the result is their median (None when no rank gives one).
 
     ``steady``: whatever ``phi`` in [0, 1], a rank's time ratio lies between 1 and its work's
     ratio ``b / a``; a rank beyond that range by more than ``steady`` times (either way)
@@ -296,5 +304,7 @@ def fixed_fraction_from_move(
         denominator = (b - 1) - r * (a - 1)
         if abs(denominator) < 1e-12:
             continue
-        estimates.append(min(max((b - r * a) / denominator, 0.0), 0.9))
+        estimate = (b - r * a) / denominator
+        if ESTIMATE_BAND[0] <= estimate <= ESTIMATE_BAND[1]:
+            estimates.append(min(max(estimate, 0.0), 0.9))
     return statistics.median(estimates) if estimates else None
