@@ -306,13 +306,15 @@ def _validate_model_shape(config: RunConfig, hf_config: Any, *, planned: bool) -
 
 def check_even_memory(config: RunConfig, world_size: int, hf_config: Any) -> None:
     """Each listed device must hold its even shard, as the planner's memory model counts it
-    (weights, gradients, optimizer states, saved activations). Pipelines are not modelled.
+    (weights, gradients, optimizer states, saved activations). Pipelines and expert
+    parallelism are not modelled: the planner has no MoE memory model, and an expert-parallel
+    run lists its devices for their speeds (``moe.replace_every``), so it is not checked here.
 
     Raises:
         ConfigError: naming ``cluster.devices[d].memory_gib`` of the first device that is short.
     """
     devices = config.cluster.devices
-    if not devices or config.parallel.pp > 1:
+    if not devices or config.parallel.pp > 1 or config.parallel.ep > 1:
         return
     from colossal_hetero.planner.cost import CostModel
     from colossal_hetero.planner.hf import model_spec_from_hf

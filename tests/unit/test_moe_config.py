@@ -42,6 +42,24 @@ def test_shipped_config_validates_as_ep2_dp2() -> None:
     assert config.plugin_config().moe == config.moe
 
 
+def test_devices_listed_for_their_speeds_validate() -> None:
+    """An expert-parallel run lists cluster.devices for re-placement's speeds; the planner's
+    dense memory model (which has no experts) must not reject it."""
+    data = {"devices": [{"speed": 1.0}, {"speed": 1.0}, {"speed": 0.5}, {"speed": 0.5}]}
+    config = from_dict(
+        RunConfig,
+        {
+            "model": {"arch": "mixtral", "hf": HF},
+            "data": {"seq_len": 16, "global_batch_size": 8},
+            "parallel": {"ep": 2},
+            "moe": {"replace_every": 5},
+            "cluster": data,
+            "train": {"eval_every": 0},
+        },
+    )
+    assert validate_run(config, 4) == 4
+
+
 def test_clipping_runs_on_our_reducers() -> None:
     """parallel.max_norm with ep > 1 at zero_stage 0 is accepted (moe/clip.py's global norm;
     checked against a single process in tests/distributed/test_moe_accumulate.py)."""
