@@ -132,6 +132,7 @@ def install_reducers(
     expert_params = [p for p in params if id(p) in expert_ids]
     world, tp = dist.get_world_size(), config.parallel.tp
     dense_group, expert_group = gradient_groups(world, config.parallel.ep, tp)
+    _check_mesh(model, blocks, dense_group, expert_group)
     common: dict[str, Any] = {
         "max_inflight": moe.max_inflight,
         "priority": moe.priority,
@@ -161,6 +162,23 @@ def install_reducers(
             install_ep_grad_norm(optimizer, reducers, *norm_groups(world, tp))
         optimizer.step = flush_then_step(optimizer, optimizer.step, comm)
     return reducers
+
+
+def _check_mesh(
+    model: nn.Module, blocks: list[Any], dense: ProcessGroup, expert: ProcessGroup
+) -> None:
+    """Our groups hold the ranks of Colossal-AI's own (the model's data-parallel group, the
+    blocks' ``moe_dp_group``): a mesh numbered otherwise fails here, on every rank alike,
+    instead of reducing the wrong gradients together. Local; no collective."""
+    ranks = dist.get_process_group_ranks
+    theirs = getattr(model, "dp_group", None)
+    if theirs is not None and ranks(theirs) != ranks(dense):
+        raise RuntimeError(f"dense gradient group {ranks(dense)} != dp group {ranks(theirs)}")
+    for block in blocks:
+        if block.moe_dp_group is not None and ranks(block.moe_dp_group) != ranks(expert):
+            raise RuntimeError(
+                f"expert gradient group {ranks(expert)} != moe_dp group {ranks(block.moe_dp_group)}"
+            )
 
 
 def _sync_flag(model: nn.Module) -> Callable[[], bool]:
