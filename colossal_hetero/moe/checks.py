@@ -61,7 +61,8 @@ def check_moe_layout(parallel: ParallelConfig, moe: MoeConfig, world_size: int) 
 def check_moe_tp(parallel: ParallelConfig, moe: MoeConfig) -> None:
     """Tensor parallelism around expert parallelism (``tp > 1`` with ``ep > 1``): what runs
     is 1D TP (attention by Colossal-AI's Mixtral policy, each held expert split over the tp
-    group) with our reducers (ZeRO off); every feature not built for it is refused here.
+    group) with our reducers (ZeRO off), packing and pipelining included (tp peers route
+    alike); re-placement (moe/replace.py moves whole experts) and the rest are refused here.
 
     Raises:
         ConfigError: naming the first field that cannot run with ``parallel.tp > 1``.
@@ -70,8 +71,6 @@ def check_moe_tp(parallel: ParallelConfig, moe: MoeConfig) -> None:
     refused = (
         ("parallel.tp_mode", parallel.tp_mode != "1d", f"{parallel.tp_mode} (only 1d)"),
         ("parallel.zero_stage", parallel.zero_stage > 0, f"{parallel.zero_stage} (only 0)"),
-        ("moe.packing", moe.packing, "on"),
-        ("moe.pipeline_chunks", moe.pipeline_chunks > 1, f"{moe.pipeline_chunks} (only 1)"),
         ("moe.replace_every", moe.replace_every > 0, f"{moe.replace_every} (only 0)"),
     )
     for field, bad, got in refused:

@@ -69,7 +69,9 @@ def _full(local: torch.Tensor, shape: torch.Size, group) -> torch.Tensor:  # typ
     return torch.cat(parts, dim=dims[0])
 
 
-def _check(rank: int, world_size: int, device: torch.device) -> None:
+def _check(
+    rank: int, world_size: int, device: torch.device, packing: bool = False, pipeline: int = 1
+) -> None:
     from colossalai.booster import Booster
 
     from colossal_hetero.config.moe import MoeConfig
@@ -78,7 +80,14 @@ def _check(rank: int, world_size: int, device: torch.device) -> None:
     from colossal_hetero.plugin import HeteroParallelPlugin
 
     parallel = ParallelConfig(ep=2, tp=TP, max_norm=MAX_NORM)
-    config = HeteroConfig(parallel=parallel, moe=MoeConfig(chunk_kib=1, fit_gaps=False))
+    moe = MoeConfig(
+        chunk_kib=1,
+        fit_gaps=False,
+        packing=packing,
+        pipeline_chunks=pipeline,
+        pipeline_auto=False,  # exactly `pipeline` token ranges
+    )
+    config = HeteroConfig(parallel=parallel, moe=moe)
     plugin = HeteroParallelPlugin(config)
     tp_group = plugin.engine.tp_group
     model = _model()
@@ -87,6 +96,8 @@ def _check(rank: int, world_size: int, device: torch.device) -> None:
     booster = Booster(plugin=plugin)
     model, optimizer, *_ = booster.boost(model, optimizer)
     inner = model.unwrap()
+    blocks = [layer.block_sparse_moe for layer in inner.model.layers]
+    assert all(b.packing == packing and b.pipeline_chunks == pipeline for b in blocks)
     bias = [torch.zeros(EXPERTS)]
     for net in (inner, reference):
         for layer in net.model.layers:
@@ -114,6 +125,9 @@ def _check(rank: int, world_size: int, device: torch.device) -> None:
         assert abs(norm - ref_norm) <= chain_atol(depth, K_MAX, torch.float32, ref_norm), case
         optimizer.zero_grad()
         _check_sequences(plugin, rank, world_size, case)
+        if pipeline > 1:  # per layer: counts, n dispatches, n combines; 2n in backward
+            a2a = sum(1 for k, *_ in plugin.moe_log.last if k == "a2a")
+            assert a2a == LAYERS * (1 + 4 * pipeline), (case, a2a)
     _compare_params(inner, reference, tp_group)
     plugin.close()
 
@@ -219,3 +233,19 @@ def test_mixtral_ep2_tp2_matches_single_process() -> None:
     """EP=2 x TP=2 on 4 ranks: loss, gathered gradients, clipping norm and the clipped step
     equal a single-process Mixtral, with zero-token routing on one ep rank."""
     run_distributed(_check, 4, force_cpu=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_mixtral_ep2_tp2_pipelined_matches_single_process() -> None:
+    """The same with a2a/expert pipelining over 3 token ranges (moe.pipeline_chunks): each
+    range's expert slices and their tp all-reduces run between that range's a2a's."""
+    run_distributed(_check, 4, force_cpu=True, pipeline=3)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_mixtral_ep2_tp2_packed_matches_single_process() -> None:
+    """The same with expert packing (moe.packing): one row per (token, ep rank), combined
+    there, through tp-split experts."""
+    run_distributed(_check, 4, force_cpu=True, packing=True)

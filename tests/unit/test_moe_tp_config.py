@@ -1,6 +1,7 @@
 """Tensor parallelism around expert parallelism (parallel.tp > 1 with parallel.ep > 1): the
-shipped EP=2 x TP=2 YAML validates; every feature not built for it is one ConfigError naming
-its field (the same pure check on every rank, before any collective)."""
+shipped EP=2 x TP=2 YAML validates, packing and pipelining too; every feature not built for it
+is one ConfigError naming its field (the same pure check on every rank, before any
+collective)."""
 
 from __future__ import annotations
 
@@ -51,11 +52,15 @@ def test_ep2_tp2_on_eight_ranks_is_dp4() -> None:
     assert validate_run(_run(EP2_TP2), 8) == 4
 
 
+@pytest.mark.parametrize("moe", [{"packing": True}, {"pipeline_chunks": 3}])
+def test_packing_and_pipelining_run_with_tp(moe: dict) -> None:
+    """Checked against a single process in tests/distributed/test_moe_tp.py."""
+    assert validate_run(_run(EP2_TP2, moe), 4) == 2
+
+
 @pytest.mark.parametrize(
     ("parallel", "moe", "hf", "extra", "fragment"),
     [
-        ({}, {"packing": True}, None, {}, "moe.packing: expert parallelism with tensor"),
-        ({}, {"pipeline_chunks": 2}, None, {}, "moe.pipeline_chunks: expert parallelism"),
         ({}, {"replace_every": 5}, None, {}, "moe.replace_every: expert parallelism"),
         (
             {"zero_stage": 1, "precision": "bf16"},
