@@ -1,4 +1,5 @@
-"""Tensor parallelism around expert parallelism: EP=2 x TP=2 on 4 gloo ranks (dp 2, moe_dp 1).
+"""Tensor parallelism around expert parallelism: EP=2 x TP=2 on 4 gloo ranks (dp 2, moe_dp 1),
+with pipelining, with packing, and on 8 ranks (dp 4, moe_dp 2); one spawn each, all slow.
 
 Colossal-AI's mesh numbers rank ``e * 2 + t`` (ep index ``e``, tp index ``t``): ranks 0 and 1
 are the tp pair of data-parallel rank 0, ranks 2 and 3 of data-parallel rank 1; ep groups are
@@ -7,14 +8,15 @@ Colossal-AI's Mixtral policy, each held expert by our block (w1/w3 by columns, w
 
 A plain Booster loop trains a tiny ``MixtralForCausalLM`` (4 experts, top-2, router aux loss)
 in fp32 with clipping on; every rank also holds a single-process copy (EP=1, TP=1: the
-independent reference), which backpropagates the mean of the two data-parallel shards' losses.
+independent reference), which backpropagates the mean of the data-parallel shards' losses.
 Two steps: the model's own routing, then ``zero`` (a router bias sends every token to experts
 0 and 1, so ep rank 1 -- ranks 2 and 3 -- receives no token and issues empty a2a's). Checks:
 - the loss equals the reference's on this rank's shard;
 - after the flush every gradient (tp shards gathered to the full shape) equals the reference's;
   ``zero``: experts 2 and 3 have zero gradients;
-- the clipping norm (moe/clip.py) equals the reference's global norm (each shard and each
-  replicated parameter counted once), and the clipped SGD step gives the reference's weights;
+- the clipping norm (moe/clip.py) equals the reference's global norm, and its norm over only
+  the replicated, only the dense-shard and only the expert gradients the reference's over the
+  same parameters (each counted once); the clipped SGD step gives the reference's weights;
 - every rank issued the same number of a2a's, each gradient group's ranks the same collective
   sequence (no hang: the spawn has a time limit).
 Tolerance: ``chain_atol`` over the transformer's reduction chain (tests/tolerances.py).
@@ -33,7 +35,7 @@ from tests.tolerances import chain_atol, transformer_depth
 
 LAYERS, HIDDEN, FFN, EXPERTS, SEQ, PER_RANK, LR, TP = 2, 16, 32, 4, 8, 2, 0.1, 2
 VOCAB = 256  # a multiple of 64 * TP: the vocab-parallel embedding adds no padding rows
-K_MAX = max(HIDDEN, FFN, SEQ * PER_RANK * 2, VOCAB)
+K_MAX = max(HIDDEN, FFN, SEQ * PER_RANK * 4, VOCAB)  # up to 4 data-parallel shards
 MAX_NORM = 0.5  # below the gradients' norm (about 1-2 here): the step really clips
 
 
@@ -106,7 +108,7 @@ def _check(
     shard_index = rank // TP  # the data-parallel rank
     for case, skew in (("even", None), ("zero", torch.tensor([8.0, 8.0, -8.0, -8.0]))):
         bias[0] = torch.zeros(EXPERTS) if skew is None else skew
-        batch = torch.randint(0, VOCAB, (2 * PER_RANK, SEQ), generator=generator)
+        batch = torch.randint(0, VOCAB, (world_size // TP * PER_RANK, SEQ), generator=generator)
         shards = batch.split(PER_RANK)
         ref_losses = _reference_backward(reference, shards)
         loss = model(input_ids=shards[shard_index], labels=shards[shard_index]).loss
@@ -173,7 +175,7 @@ def _compare_grads(inner, reference, case: str, depth: int, tp_group) -> None:  
         if case == "zero" and (".experts.2." in name or ".experts.3." in name):
             assert torch.count_nonzero(grad) == 0, (case, name)
         compared.add(name)
-    held = (0, 1) if dist.get_rank() < TP else (2, 3)
+    held = (0, 1) if dist.get_rank() // TP % 2 == 0 else (2, 3)  # ep index 0 or 1
     for name in refs:  # every dense parameter and every held expert's were compared
         expert = next((e for e in range(EXPERTS) if f".experts.{e}." in name), None)
         assert name in compared or expert not in held, (case, name)
@@ -224,6 +226,8 @@ def _check_sequences(plugin, rank: int, world_size: int, case: str) -> None:  # 
     assert all(other["a2a"] == mine["a2a"] for other in everyone), case
     same_shard = [everyone[r] for r in range(world_size) if r % TP == rank % TP]
     assert all(other["dense"] == mine["dense"] for other in same_shard), case
+    replicas = [o for r, o in enumerate(everyone) if r % (2 * TP) == rank % (2 * TP)]
+    assert all(other["expert"] == mine["expert"] for other in replicas), case  # moe_dp
     assert len(mine["dense"]) > 1 and len(mine["expert"]) > 1, case
 
 
@@ -249,3 +253,11 @@ def test_mixtral_ep2_tp2_packed_matches_single_process() -> None:
     """The same with expert packing (moe.packing): one row per (token, ep rank), combined
     there, through tp-split experts."""
     run_distributed(_check, 4, force_cpu=True, packing=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_mixtral_ep2_tp2_dp4_matches_single_process() -> None:
+    """EP=2 x TP=2 on 8 ranks (dp 4, moe_dp 2): each tp slice of an expert is also reduced
+    over its replica (ranks r and r + 4)."""
+    run_distributed(_check, 8, force_cpu=True)
