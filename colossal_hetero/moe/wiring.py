@@ -40,7 +40,7 @@ from torch.distributed import ProcessGroup
 from colossal_hetero.config.schema import HeteroConfig
 from colossal_hetero.metrics.decisions import DecisionWriter
 from colossal_hetero.moe.block import HeteroEPMixtralSparseMoeBlock
-from colossal_hetero.moe.checks import check_moe_model, check_moe_run
+from colossal_hetero.moe.checks import check_moe_model
 from colossal_hetero.moe.chunks import chunk_bytes_for, even_chunk_bytes
 from colossal_hetero.moe.clip import install_ep_grad_norm
 from colossal_hetero.moe.comm import MoeComm
@@ -69,7 +69,6 @@ def moe_policy(config: HeteroConfig, model: nn.Module, world_size: int) -> MoeSe
     """Check the model against ``parallel.ep`` and ``moe`` (ConfigError, on every rank, before
     any collective) and build the policy that installs our expert-parallel blocks."""
     placement = check_moe_model(config.parallel, config.moe, model.config, world_size)
-    check_moe_run(config)  # tp > 1: the planner and the balancer
     assert placement is not None  # ep > 1 here
     comm = MoeComm(log=config.moe.log_events, fit=config.moe.fit_gaps)
     policy = HeteroMixtralForCausalLMPolicy(comm, placement, packing=config.moe.packing)

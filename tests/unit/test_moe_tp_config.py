@@ -15,6 +15,7 @@ from colossal_hetero.config.parallel import ParallelConfig
 from colossal_hetero.config.schema import HeteroConfig, PlanConfig, RunConfig
 from colossal_hetero.moe.checks import check_moe_run
 from colossal_hetero.preflight import validate_run
+from colossal_hetero.preflight.validate import validate_layout
 
 ROOT = Path(__file__).resolve().parents[2]
 HF = {
@@ -96,11 +97,14 @@ def test_checkpoint_runs_with_tp_1(tmp_path: Path) -> None:
 
 
 def test_plugin_config_refuses_plan_file_and_balancer() -> None:
-    """What the plugin checks at configure (moe/wiring.py's moe_policy): a HeteroConfig has no
-    checkpoint section, but plan.mode file and the balancer are refused with tp > 1."""
+    """What the plugin checks at construction (validate_layout, before its engine makes any
+    process group): a HeteroConfig has no checkpoint section, but plan.mode file and the
+    balancer are refused with tp > 1."""
     parallel = ParallelConfig(ep=2, tp=2)
+    plan = HeteroConfig(parallel=parallel, plan=PlanConfig(mode="file", path="p"))
     with pytest.raises(ConfigError, match=r"^plan\.mode: expert parallelism"):
-        check_moe_run(HeteroConfig(parallel=parallel, plan=PlanConfig(mode="file", path="p")))
+        validate_layout(plan, 4)
+    balancer = HeteroConfig(parallel=parallel, balancer=BalancerConfig(mode="resize"))
     with pytest.raises(ConfigError, match=r"^balancer\.mode: expert parallelism"):
-        check_moe_run(HeteroConfig(parallel=parallel, balancer=BalancerConfig(mode="resize")))
+        validate_layout(balancer, 4)
     check_moe_run(HeteroConfig(parallel=ParallelConfig(ep=2)))  # tp 1: nothing refused
