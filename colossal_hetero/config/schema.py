@@ -353,7 +353,10 @@ class CheckpointConfig:
     """Checkpointing through Colossal-AI's checkpoint IO."""
 
     dir: str | None = None
-    """Checkpoint folder; null disables checkpointing."""
+    """Checkpoint folder; null disables checkpointing. With `parallel.ep > 1` it holds every
+    expert once under its Hugging Face name (docs/moe.md): it loads under any expert
+    placement, and its model folder into `MixtralForCausalLM.from_pretrained`; not yet with
+    `parallel.tp > 1` (refused)."""
 
     every: int = 0
     """Save every this many steps (and at the end); 0 saves only at the end."""
