@@ -55,22 +55,29 @@ class Chunk:
 
 
 def plan_chunks(
-    numels: Sequence[int], dtypes: Sequence[torch.dtype], chunk_bytes: int
+    numels: Sequence[int],
+    dtypes: Sequence[torch.dtype],
+    chunk_bytes: int,
+    order: Sequence[int] | None = None,
 ) -> tuple[Chunk, ...]:
-    """Chunks over parameters ``numels[i]`` of ``dtypes[i]``, last parameter first.
+    """Chunks over parameters ``numels[i]`` of ``dtypes[i]``, walked in ``order`` (parameter
+    indices, a permutation; default: last parameter first).
 
     Every element of every parameter is in exactly one chunk; a chunk holds at most
     ``chunk_bytes // itemsize`` elements. ValueError (naming ``moe.chunk_bytes``) when the size is
-    not positive or smaller than one element.
+    not positive or smaller than one element, or when ``order`` is not a permutation.
     """
     if len(numels) != len(dtypes):
         raise ValueError("plan_chunks: need one dtype per parameter")
     if chunk_bytes <= 0:
         raise ValueError(f"moe.chunk_bytes must be > 0, got {chunk_bytes}")
+    walk = list(reversed(range(len(numels)))) if order is None else list(order)
+    if sorted(walk) != list(range(len(numels))):
+        raise ValueError(f"plan_chunks: order must be a permutation of 0..{len(numels) - 1}")
     chunks: list[Chunk] = []
     segments: list[Segment] = []
     room, current = 0, None
-    for param in reversed(range(len(numels))):
+    for param in walk:
         dtype = dtypes[param]
         capacity = chunk_bytes // dtype.itemsize
         if capacity < 1:
@@ -103,15 +110,18 @@ def chunk_bytes_for(alpha_s: float, beta_bytes_per_s: float, target: float = 0.9
     return max(1, math.ceil(target / (1 - target) * alpha_s * beta_bytes_per_s))
 
 
-def even_chunk_bytes(total_bytes: int, size: int, itemsize: int) -> int:
-    """The chunk size that cuts a gradient of ``total_bytes`` into ``count = max(1, total_bytes
-    // size)`` nearly equal chunks of ``itemsize``-byte elements (pure; see the module), for
-    :func:`plan_chunks`. Every chunk but the last holds the returned size: at least ``size``
-    when ``total_bytes >= size``, and less than ``2 * size + itemsize``. The last holds the rest
-    (for a gradient of more than ``count ** 2`` elements, fewer than ``count`` elements less).
-    A gradient smaller than ``size`` is one chunk."""
+def even_chunk_bytes(total_bytes: int, size: int, itemsize: int, min_count: int = 1) -> int:
+    """The chunk size that cuts a gradient of ``total_bytes`` into ``count = max(min_count,
+    total_bytes // size)`` nearly equal chunks of ``itemsize``-byte elements (pure; see the
+    module), for :func:`plan_chunks`. Every chunk but the last holds the returned size: with
+    ``min_count`` 1, at least ``size`` when ``total_bytes >= size``, and less than ``2 * size +
+    itemsize``. The last holds the rest (for a gradient of more than ``count ** 2`` elements,
+    fewer than ``count`` elements less). A gradient smaller than ``size`` is one chunk, unless
+    ``min_count`` asks for more (at most one per element)."""
     if size <= 0 or itemsize <= 0:
         raise ValueError(f"moe.chunk_bytes must be > 0, got {size}")
+    if min_count < 1:
+        raise ValueError(f"even_chunk_bytes: min_count must be >= 1, got {min_count}")
     elements = max(1, -(-total_bytes // itemsize))
-    count = max(1, total_bytes // size)
+    count = min(elements, max(min_count, total_bytes // size))
     return -(-elements // count) * itemsize

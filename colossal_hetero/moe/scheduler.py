@@ -22,6 +22,10 @@ Contract, for one data-parallel ``group`` (the gradient group):
 - ``flush()`` (before ``optimizer.step()``) zero-fills gradients this rank never produced (an
   expert that got no tokens here), launches every remaining chunk in order and waits for all.
   Afterwards every gradient equals a plain all-reduce of the same gradients.
+- ``learn_order``: the chunks are first planned in reverse registration order; at the end of
+  the first flush they are re-planned once in the order the gradients really arrived on the
+  group's first rank (broadcast to the group), so that early chunks hold only gradients that
+  backward produces early. Fixed from then on, routing-independent.
 - Gradient accumulation: while ``syncing()`` is False (the model's ``no_sync``, see
   moe/wiring.py) hooks and :meth:`mark_idle` do nothing, so a backward only accumulates into
   ``.grad``; the first backward with ``syncing()`` True (the last micro-step) marks and
@@ -96,7 +100,8 @@ class ChunkedGradReducer:
     """Chunked, prioritised all-reduce of ``params``' gradients over ``group`` (see the module).
 
     ``events`` logs every chunk and a2a of the reducer's life; ``collectives`` lists the
-    gradient group's collectives as ``("all_reduce", chunk index, numel)``, in issue order.
+    chunks' all-reduces on the gradient group as ``("all_reduce", chunk index, numel)``, in
+    issue order (``learn_order``'s one broadcast, at the end of the first flush, is not in it).
     """
 
     def __init__(
@@ -108,6 +113,7 @@ class ChunkedGradReducer:
         priority: bool = True,
         average: bool = False,
         divisor: int | None = None,
+        learn_order: bool = False,
     ) -> None:
         if group is None:
             raise ValueError("ChunkedGradReducer: group is required (None means the world group)")
@@ -116,6 +122,9 @@ class ChunkedGradReducer:
         self._chunk_bytes = chunk_bytes  # kept for rebind
         # Distinct trainable parameters, in the given order (a repeat would hook twice).
         self._params = list({id(p): p for p in params if p.requires_grad}.values())
+        self._learn_order = self._learn = learn_order
+        self._arrivals: list[int] = []
+        self._order: list[int] | None = None
         self.chunks = plan_chunks(
             [p.numel() for p in self._params], [p.dtype for p in self._params], chunk_bytes
         )
@@ -130,10 +139,8 @@ class ChunkedGradReducer:
         if self._divisor is not None and self._divisor < 1:
             raise ValueError(f"ChunkedGradReducer: divisor must be >= 1, got {divisor}")
         self._index = {id(p): i for i, p in enumerate(self._params)}
-        self._chunks_of: list[list[int]] = [[] for _ in self._params]
-        for chunk in self.chunks:
-            for param in chunk.params:
-                self._chunks_of[param].append(chunk.index)
+        self._chunks_of: list[list[int]] = []
+        self._plan(self.chunks)
         self.events: list[Event] = []
         self.collectives: list[tuple[str, int, int]] = []
         self._inflight: deque[_InFlight] = deque()
@@ -150,6 +157,7 @@ class ChunkedGradReducer:
         ]
 
     def _reset(self) -> None:
+        self._arrivals = []
         self._ready = [False] * len(self._params)
         self._missing = [len(c.params) for c in self.chunks]
         self._next = 0
@@ -166,6 +174,7 @@ class ChunkedGradReducer:
             if not self.syncing():  # no_sync: the gradient stays in .grad, reduced later
                 self._accumulated = True
                 return
+            self._arrivals.append(index)
             self._mark_ready(index)
             self._pump()
 
@@ -400,7 +409,50 @@ class ChunkedGradReducer:
             self._next += 1
         while self._inflight:
             self._finish(self._inflight.popleft())
+        if self._learn:
+            self._adopt_order()
         self._reset()
+
+    def _adopt_order(self) -> None:
+        """Re-plan the chunks in the order this backward's gradients arrived on the group's
+        first rank (``learn_order``, once, at the end of the first flush: one broadcast on the
+        gradient group, on every rank alike, when nothing is in flight). Parameters that got
+        no gradient from a hook there follow in the default order. Kept only if it gives as
+        many chunks as before (same on every rank: the order and shapes are), so the chunk
+        indices of this step's log stay valid."""
+        self._learn = False
+        count = len(self._params)
+        if count == 0:
+            return
+        seen = list(dict.fromkeys(self._arrivals))
+        arrived = set(seen)
+        order = torch.tensor(
+            seen + [i for i in reversed(range(count)) if i not in arrived], dtype=torch.int64
+        )
+        dist.broadcast(order, src=dist.get_global_rank(self._group, 0), group=self._group)
+        chunks = plan_chunks(
+            [p.numel() for p in self._params],
+            [p.dtype for p in self._params],
+            self._chunk_bytes,
+            order.tolist(),
+        )
+        self._order = order.tolist()
+        if len(chunks) == len(self.chunks):
+            self._plan(chunks)
+
+    @property
+    def learnt_order(self) -> list[int] | None:
+        """The parameter order agreed at the first flush (``learn_order``; None before, and
+        after :meth:`rebind`); the chunks follow it unless it changed their count."""
+        return None if self._order is None else list(self._order)
+
+    def _plan(self, chunks: tuple[Chunk, ...]) -> None:
+        """Use ``chunks`` (over ``self._params``) from the next backward on."""
+        self.chunks = chunks
+        self._chunks_of = [[] for _ in self._params]
+        for chunk in self.chunks:
+            for param in chunk.params:
+                self._chunks_of[param].append(chunk.index)
 
     def remove(self) -> None:
         """Remove the gradient hooks (the reducer stops acting on later backwards)."""
@@ -417,14 +469,16 @@ class ChunkedGradReducer:
             raise RuntimeError("ChunkedGradReducer.rebind: between steps only (after the flush)")
         self.remove()
         self._params = list({id(p): p for p in params if p.requires_grad}.values())
-        self.chunks = plan_chunks(
-            [p.numel() for p in self._params], [p.dtype for p in self._params], self._chunk_bytes
+        self._order = None  # new parameters: the default order (a learnt one is re-learnt)
+        self._learn = self._learn_order
+        self._plan(
+            plan_chunks(
+                [p.numel() for p in self._params],
+                [p.dtype for p in self._params],
+                self._chunk_bytes,
+            )
         )
         self._index = {id(p): i for i, p in enumerate(self._params)}
-        self._chunks_of = [[] for _ in self._params]
-        for chunk in self.chunks:
-            for param in chunk.params:
-                self._chunks_of[param].append(chunk.index)
         self._reset()
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self._params)

@@ -10,8 +10,10 @@ The reducers then run on the step seam:
   holding the same shard), in fixed chunks, on process groups of their own (never the a2a's);
   each group's all-reduce cost is profiled once (moe/profile.py) to predict chunk times and,
   with ``moe.chunk_efficiency``, to size the chunks; the size is then evened out over the
-  group's gradient (``max(1, total // size)`` equal chunks, so no small tail chunk pays a
-  whole all-reduce latency);
+  group's gradient (``max(MIN_CHUNKS, total // size)`` equal chunks, fewer if they would drop
+  below ``MIN_CHUNK_BYTES``, so no small tail chunk pays a whole all-reduce latency and a
+  small group still has early chunks); the dense chunks are re-planned once, after the first
+  step, in the order backward produced the gradients (``learn_order``, moe/scheduler.py);
 - the boosted optimizer's ``step`` first flushes both reducers, so every gradient is reduced
   before the update (and before clipping); a group reduced while the other is still on the
   wire is stepped then, on its own, where that is the same update (moe/split_step.py);
@@ -63,6 +65,11 @@ class MoeSetup:
 
 MIN_CHUNK_BYTES = 16384
 """Floor of a profiled chunk size (a noisy profile can put alpha near 0)."""
+
+MIN_CHUNKS = 4
+"""Fewest chunks per gradient group: a group smaller than this many profiled chunks (the
+dense gradient at EP=4: 396 KB against 280 KiB) is cut finer, so that its first chunks,
+ready early in backward, go out in the gaps between a2a's instead of all of it at the end."""
 
 
 def moe_policy(config: HeteroConfig, model: nn.Module, world_size: int) -> MoeSetup:
@@ -149,8 +156,10 @@ def install_reducers(
         size = moe.chunk_bytes
         if moe.chunk_efficiency > 0:
             size = min(size, max(MIN_CHUNK_BYTES, chunk_bytes_for(*profile, moe.chunk_efficiency)))
-        size = _evened(group_params, size)
-        reducers[name] = ChunkedGradReducer(group_params, group, chunk_bytes=size, **common)
+        size = _evened(group_params, size, MIN_CHUNKS)
+        reducers[name] = ChunkedGradReducer(
+            group_params, group, chunk_bytes=size, learn_order=name == "dense", **common
+        )
         reducers[name].set_profile(*profile)
     syncing = _sync_flag(model)
     for reducer in reducers.values():
@@ -190,13 +199,16 @@ def _sync_flag(model: nn.Module) -> Callable[[], bool]:
     return syncing
 
 
-def _evened(params: list[nn.Parameter], size: int) -> int:
-    """``size`` evened out over the gradient of ``params`` (:func:`.chunks.even_chunk_bytes`:
-    no tail chunk smaller than ``size``); unchanged for mixed dtypes (chunks break at each)."""
+def _evened(params: list[nn.Parameter], size: int, min_count: int = 1) -> int:
+    """``size`` evened out over the gradient of ``params`` into at least ``min_count`` chunks,
+    as far as each keeps :data:`MIN_CHUNK_BYTES` (:func:`.chunks.even_chunk_bytes`: no tail
+    chunk much smaller than the others); unchanged for mixed dtypes (chunks break at each)."""
     if not params or len({p.dtype for p in params}) > 1:
         return size
     itemsize = params[0].dtype.itemsize
-    return even_chunk_bytes(sum(p.numel() for p in params) * itemsize, size, itemsize)
+    total = sum(p.numel() for p in params) * itemsize
+    count = min(min_count, max(1, total // MIN_CHUNK_BYTES))
+    return even_chunk_bytes(total, size, itemsize, count)
 
 
 class MoeStepLog:

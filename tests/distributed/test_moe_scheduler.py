@@ -181,6 +181,50 @@ def _window_check(rank: int, group, a2a_group) -> None:
         reducer.remove()
 
 
+class _Chain(nn.Module):
+    """Three bias-free 6x6 linears registered a, b, c; rank 0 applies them b(c(a(x))), so its
+    gradients arrive b, c, a (indices 1, 2, 0); rank 1 applies c(b(a(x))): 2, 1, 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.a, self.b, self.c = (nn.Linear(H, H, bias=False) for _ in range(3))
+
+    def forward(self, x, rank):  # type: ignore[no-untyped-def]
+        first, second = (self.c, self.b) if rank == 0 else (self.b, self.c)
+        return second(first(self.a(x))).pow(2).sum()
+
+
+def _learn_check(rank: int, group) -> None:
+    """``learn_order``: the first flush re-plans the chunks in rank 0's arrival order (by hand:
+    24-element chunks over b, c, a of 36 each), issues one broadcast on every rank, and the
+    second step's gradients still equal a plain all-reduce."""
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(rank + 5))
+    model = _Chain()
+    reducer = ChunkedGradReducer(list(model.parameters()), group, 96, None, False, learn_order=True)
+    default = [(2, 0, 24)], [(2, 24, 36), (1, 0, 12)], [(1, 12, 36)], [(0, 0, 24)], [(0, 24, 36)]
+    learnt = [(1, 0, 24)], [(1, 24, 36), (2, 0, 12)], [(2, 12, 36)], [(0, 0, 24)], [(0, 24, 36)]
+
+    def layout() -> list[list[tuple[int, int, int]]]:
+        return [[(s.param, s.start, s.stop) for s in c.segments] for c in reducer.chunks]
+
+    assert layout() == list(default)
+    for step in range(2):
+        reference = _Chain()
+        reference(x, rank).backward()
+        model.zero_grad(set_to_none=True)
+        model(x, rank).backward()
+        reducer.flush()
+        for p, ref in zip(model.parameters(), reference.parameters(), strict=True):
+            dist.all_reduce(ref.grad, group=group)
+            assert torch.equal(p.grad, ref.grad), step
+        assert layout() == list(learnt)
+        assert reducer.collectives == [("all_reduce", c.index, c.numel) for c in reducer.chunks]
+        assert reducer.learnt_order == [1, 2, 0]  # rank 0's, broadcast
+        reducer.clear_log()
+    reducer.remove()
+
+
 def _check(rank: int, world_size: int, device: torch.device) -> None:
     timeout = timedelta(seconds=60)
     group = dist.new_group([0, 1], timeout=timeout)
@@ -188,6 +232,7 @@ def _check(rank: int, world_size: int, device: torch.device) -> None:
     _moe_cases(rank, group, a2a_group)
     _gate_check(rank, group, a2a_group)
     _window_check(rank, group, a2a_group)
+    _learn_check(rank, group)
     with pytest.raises(ValueError, match="different process group"):
         ChunkedGradReducer(list(_ToyMoE().parameters()), group, 40).a2a(group).__enter__()
 

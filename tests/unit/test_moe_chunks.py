@@ -93,3 +93,38 @@ def test_even_chunks_against_brute_force():
             assert got == 4 * smallest
             if 4 * elements >= size:
                 assert all(4 * c.numel >= size for c in chunks[:-1]) and got < 2 * size + 4
+
+
+def test_order_walks_the_given_permutation_by_hand():
+    # Params of 3, 10, 2 float32 elements walked 1, 0, 2 in 16-byte (4-element) chunks.
+    chunks = plan_chunks([3, 10, 2], [F32] * 3, 16, order=[1, 0, 2])
+    assert [c.segments for c in chunks] == [
+        (Segment(1, 0, 4),),
+        (Segment(1, 4, 8),),
+        (Segment(1, 8, 10), Segment(0, 0, 2)),
+        (Segment(0, 2, 3), Segment(2, 0, 2)),
+    ]
+    assert chunks[2].params == (1, 0) and chunks[3].params == (0, 2)
+    assert plan_chunks([3, 10, 2], [F32] * 3, 16, order=[2, 1, 0]) == plan_chunks(
+        [3, 10, 2], [F32] * 3, 16
+    )
+    for bad in ([0, 1], [0, 1, 1], [0, 1, 3]):
+        with pytest.raises(ValueError, match="permutation"):
+            plan_chunks([3, 10, 2], [F32] * 3, 16, order=bad)
+
+
+def test_min_count_cuts_a_small_gradient_finer_by_hand():
+    # EP=4's dense bf16 gradient, 198272 elements (396544 B), at the profiled 280 KiB
+    # (286720 B): one chunk; at least 4: ceil(198272 / 4) = 49568 elements = 99136 B each.
+    bf16 = torch.bfloat16
+    assert even_chunk_bytes(396544, 286720, 2) == 396544
+    size = even_chunk_bytes(396544, 286720, 2, min_count=4)
+    assert size == 99136
+    assert [c.numel for c in plan_chunks([198272], [bf16], size)] == [49568] * 4
+    # 10 elements of 4 bytes in at least 3: ceil(10 / 3) = 4 elements, chunks 4, 4, 2.
+    assert even_chunk_bytes(40, 4096, 4, min_count=3) == 16
+    # More chunks than elements is capped at one per element; a big gradient keeps its count.
+    assert even_chunk_bytes(8, 4096, 4, min_count=5) == 4
+    assert even_chunk_bytes(786432, 131072, 2, min_count=4) == 131072
+    with pytest.raises(ValueError, match="min_count"):
+        even_chunk_bytes(40, 16, 4, min_count=0)
