@@ -13,6 +13,10 @@ the first step is a warm-up and not used. After step ``DECIDE_AFTER`` every rank
    :func:`.pipeline_model.choose_ranges`;
 3. sets the chosen number on every block.
 
+The model proposes more than one range only if it predicts them ``PROPOSE_GAIN`` (20%) ahead
+of one range: in session 10 every trial of a smaller predicted gain ran slower, and the
+variant that ran it stayed slower than an identical one that never did (docs/moe.md).
+
 A choice of more than one range is a proposal until measured steps confirm it: the model's
 inputs come from unpipelined steps, and on a loaded host (or emulated devices) the ranges'
 a2a's, issued together, cost more than it predicts. The next ``2 * TRIAL_STEPS`` steps
@@ -41,6 +45,7 @@ import torch.distributed as dist
 from colossal_hetero.moe.folded import header_fits
 from colossal_hetero.moe.pipeline_model import (
     MIN_GAIN,
+    PROPOSE_GAIN,
     ExchangeInputs,
     choose_ranges,
     step_measurements,
@@ -117,7 +122,7 @@ class PipelineChooser:
         inputs = ExchangeInputs(
             alpha, beta, n_rows, row_bytes, fwd / n_rows, bwd / n_rows, counts_folded=folds
         )
-        ranges, record = choose_ranges(inputs, self.most)
+        ranges, record = choose_ranges(inputs, self.most, margin=PROPOSE_GAIN)
         return {"step": step, **record, "ranges": ranges, "measured_steps": len(self.samples)}
 
     def _trial_step(self, step: int, step_s: float | None) -> dict[str, Any] | None:

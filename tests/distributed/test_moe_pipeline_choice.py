@@ -36,7 +36,12 @@ def _check(rank: int, world_size: int, device: torch.device) -> None:
     from colossal_hetero.config.schema import HeteroConfig
     from colossal_hetero.moe.block import HeteroEPMixtralSparseMoeBlock
     from colossal_hetero.moe.pipeline_choice import DECIDE_AFTER, TRIAL_STEPS
-    from colossal_hetero.moe.pipeline_model import MIN_GAIN, ExchangeInputs, choose_ranges
+    from colossal_hetero.moe.pipeline_model import (
+        MIN_GAIN,
+        PROPOSE_GAIN,
+        ExchangeInputs,
+        choose_ranges,
+    )
     from colossal_hetero.plugin import HeteroParallelPlugin
 
     moe = MoeConfig(chunk_kib=1, pipeline_chunks=3, pipeline_auto=True)
@@ -64,7 +69,7 @@ def _check(rank: int, world_size: int, device: torch.device) -> None:
     assert all(other == record for other in everyone)
     inputs = ExchangeInputs(**record["inputs"])
     assert inputs.rows == PER_RANK * SEQ * 2  # tokens x top-k
-    n, again = choose_ranges(inputs, 3)
+    n, again = choose_ranges(inputs, 3, margin=PROPOSE_GAIN)
     assert again["predicted_s"] == record["predicted_s"]
     assert set(record["predicted_s"]) == {1, 2, 3}
     after = steps - DECIDE_AFTER - 1  # steps after the model's choice

@@ -6,6 +6,7 @@ import pytest
 
 from colossal_hetero.moe.pipeline_model import (
     MIN_GAIN,
+    PROPOSE_GAIN,
     ExchangeInputs,
     choose_ranges,
     exchange_time,
@@ -59,6 +60,9 @@ def test_compute_bound_block_pipelines_as_far_as_allowed() -> None:
     assert choose_ranges(inputs, 4)[0] == 4
     assert choose_ranges(inputs, 2)[0] == 2
     assert choose_ranges(inputs, 1)[0] == 1
+    # The chooser's proposal margin: n=4 is 18.75% ahead (13 against 16 ms), under 20%.
+    assert choose_ranges(inputs, 4, margin=PROPOSE_GAIN)[0] == 1
+    assert choose_ranges(inputs, 4, margin=0.15)[0] == 4
 
 
 def test_folded_counts_charge_pipelining_the_counts_a2a() -> None:
