@@ -22,10 +22,11 @@ Contract, for one data-parallel ``group`` (the gradient group):
 - ``flush()`` (before ``optimizer.step()``) zero-fills gradients this rank never produced (an
   expert that got no tokens here), launches every remaining chunk in order and waits for all.
   Afterwards every gradient equals a plain all-reduce of the same gradients.
-- ``learn_order``: the chunks are first planned in reverse registration order; at the end of
-  the first flush they are re-planned once in the order the gradients really arrived on the
-  group's first rank (broadcast to the group), so that early chunks hold only gradients that
-  backward produces early. Fixed from then on, routing-independent.
+- ``learn_order``: the first backward launches no chunk; its flush re-plans the chunks once
+  in the order the gradients arrived on the group's first rank (broadcast to the group) and
+  only then reduces them, so that early chunks hold only gradients backward produces early,
+  and every reduction (a resumed run's first included) uses that one layout. Fixed from then
+  on, routing-independent.
 - Gradient accumulation: while ``syncing()`` is False (the model's ``no_sync``, see
   moe/wiring.py) hooks and :meth:`mark_idle` do nothing, so a backward only accumulates into
   ``.grad``; the first backward with ``syncing()`` True (the last micro-step) marks and
@@ -101,7 +102,7 @@ class ChunkedGradReducer:
 
     ``events`` logs every chunk and a2a of the reducer's life; ``collectives`` lists the
     chunks' all-reduces on the gradient group as ``("all_reduce", chunk index, numel)``, in
-    issue order (``learn_order``'s one broadcast, at the end of the first flush, is not in it).
+    issue order (``learn_order``'s one broadcast, in the first flush, is not in it).
     """
 
     def __init__(
@@ -263,7 +264,8 @@ class ChunkedGradReducer:
         while self._inflight and self._inflight[0].work.is_completed():
             self._finish(self._inflight.popleft())
         while (
-            self._next < len(self.chunks)
+            not self._learn  # the order is agreed at the flush, before any chunk goes
+            and self._next < len(self.chunks)
             and self._missing[self._next] == 0
             and not self.gated
             and (self._max_inflight is None or len(self._inflight) < self._max_inflight)
@@ -366,6 +368,8 @@ class ChunkedGradReducer:
                     # No tokens reached this parameter here; other ranks may have a gradient.
                     param.grad = torch.zeros_like(param)
                 self._mark_ready(index)
+        if self._learn:
+            self._adopt_order()
         self.window_until = None
         self._pump()
 
@@ -409,17 +413,14 @@ class ChunkedGradReducer:
             self._next += 1
         while self._inflight:
             self._finish(self._inflight.popleft())
-        if self._learn:
-            self._adopt_order()
         self._reset()
 
     def _adopt_order(self) -> None:
         """Re-plan the chunks in the order this backward's gradients arrived on the group's
-        first rank (``learn_order``, once, at the end of the first flush: one broadcast on the
-        gradient group, on every rank alike, when nothing is in flight). Parameters that got
-        no gradient from a hook there follow in the default order. Kept only if it gives as
-        many chunks as before (same on every rank: the order and shapes are), so the chunk
-        indices of this step's log stay valid."""
+        first rank (``learn_order``, once, in the first flush, before any chunk of the group
+        was launched: one broadcast on the gradient group, on every rank alike). Parameters
+        that got no gradient from a hook there follow in the default order. Every chunk is
+        ready (the flush marked every parameter)."""
         self._learn = False
         count = len(self._params)
         if count == 0:
@@ -437,13 +438,13 @@ class ChunkedGradReducer:
             order.tolist(),
         )
         self._order = order.tolist()
-        if len(chunks) == len(self.chunks):
-            self._plan(chunks)
+        self._plan(chunks)
+        self._missing = [0] * len(chunks)
 
     @property
     def learnt_order(self) -> list[int] | None:
         """The parameter order agreed at the first flush (``learn_order``; None before, and
-        after :meth:`rebind`); the chunks follow it unless it changed their count."""
+        after :meth:`rebind`), which the chunks follow."""
         return None if self._order is None else list(self._order)
 
     def _plan(self, chunks: tuple[Chunk, ...]) -> None:

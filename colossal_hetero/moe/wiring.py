@@ -10,10 +10,11 @@ The reducers then run on the step seam:
   holding the same shard), in fixed chunks, on process groups of their own (never the a2a's);
   each group's all-reduce cost is profiled once (moe/profile.py) to predict chunk times and,
   with ``moe.chunk_efficiency``, to size the chunks; the size is then evened out over the
-  group's gradient (``max(MIN_CHUNKS, total // size)`` equal chunks, fewer if they would drop
-  below ``MIN_CHUNK_BYTES``, so no small tail chunk pays a whole all-reduce latency and a
-  small group still has early chunks); the dense chunks are re-planned once, after the first
-  step, in the order backward produced the gradients (``learn_order``, moe/scheduler.py);
+  group's gradient (``max(1, total // size)`` equal chunks, so no small tail chunk pays a
+  whole all-reduce latency; for the dense group without expert replicas at least
+  ``MIN_CHUNKS``, each at least ``MIN_CHUNK_BYTES``); the dense chunks follow the order
+  backward produced the gradients in, agreed in the first flush (``learn_order``,
+  moe/scheduler.py);
 - the boosted optimizer's ``step`` first flushes both reducers, so every gradient is reduced
   before the update (and before clipping); a group reduced while the other is still on the
   wire is stepped then, on its own, where that is the same update (moe/split_step.py);
@@ -67,9 +68,10 @@ MIN_CHUNK_BYTES = 16384
 """Floor of a profiled chunk size (a noisy profile can put alpha near 0)."""
 
 MIN_CHUNKS = 4
-"""Fewest chunks per gradient group: a group smaller than this many profiled chunks (the
-dense gradient at EP=4: 396 KB against 280 KiB) is cut finer, so that its first chunks,
-ready early in backward, go out in the gaps between a2a's instead of all of it at the end."""
+"""Fewest dense chunks when no expert gradient is reduced (every expert on one rank: EP=4 on 4
+ranks): the dense gradient (396 KB against a profiled 280 KiB chunk there) is cut finer, so
+that its first chunks, ready early in backward, go out between a2a's instead of all of it at
+the end. Not with expert replicas (EP=2 x DP=2): smaller chunks measured slower there."""
 
 
 def moe_policy(config: HeteroConfig, model: nn.Module, world_size: int) -> MoeSetup:
@@ -156,7 +158,8 @@ def install_reducers(
         size = moe.chunk_bytes
         if moe.chunk_efficiency > 0:
             size = min(size, max(MIN_CHUNK_BYTES, chunk_bytes_for(*profile, moe.chunk_efficiency)))
-        size = _evened(group_params, size, MIN_CHUNKS)
+        alone = name == "dense" and dist.get_world_size(expert_group) == 1  # no expert traffic
+        size = _evened(group_params, size, MIN_CHUNKS if alone else 1)
         reducers[name] = ChunkedGradReducer(
             group_params, group, chunk_bytes=size, learn_order=name == "dense", **common
         )

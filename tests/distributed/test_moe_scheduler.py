@@ -196,9 +196,10 @@ class _Chain(nn.Module):
 
 
 def _learn_check(rank: int, group) -> None:
-    """``learn_order``: the first flush re-plans the chunks in rank 0's arrival order (by hand:
-    24-element chunks over b, c, a of 36 each), issues one broadcast on every rank, and the
-    second step's gradients still equal a plain all-reduce."""
+    """``learn_order``: the first backward launches nothing; its flush re-plans the chunks in
+    rank 0's arrival order (by hand: 24-element chunks over b, c, a of 36 each, broadcast to
+    rank 1, whose own order is c, b, a) and reduces them; the next backward launches them as
+    they become ready; both steps' gradients equal a plain all-reduce."""
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(rank + 5))
     model = _Chain()
     reducer = ChunkedGradReducer(list(model.parameters()), group, 96, None, False, learn_order=True)
@@ -214,6 +215,8 @@ def _learn_check(rank: int, group) -> None:
         reference(x, rank).backward()
         model.zero_grad(set_to_none=True)
         model(x, rank).backward()
+        launched = [e for e in reducer.events if e.kind == "chunk"]
+        assert len(launched) == (0 if step == 0 else 5)  # learning: nothing before the flush
         reducer.flush()
         for p, ref in zip(model.parameters(), reference.parameters(), strict=True):
             dist.all_reduce(ref.grad, group=group)
