@@ -2,9 +2,10 @@
 
 The gradient all-reduce is cut into chunks whose boundaries depend only on the parameters'
 sizes and dtypes and a chunk size in bytes, never on routing or timing, so every rank builds
-the same chunks in the same order. Parameters are walked in *reverse* registration order (the
-order backward usually produces their gradients); a chunk packs consecutive parameters, or
-slices of one, up to ``chunk_bytes``, and never mixes dtypes (it is one flat buffer).
+the same chunks in the same order. Parameters are walked in a given order (the order backward
+produced their gradients, agreed once: moe/scheduler.py's ``learn_order``), by default in
+*reverse* registration order; a chunk packs consecutive parameters, or slices of one, up to
+``chunk_bytes``, and never mixes dtypes (it is one flat buffer).
 
 Chunk size (Lina's tensor partitioning, digest section 3.3): with an all-reduce of ``S`` bytes
 costing ``T(S) = alpha + S / beta``, an a2a that becomes ready waits for at most the
@@ -16,7 +17,8 @@ Even chunks: cutting ``N`` bytes into pieces of at most ``S`` leaves a tail chun
 ``N mod S`` bytes, which pays a whole ``alpha`` for a few bytes (measured: an 8 KiB tail of
 the dense gradient ended 4 ms after the 379 KiB chunk before it). :func:`even_chunk_bytes`
 instead cuts ``N`` into ``max(1, N // S)`` nearly equal chunks, each at least ``S`` (so at
-least as efficient) and below ``2 S``.
+least as efficient) and below ``2 S``; with ``min_count``, into at least that many (a small
+gradient cut finer, so its first chunks can go before the end of backward).
 """
 
 from __future__ import annotations
