@@ -128,3 +128,20 @@ def test_min_count_cuts_a_small_gradient_finer_by_hand():
     assert even_chunk_bytes(786432, 131072, 2, min_count=4) == 131072
     with pytest.raises(ValueError, match="min_count"):
         even_chunk_bytes(40, 16, 4, min_count=0)
+
+
+def test_wiring_evens_dense_into_min_chunks_by_hand():
+    # _evened (moe/wiring.py): the EP=4 dense bf16 gradient (198272 elements) at a profiled
+    # 280 KiB is cut into MIN_CHUNKS = 4 chunks of 49568 elements; a 20480-element (40 KiB)
+    # one only into 40960 // MIN_CHUNK_BYTES = 2 (each at least 16 KiB): 10240 elements.
+    from torch import nn
+
+    from colossal_hetero.moe.wiring import MIN_CHUNK_BYTES, MIN_CHUNKS, _evened
+
+    assert (MIN_CHUNKS, MIN_CHUNK_BYTES) == (4, 16384)
+    bf16 = torch.bfloat16
+    dense = [nn.Parameter(torch.zeros(n, dtype=bf16)) for n in (32768, 132736, 32768)]
+    assert _evened(dense, 286720) == 396544  # one chunk, as without a minimum
+    assert _evened(dense, 286720, MIN_CHUNKS) == 99136
+    small = [nn.Parameter(torch.zeros(20480, dtype=bf16))]
+    assert _evened(small, 286720, MIN_CHUNKS) == 20480
