@@ -24,7 +24,8 @@ Rule (per straggler): ``s <= 1 + threshold``: none. ``f <= f_max`` and resize's 
 accuracy cost >= migrate's gain: resize. Otherwise migrate or migrate+resize (the larger
 gain) when migration is possible (a helper and bandwidth > 0), else resize capped at
 ``f_max``. Then the group's in-layer plan (all stragglers' choices, helpers' loads summed) is
-compared, over ``horizon_steps``, with a re-plan that costs ``replan_cost_s`` once.
+compared, over ``horizon_steps``, with a re-plan that costs ``replan_cost_s`` once (unless
+``SemiSettings.replan`` is False: under pipeline stages only the in-layer actions are candidates).
 """
 
 from __future__ import annotations
@@ -50,16 +51,20 @@ class SemiSettings:
     horizon_steps: int = 200
     replan_cost_s: float = 1.0
     """One-off seconds of a re-plan and resize (inf: never re-plan)."""
+    replan: bool = True
+    """Whether a re-plan is a candidate at all (False under pipeline stages, which the planner
+    does not re-plan: the choice is among the in-layer actions, ``replan_value`` -inf)."""
 
     @classmethod
-    def of(cls, config: Any, replan_cost_s: float) -> SemiSettings:
-        """From a ``BalancerConfig`` and the measured move cost."""
+    def of(cls, config: Any, replan_cost_s: float, replan: bool = True) -> SemiSettings:
+        """From a ``BalancerConfig``, the measured move cost and whether a re-plan is possible."""
         return cls(
             threshold=config.threshold,
             accuracy_budget=config.accuracy_budget,
             accuracy_weight=config.accuracy_weight,
             horizon_steps=config.horizon_steps,
             replan_cost_s=replan_cost_s,
+            replan=replan,
         )
 
 
@@ -228,7 +233,7 @@ def decide(inputs: SemiInputs, settings: SemiSettings) -> SemiDecision:
     in_layer_gain = now - max(predicted) - penalty
     tau = 1.0 / sum(share / t for share, t in zip(inputs.shares, times, strict=True) if t > 0)
     horizon = settings.horizon_steps
-    replan_value = horizon * (now - tau) - settings.replan_cost_s
+    replan_value = horizon * (now - tau) - settings.replan_cost_s if settings.replan else -math.inf
     in_layer_value = horizon * in_layer_gain
     shed = {c.rank: c.resized + c.migrated for c in choices}
     if replan_value > in_layer_value and replan_value > 0:

@@ -121,6 +121,26 @@ def test_replan_value_against_in_layer():
     assert costly.action == "in_layer" and costly.replan_value < 0
 
 
+def test_replan_excluded_picks_in_layer():
+    """Under pipeline stages (``replan=False``) the 4x straggler of 2 ranks that re-plans above
+    gets its best in-layer action instead. By hand (share 1/2, unit 2 s, work 1 s, one helper,
+    f = 0.75 > f_max 0.5): migrate 0.75 gains 3 - 0.75 - (2 * 0.75 * 10 MB + 1 MB) / 1 GB/s =
+    2.234 s; migrate 0.25 + resize 0.5 gains 3 - 0.25 - 0.006 - 0.5 * 0.5 * 4 = 1.744 s; so
+    migrate, the helper at 1.766 s. With no bandwidth, resize capped at 0.5: 2 - 1 = 1 s."""
+    settings = SemiSettings(replan_cost_s=10.0, horizon_steps=100, replan=False)
+    mig = decide(_inputs([1.0, 4.0]), settings)
+    assert mig.action == "in_layer" and mig.replan_value == -math.inf
+    (choice,) = mig.choices
+    assert choice.action == "migrate" and choice.migrated == pytest.approx(0.75)
+    assert choice.gain == pytest.approx(3 - 0.75 - (1.5 * 10 * MB + MB) / 1e9)
+    assert mig.predicted_times == pytest.approx((1.0 + 0.75 + 0.016, 1.0))
+    assert mig.predicted_gain == pytest.approx(4.0 - 1.766)
+    rsz = decide(_inputs([1.0, 4.0], bandwidth=0.0), settings)
+    assert rsz.action == "in_layer" and rsz.choices[0].action == "resize"
+    assert rsz.choices[0].resized == 0.5 and rsz.predicted_gain == pytest.approx(1.0)
+    assert decide(_inputs([1.0, 1.1]), settings).action == "none"
+
+
 def test_dropped_mass():
     assert dropped_mass(0.5, None) == 0.5
     assert dropped_mass(0.5, [4.0, 1.0, 3.0, 2.0]) == pytest.approx(3.0 / 10.0)
