@@ -20,12 +20,14 @@ def check_balancer(config: HeteroConfig) -> None:
 
     Any mode but none balances inside tensor-parallel groups, so needs ``parallel.tp > 1``.
     resize and migrate act inside the layers of each tensor-parallel group and run under any
-    data- and pipeline-parallel layout. replan and semi move widths through ``plugin.resize``
-    and re-run the planner, so they also need what those support: ``parallel.pp == 1`` (the
-    planner does not plan pipeline stages), ``parallel.zero_stage == 0`` (resize does not
-    move ZeRO partitions) and ``plan.model_spec: hf`` (the re-plan reads the transformers
-    config of the sharded model; an fx trace of it would see the shards). Under
-    ``parallel.tp_mode`` 2d only detect and resize (ZERO-resizing inside the SUMMA steps).
+    data- and pipeline-parallel layout (each pipeline stage decides for its own groups).
+    replan moves widths through ``plugin.resize`` and re-runs the planner, so it also needs
+    ``parallel.pp == 1`` (the planner does not re-plan pipeline stages). replan, and semi
+    (which may re-plan with pp 1; with pp > 1 it picks among none, resize, migrate and
+    migrate+resize only), need ``parallel.zero_stage == 0`` (resize does not move ZeRO
+    partitions) and ``plan.model_spec: hf`` (the re-plan reads the transformers config of
+    the sharded model; an fx trace of it would see the shards). Under ``parallel.tp_mode``
+    2d only detect and resize (ZERO-resizing inside the SUMMA steps).
     """
     balancer, parallel = config.balancer, config.parallel
     mode = balancer.mode
@@ -43,10 +45,11 @@ def check_balancer(config: HeteroConfig) -> None:
         )
     if mode not in MOVING_MODES:
         return
-    if parallel.pp > 1:
+    if parallel.pp > 1 and mode == "replan":
         raise ConfigError(
-            f"balancer.mode: {mode} re-plans the widths, which the planner does not do with "
-            f"pipeline stages (parallel.pp {parallel.pp}); use detect or parallel.pp 1"
+            f"balancer.mode: replan re-plans the widths, which the planner does not do with "
+            f"pipeline stages (parallel.pp {parallel.pp}); use semi (in-layer actions only "
+            "with pp > 1), resize, migrate, detect or parallel.pp 1"
         )
     if parallel.zero_stage > 0:
         raise ConfigError(

@@ -2,25 +2,23 @@
 
 Every ``every`` steps, in ``on_step_end`` (after ``optimizer.step``, outside the step's
 clock), each rank packs its recent compute times into one row; one ``all_gather`` over the
-world (balance/agree.py) gives every rank the same matrix; the pure detector
-(balance/detector.py), re-planner (balance/replan.py) and SEMI policy (balance/semi.py) then
-compute the same decision on every rank, with no broadcast of decisions. The action happens
-right there, between steps: a width move through ``plugin.resize`` (replan, semi), or an
-in-layer plan (balance/inlayer.py: which straggler ZERO-resizes or migrates how much)
-attached to every resizable layer by the actuator (balance/actuator.py), or removed when the
-stragglers recover. The detector is fed each rank's units of work under the attached plan, so
-its slowdown stays the device's, not the balanced rank's. The sequence of collectives depends
-on the step number alone, never on local data (a move's and a migration's own collectives
-follow from agreed inputs, identical everywhere).
+world (balance/agree.py) gives every rank the same matrix; each pipeline stage reads its own
+rows, and the pure detector, re-planner and SEMI policy compute the same decision on its
+ranks, with no broadcast. The action happens right there, between steps: a width move through
+``plugin.resize`` (replan, semi; not with pp > 1), or an in-layer plan (balance/inlayer.py)
+attached to every resizable layer by the actuator, or removed when the stragglers recover.
+The detector is fed each rank's units of work under the attached plan, so its slowdown stays
+the device's. The sequence of collectives depends on the step number alone, never on local
+data (a move's and a migration's own collectives follow from agreed inputs).
 
 The work model's fixed fraction starts at ``balancer.fixed_fraction`` and is refitted from
-the times before and after each width move (``detector.fixed_fraction_from_move``). Under
-semi, an in-layer bridge whose next window measured a clear loss is taken off for good
-(``bridge_off``), and an in-layer action with no net gain is never attached.
+the times before and after each width move. Under semi, an in-layer bridge whose next window
+measured a clear loss is taken off for good (``bridge_off``), and an in-layer action with no
+net gain is never attached.
 
 Every agreement writes one decision record ``{"step", "controller", "inputs", "decision",
-"predicted_gain"}`` to ``balance_rank{r}.jsonl`` beside the per-step metrics; the first
-agreement after a move or an in-layer change writes the measured gain in its own record.
+"predicted_gain"}`` to ``balance_rank{r}.jsonl``; the first agreement after a move or an
+in-layer change writes the measured gain in its own record.
 """
 
 from __future__ import annotations
@@ -76,9 +74,9 @@ from colossal_hetero.emulation import StepTiming
 from colossal_hetero.metrics.decisions import DecisionWriter, decision_log_path
 
 Widths = dict[str, tuple[int, ...]]
+REPLAN_UNAVAILABLE = "replan unavailable: pp > 1"
 Outcome = tuple[dict[str, Any], float, Callable[[], None] | None]
-"""A decision record's body, its predicted gain (s/step), and the action to run after it is
-logged (None: nothing to do)."""
+"""A decision record's body, its predicted gain (s/step), the action to run after it (or None)."""
 
 
 def balance_log_path(folder: str | Path, rank: int) -> Path:
@@ -92,16 +90,15 @@ class Actuator:
 
     widths: Callable[[], Widths]
     """The widths running now."""
-    plan: Callable[[tuple[float, ...]], Widths]
-    """The planner's widths for relative speeds per tensor-parallel position."""
+    plan: Callable[[tuple[float, ...]], Widths] | None
+    """The planner's widths for relative speeds per position (None: no re-plan, pp > 1)."""
     resize: Callable[[Widths], None]
     """Move to new widths (``plugin.resize``), called on every rank between steps."""
     ops: Any = None
     """The in-layer actuator (``balance.actuator.LayerOps``: ``plan``, ``apply(plan)``,
     ``clear()``, ``refresh()``); None where no in-layer op runs (detect, replan)."""
     compute: Mapping[str, float] | None = None
-    """Per width key, the compute of the layers it sizes (``detector.width_key_compute``): how
-    much each key's share weighs in a rank's share of the work (None: every key the same)."""
+    """Per width key, the compute weighing its share (``detector.width_key_compute``; None: 1)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,13 +118,13 @@ class _View:
 
 
 class BalanceController:
-    """Seam controller of every ``balancer.mode`` but none (detect, resize, migrate, replan,
-    semi).
+    """Seam controller of every ``balancer.mode`` but none (detect, resize, migrate, replan, semi).
 
     Args:
         settings: the balancer config.
         tp_size, tp_rank: this rank's tensor-parallel group size and rank in it.
         group_index: an id shared by the ranks of this rank's tensor-parallel group.
+        stage: this rank's pipeline stage; each stage agrees and decides on its own rows.
         planned_for: relative speeds per position the current widths were planned with (the
             declared ones; after a re-plan, the planning speeds it handed the planner).
         weight_bytes: bytes of this rank's tensor-parallel weight shards.
@@ -143,6 +140,7 @@ class BalanceController:
         tp_size: int,
         tp_rank: int,
         group_index: int,
+        stage: int = 0,
         planned_for: tuple[float, ...],
         weight_bytes: float,
         actuator: Actuator,
@@ -150,31 +148,28 @@ class BalanceController:
         log: DecisionWriter,
     ) -> None:
         self.settings, self.tp_size, self.tp_rank = settings, tp_size, tp_rank
-        self.group_index, self.planned_for = group_index, planned_for
+        self.group_index, self.stage, self.planned_for = group_index, stage, planned_for
         self._held: tuple[float, ...] | None = None  # the speeds the widths were planned at
         self._watch = RecoveryWatch()  # readings at these widths (near-empty recoveries)
         self.weight_bytes, self.actuator, self.device = weight_bytes, actuator, device
-        self.log = log
         detector = DetectorSettings(
             settings.smoothing, settings.threshold, settings.release, settings.stable_tolerance
         )
         self.detector = StragglerDetector(tp_size, detector)
         self.move_cost_s = settings.move_cost_s
+        self.log = log
         self.agree_s: list[float] = []
         """Seconds of each agreement's all_gather on this rank (the detector's overhead)."""
         self.detections: list[Detection] = []
-        self._compute: deque[float] = deque(maxlen=settings.window)
-        self._steps: deque[float] = deque(maxlen=settings.window)
-        self._bandwidth: deque[float] = deque(maxlen=settings.window)
-        self._allreduce: deque[float] = deque(maxlen=settings.window)
+        window: list[deque[float]] = [deque(maxlen=settings.window) for _ in range(4)]
+        self._compute, self._steps, self._bandwidth, self._allreduce = window
         self._move_s = 0.0
         self._warm = False  # the next step is the first at these widths
         self._pending: tuple[int, float, float] | None = None  # move step, step before, gain
         self._pending_in_layer = False  # whether the pending measurement is of in-layer ops
         self.bridge_off: tuple[int, float] | None = None
-        """Under semi, (step, measured gain) of the in-layer plan whose next window measured a
-        clear loss (the step slower by over 10%): semi then removes the ops and attaches none
-        for the rest of the run, re-planning alone (its cost model had under-priced them)."""
+        """Under semi, (step, measured gain) of an in-layer plan whose next window measured a clear
+        loss (step over 10% slower): its ops come off for the rest of the run (re-plans alone)."""
         self._attached_at = 0  # the step the in-layer plan attached now was last measured raw
         self.fixed_fraction = settings.fixed_fraction
         """The work model's fixed fraction: the config's, then the median of it and each
@@ -224,15 +219,16 @@ class BalanceController:
             move_s=self._move_s,
             weight_bytes=self.weight_bytes,
             allreduce_bytes=statistics.median(self._allreduce) if self._allreduce else 0.0,
+            stage=self.stage,
         )
 
     def _agree_and_act(self, step: int) -> None:
         start = time.perf_counter()
         rows = all_gather_rows(pack(self._report(), self.settings.window), None, self.device)
         self.agree_s.append(time.perf_counter() - start)
-        if not Agreed.complete(rows, self.tp_size):
+        if not Agreed.complete(rows, self.tp_size, self.stage):
             return  # a position reported no step yet (warm-up after a move): decide later
-        agreed = Agreed.of(rows, self.tp_size)
+        agreed = Agreed.of(rows, self.tp_size, self.stage)
         if min(len(w) for w in agreed.windows) < min(self.settings.window, 2):
             return  # one step since the start or a change is no median: decide later
         self._move_s = 0.0
@@ -316,6 +312,8 @@ class BalanceController:
         times = tuple(unit * s * b for s, b in zip(view.slowdown, base, strict=True))
         semi = decide(self._semi_inputs(view.agreed, view.widths, times), self._semi_settings())
         extra: dict[str, Any] = {"semi": asdict(semi)}
+        if self.actuator.plan is None:  # pp > 1: the in-layer actions only
+            extra["replan"] = REPLAN_UNAVAILABLE
         # Without a bridge (bridge_off), a re-plan that pays is the only action left.
         bridgeless = self.bridge_off is not None and semi.replan_value > 0
         # No op running and none to pick (no rank flagged, or widths that even the times):
@@ -438,6 +436,8 @@ class BalanceController:
         """Re-plan at the flagged speeds once stable ``stable_steps`` (at once for a sudden
         straggler, ``_sudden``) and moved off those the widths were planned for (replan.py)."""
         settings, shares = self.settings, self._shares(widths)
+        if self.actuator.plan is None:
+            return ReplanDecision("none", widths, 0.0, REPLAN_UNAVAILABLE)
         slowdown = measurable_slowdown(detection.slowdown, shares)
         if detection.stable_for() < settings.stable_steps and not self._sudden(detection):
             why = f"stable for {detection.stable_for()} < stable_steps {settings.stable_steps}"
@@ -576,7 +576,7 @@ class BalanceController:
         return SemiInputs.of(agreed.positions, agreed.bandwidth, self._shares(widths), times)
 
     def _semi_settings(self) -> SemiSettings:
-        return SemiSettings.of(self.settings, self.move_cost_s)
+        return SemiSettings.of(self.settings, self.move_cost_s, self.actuator.plan is not None)
 
 
 def _inputs(

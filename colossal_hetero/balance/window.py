@@ -4,10 +4,12 @@ Each rank packs a fixed-length row of floats (:func:`pack`); the runtime all-gat
 (balance/agree.py) and every rank unpacks the same matrix into the same :class:`Agreed`.
 
 Under data or pipeline parallelism the world holds several tensor-parallel groups (one per
-replica and stage) that all run the same widths, so one decision must serve them all: for
-each tensor-parallel position the slowest copy's measurements are taken (a straggler in any
-group holds every group back at the step's data-parallel synchronisation). Each group's own
-rows stay in ``Agreed.rows`` for the log.
+replica and stage). Data-parallel replicas of a stage run the same widths and must keep the
+same parameters, so one decision serves them all: for each tensor-parallel position the
+slowest copy's measurements are taken (a straggler in any group holds every group back at the
+step's data-parallel synchronisation). Pipeline stages hold different layers: each stage
+decides from its own rows (``stage``), so its in-layer ops balance its own tensor-parallel
+group. Each group's own rows stay in ``Agreed.rows`` for the log.
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-HEADER = 7
+HEADER = 8
 """Fields before the compute times: tp_rank, group, step_time, bandwidth, move_s,
-weight_bytes, allreduce_bytes."""
+weight_bytes, allreduce_bytes, stage."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +43,8 @@ class Report:
     """Bytes of its tensor-parallel weight shards."""
     allreduce_bytes: float = 0.0
     """Median all-reduce payload bytes per step."""
+    stage: int = 0
+    """Its pipeline stage (0 without pipeline parallelism)."""
 
 
 def pack(report: Report, window: int) -> list[float]:
@@ -55,6 +59,7 @@ def pack(report: Report, window: int) -> list[float]:
         report.move_s,
         report.weight_bytes,
         report.allreduce_bytes,
+        float(report.stage),
         *padded,
     ]
 
@@ -62,26 +67,38 @@ def pack(report: Report, window: int) -> list[float]:
 def unpack(row: Sequence[float]) -> Report:
     """Inverse of :func:`pack` (NaN padding dropped)."""
     times = tuple(t for t in row[HEADER:] if not math.isnan(t))
-    return Report(int(row[0]), int(row[1]), times, *[float(v) for v in row[2:HEADER]])
+    step_time, bandwidth, move_s, weights, allreduce = (float(v) for v in row[2 : HEADER - 1])
+    return Report(
+        int(row[0]),
+        int(row[1]),
+        times,
+        step_time,
+        bandwidth,
+        move_s,
+        weights,
+        allreduce,
+        stage=int(row[HEADER - 1]),
+    )
 
 
 @dataclass(frozen=True, slots=True)
 class Agreed:
-    """Every rank's report, and per tensor-parallel position the slowest copy's."""
+    """One pipeline stage's reports, and per tensor-parallel position the slowest copy's."""
 
     rows: tuple[Report, ...]
     positions: tuple[Report, ...]
     """Per tensor-parallel position, the report with the largest median compute."""
 
     @staticmethod
-    def complete(rows: Sequence[Sequence[float]], tp_size: int) -> bool:
-        """Whether every tensor-parallel position has a report with compute times."""
-        reports = [unpack(row) for row in rows]
+    def complete(rows: Sequence[Sequence[float]], tp_size: int, stage: int = 0) -> bool:
+        """Whether every tensor-parallel position of ``stage`` has a report with compute times."""
+        reports = [r for row in rows if (r := unpack(row)).stage == stage]
         return all(any(r.tp_rank == p and r.compute for r in reports) for p in range(tp_size))
 
     @classmethod
-    def of(cls, rows: Sequence[Sequence[float]], tp_size: int) -> Agreed:
-        reports = tuple(unpack(row) for row in rows)
+    def of(cls, rows: Sequence[Sequence[float]], tp_size: int, stage: int = 0) -> Agreed:
+        """The view of pipeline stage ``stage`` (every row without pipeline parallelism)."""
+        reports = tuple(r for row in rows if (r := unpack(row)).stage == stage)
         positions = []
         for position in range(tp_size):
             mine = [r for r in reports if r.tp_rank == position and r.compute]

@@ -7,6 +7,7 @@ and adds the result to its step seam.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -35,22 +36,21 @@ def build_balancer(
 ) -> BalanceController:
     """The controller of ``plugin.config.balancer`` for the booster's ``model``/``optimizer``.
 
-    With replan or semi and no ``plan.reference_tflops`` the device model is measured once
-    more here (``utils.probe.probe_world``: one all_reduce over the world, on every rank),
-    as the plugin's own planning did, so that the re-planner plans with the same figures.
-    Decisions go to ``balance_rank{r}.jsonl`` in ``metrics_dir`` (kept in memory only when
-    None). With resize, migrate or semi the in-layer actuator (balance/actuator.py) gets the
+    With replan or semi at ``parallel.pp`` 1 and no ``plan.reference_tflops`` the device model
+    is measured again (``utils.probe.probe_world``, one world all_reduce), as the plugin's own
+    planning did, for the re-planner. With pp > 1 there is no re-planner (semi picks among the
+    in-layer actions) and each pipeline stage agrees on its own rows. Decisions go to
+    ``balance_rank{r}.jsonl`` in ``metrics_dir`` (in memory only when None). With resize,
+    migrate or semi, ``layer_ops`` (``LayerOps``, or the plugin's choice with its interface:
+    2D SUMMA layers' ``tp2d.resize.LayerOps2D``, whose ``apply``/``refresh`` gather priority
+    scores over the mesh, so every rank calls them at the same step) gets the unwrapped
     model's resizable layers and, with ``balancer.freeze_dropped``, wraps the optimizer's
-    inner ``step`` to freeze the dropped columns. ``layer_ops`` builds that actuator from the
-    unwrapped model: ``LayerOps``, or the plugin's choice with LayerOps' interface (2D SUMMA
-    layers: ``tp2d.resize.LayerOps2D``, whose ``apply``/``refresh`` gather priority scores over
-    the mesh, so every rank calls them at the same step, as the controller does).
+    inner ``step`` to freeze the dropped columns.
     """
-    config = plugin.config
-    settings = config.balancer
-    tp_group = plugin.engine.tp_group
-    world = dist.get_world_size()
-    if settings.mode in ("replan", "semi") and needs_calibration(config):
+    config, tp_group = plugin.config, plugin.engine.tp_group
+    settings, world = config.balancer, dist.get_world_size()
+    replans = settings.mode in ("replan", "semi") and plugin.pp_size == 1  # pp > 1: in-layer only
+    if replans and needs_calibration(config):
         from colossal_hetero.utils.probe import probe_world
 
         config = calibrated(config, probe_world(plugin.device))
@@ -66,7 +66,7 @@ def build_balancer(
         ops.install_freeze(optimizer)
     actuator = Actuator(
         widths=current,
-        plan=lambda speeds: plan_widths(config, hf_model, world, workload, speeds),
+        plan=partial(plan_widths, config, hf_model, world, workload) if replans else None,
         resize=lambda widths: plugin.resize(model, optimizer, widths),
         ops=ops,
         compute=key_compute(hf_model, workload, world // plugin.tp_size),
@@ -74,17 +74,17 @@ def build_balancer(
     weight_bytes = sum(
         p.numel() * p.element_size() for p in hf_model.parameters() if layout_of(p) is not None
     )
-    log = DecisionWriter(metrics_dir, "balance", plugin.rank)
     return BalanceController(
         settings,
         tp_size=plugin.tp_size,
         tp_rank=dist.get_rank(tp_group),
         group_index=min(dist.get_process_group_ranks(tp_group)),
+        stage=plugin.stage_manager.stage if plugin.pp_size > 1 else 0,
         planned_for=declared_speeds(config.cluster.speeds(world), plugin.tp_size),
         weight_bytes=float(weight_bytes),
         actuator=actuator,
         device=plugin.device,
-        log=log,
+        log=DecisionWriter(metrics_dir, "balance", plugin.rank),
     )
 
 

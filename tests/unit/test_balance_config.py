@@ -43,7 +43,8 @@ def test_run_config_passes_the_balancer_to_the_plugin():
     ("mode", "parallel", "plan", "message"),
     [
         ("detect", {"tp": 1}, {}, r"needs parallel\.tp > 1, got 1"),
-        ("replan", {"tp": 2, "pp": 2}, {}, r"pipeline stages \(parallel\.pp 2\)"),
+        ("replan", {"tp": 2, "pp": 2}, {}, r"pipeline stages \(parallel\.pp 2\); use semi"),
+        ("semi", {"tp": 2, "pp": 2, "zero_stage": 1, "precision": "bf16"}, {}, r"zero_stage 1"),
         ("semi", {"tp": 2, "zero_stage": 1, "precision": "bf16"}, {}, r"parallel\.zero_stage 1"),
         ("replan", {"tp": 2}, {"model_spec": "fx"}, r"plan\.model_spec fx is not supported"),
     ],
@@ -68,7 +69,8 @@ def test_accepted_layouts():
     replan = HeteroConfig(parallel=ParallelConfig(tp=2), balancer=BalancerConfig(mode="replan"))
     check_balancer(replan)
     assert needs_resizable(replan)
-    for mode in ("resize", "migrate"):  # in-layer ops: any DP/PP layout, resizable layers
+    # in-layer ops: any DP/PP layout, resizable layers (semi with pp > 1: in-layer actions only)
+    for mode in ("resize", "migrate", "semi"):
         config = HeteroConfig(
             parallel=ParallelConfig(tp=2, pp=2),
             balancer=BalancerConfig(mode=mode),  # type: ignore[arg-type]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -256,3 +257,24 @@ def test_rows_pack_unpack_and_the_slowest_copy_per_position():
     # bandwidth: the highest rank's (the last to arrive waits for the transfer alone)
     assert agreed.step_time == 0.7 and agreed.bandwidth == 2e9 and agreed.move_s == 0.3
     assert agreed.groups() == {0: [0.1, 0.11], 2: [0.105, 0.4]}
+
+
+def test_each_pipeline_stage_agrees_on_its_own_rows():
+    """tp=2 x pp=2: stage 1's position 1 is 4x slow; stage 0 decides from its own rows (its
+    positions, step time, bandwidth and completeness), stage 1 from its own."""
+    reports = [
+        Report(0, 0, (0.1, 0.1), 0.5, 1e9, 0.0, 100.0, 10.0, stage=0),
+        Report(1, 0, (0.1, 0.12), 0.5, 2e9, 0.0, 100.0, 10.0, stage=0),
+        Report(0, 2, (0.11, 0.1), 0.6, 3e9, 0.0, 100.0, 10.0, stage=1),
+        Report(1, 2, (), 0.7, 0.0, 0.0, 100.0, 10.0, stage=1),
+    ]
+    rows = [pack(r, 3) for r in reports]
+    assert [unpack(row) for row in rows] == reports
+    first = Agreed.of(rows, 2, stage=0)
+    assert first.positions == tuple(reports[:2]) and first.rows == tuple(reports[:2])
+    assert first.step_time == 0.5 and first.bandwidth == 2e9
+    assert Agreed.complete(rows, 2, stage=0) and not Agreed.complete(rows, 2, stage=1)
+    rows[3] = pack(replace(reports[3], compute=(0.4, 0.4)), 3)
+    second = Agreed.of(rows, 2, stage=1)
+    assert second.times == (pytest.approx(0.105), 0.4) and second.step_time == 0.7
+    assert second.groups() == {2: [0.105, 0.4]} and second.bandwidth == 3e9
