@@ -514,3 +514,36 @@ def test_semi_re_plans_when_the_refitted_fraction_moves_the_plan(monkeypatch):
         assert controller.fixed_fraction == pytest.approx(0.15)
     assert moves["semi"] == moves["replan"] == [{"ffn": (80, 16)}, {"ffn": (84, 12)}]
     assert cluster.times(20) == pytest.approx([1.6e-3, 1.6e-3])
+
+
+def test_semi_without_a_re_planner_picks_in_layer(monkeypatch):
+    """pp > 1 (the actuator has no planner): the 4x straggler that a cheap re-plan moves at
+    step 8 above gets SEMI's in-layer pick there instead, and every semi record says why."""
+    cluster = _Cluster()
+    controller = _controller(cluster, "semi", monkeypatch)
+    controller.actuator = replace(controller.actuator, plan=None)
+    _drive(controller, cluster, 15)
+    assert cluster.moves == [] and cluster.ops.applied
+    assert [step for step, _ in _in_layer(controller)][0] == 8
+    semi = [r for r in controller.log.records if "semi" in r["decision"]]
+    assert semi and all(r["decision"]["replan"] == "replan unavailable: pp > 1" for r in semi)
+    assert all(r["decision"]["semi"]["action"] != "replan" for r in semi)
+    assert all(r["decision"]["executed"] != "replan" for r in semi)
+
+
+def test_semi_without_a_re_planner_takes_no_fallback_re_plan(monkeypatch):
+    """As ``test_semi_re_plans_when_its_in_layer_pick_would_not_run`` (no op gains anything
+    net), but with no planner (pp > 1): nothing runs, neither ops nor a move."""
+    import math
+
+    from colossal_hetero.balance import semi as semi_module
+
+    monkeypatch.setattr(semi_module, "comm_time", lambda *args: math.inf)
+    cluster = _Cluster()
+    controller = _controller(cluster, "semi", monkeypatch)
+    controller.actuator = replace(controller.actuator, plan=None)
+    controller.settings = replace(controller.settings, accuracy_weight=1.0)
+    _drive(controller, cluster, 15)
+    assert cluster.ops.applied == [] and cluster.moves == []
+    flagged = [r for r in controller.log.records if r["inputs"]["stragglers"] == [1]]
+    assert flagged and all(r["decision"]["executed"] in ("none", "keep") for r in flagged)
