@@ -25,8 +25,10 @@ class BalancerConfig:
     each straggler's surplus columns are computed by the unflagged ranks, losslessly; replan:
     re-plan the widths with measured speeds and resize between steps when the gain pays for
     the move; semi: the SEMI cost-benefit policy picks none, resize, migrate, migrate+resize
-    or replan per straggler and re-evaluates it at every agreement. Under parallel.tp_mode 2d:
-    detect or resize (ZERO-resizing inside the SUMMA steps) only."""
+    or replan per straggler and re-evaluates it at every agreement. With parallel.pp > 1 each
+    pipeline stage decides for its own TP groups; replan is refused there and semi picks
+    only none, resize, migrate or migrate+resize. Under parallel.tp_mode 2d: detect or
+    resize (ZERO-resizing inside the SUMMA steps) only."""
 
     every: int = 5
     """Steps between agreements: one small all_gather over the world group every this many
