@@ -22,18 +22,9 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
+from tests.unit.test_moe_config import HF as MIXTRAL_HF
 
-HF = {
-    "num_hidden_layers": 2,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "num_local_experts": 4,
-    "num_experts_per_tok": 2,
-    "max_position_embeddings": 64,
-    "router_aux_loss_coef": 0.02,
-}
+HF = {**MIXTRAL_HF, "router_aux_loss_coef": 0.02}
 STEPS, EVERY = 6, 3
 
 

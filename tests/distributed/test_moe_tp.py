@@ -32,32 +32,13 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
+from tests.distributed.test_moe_plugin import _model  # the same tiny Mixtral (vocab 256)
 from tests.tolerances import chain_atol, transformer_depth
 
 LAYERS, HIDDEN, FFN, EXPERTS, SEQ, PER_RANK, LR, TP = 2, 16, 32, 4, 8, 2, 0.1, 2
 VOCAB = 256  # a multiple of 64 * TP: the vocab-parallel embedding adds no padding rows
 K_MAX = max(HIDDEN, FFN, SEQ * PER_RANK * 4, VOCAB)  # up to 4 data-parallel shards
 MAX_NORM = 0.5  # below the gradients' norm (about 1-2 here): the step really clips
-
-
-def _model():  # type: ignore[no-untyped-def]
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    config = MixtralConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=FFN,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        num_local_experts=EXPERTS,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-        output_router_logits=True,
-        router_aux_loss_coef=0.05,
-    )
-    torch.manual_seed(0)
-    return MixtralForCausalLM(config)
 
 
 def _full(local: torch.Tensor, shape: torch.Size, group) -> torch.Tensor:  # type: ignore[no-untyped-def]

@@ -24,13 +24,15 @@ HF = {
 }
 
 
-def _run(parallel: dict, moe: dict | None = None, hf: dict | None = None) -> RunConfig:
+def _run(parallel: dict, moe: dict | None = None, hf: dict | None = None, **extra) -> RunConfig:  # type: ignore[no-untyped-def]
+    """A tiny Mixtral run config; ``extra`` adds top-level sections (``cluster=...``)."""
     data = {
         "model": {"arch": "mixtral", "hf": {**HF, **(hf or {})}},
         "data": {"seq_len": 16, "global_batch_size": 8},
         "parallel": parallel,
         "moe": moe or {},
         "train": {"eval_every": 0},
+        **extra,
     }
     return from_dict(RunConfig, data)
 
@@ -45,18 +47,8 @@ def test_shipped_config_validates_as_ep2_dp2() -> None:
 def test_devices_listed_for_their_speeds_validate() -> None:
     """An expert-parallel run lists cluster.devices for re-placement's speeds; the planner's
     dense memory model (which has no experts) must not reject it."""
-    data = {"devices": [{"speed": 1.0}, {"speed": 1.0}, {"speed": 0.5}, {"speed": 0.5}]}
-    config = from_dict(
-        RunConfig,
-        {
-            "model": {"arch": "mixtral", "hf": HF},
-            "data": {"seq_len": 16, "global_batch_size": 8},
-            "parallel": {"ep": 2},
-            "moe": {"replace_every": 5},
-            "cluster": data,
-            "train": {"eval_every": 0},
-        },
-    )
+    devices = [{"speed": 1.0}, {"speed": 1.0}, {"speed": 0.5}, {"speed": 0.5}]
+    config = _run({"ep": 2}, {"replace_every": 5}, cluster={"devices": devices})
     assert validate_run(config, 4) == 4
 
 

@@ -10,37 +10,16 @@ from pathlib import Path
 import pytest
 
 from colossal_hetero.config.balancer import BalancerConfig
-from colossal_hetero.config.loader import ConfigError, from_dict, load_config
+from colossal_hetero.config.loader import ConfigError, load_config
 from colossal_hetero.config.parallel import ParallelConfig
-from colossal_hetero.config.schema import HeteroConfig, PlanConfig, RunConfig
+from colossal_hetero.config.schema import HeteroConfig, PlanConfig
 from colossal_hetero.moe.checks import check_moe_run
 from colossal_hetero.preflight import validate_run
 from colossal_hetero.preflight.validate import validate_layout
+from tests.unit.test_moe_config import _run
 
 ROOT = Path(__file__).resolve().parents[2]
-HF = {
-    "num_hidden_layers": 2,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "num_local_experts": 4,
-    "num_experts_per_tok": 2,
-    "max_position_embeddings": 64,
-}
 EP2_TP2 = {"ep": 2, "tp": 2}
-
-
-def _run(parallel: dict, moe: dict | None = None, hf: dict | None = None, **extra) -> RunConfig:  # type: ignore[no-untyped-def]
-    data = {
-        "model": {"arch": "mixtral", "hf": {**HF, **(hf or {})}},
-        "data": {"seq_len": 16, "global_batch_size": 8},
-        "parallel": parallel,
-        "moe": moe or {},
-        "train": {"eval_every": 0},
-        **extra,
-    }
-    return from_dict(RunConfig, data)
 
 
 def test_shipped_config_validates_as_ep2_tp2() -> None:
