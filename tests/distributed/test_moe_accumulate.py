@@ -21,8 +21,9 @@ Checks per step:
 - each chunk of each group is all-reduced exactly once, in order, and the sequence is the same
   on the ranks of each group; every rank issued the same number of a2a's (no hang);
 - priority and chunking stay on: no chunk launches inside an a2a call (nor, with gap fitting
-  off, inside a pending span), and chunks of the last micro-step's backward launch before the
-  flush (with gap fitting on: from the second step, once the gaps are known);
+  off, inside a pending span), and with gap fitting off chunks of the last micro-step's
+  backward launch before the flush (with it on, whether a chunk fits a gap depends on the
+  host's timing, so only the gating is checked);
 - the norm clipped by equals ``torch.nn.utils.clip_grad_norm_``'s on the reference (and is the
   same on every rank); the clip binds (norm > 2 max_norm); after the SGD step the parameters
   equal the reference's after clip_grad_norm_ and the same step.
@@ -80,7 +81,7 @@ def _check(rank: int, world_size: int, device: torch.device, fit: bool = False) 
     for gate in _gates(inner) + _gates(reference):
         gate.register_forward_hook(lambda m, i, out: out + bias[0])
     generator = torch.Generator().manual_seed(3)
-    for step, (skews, sync_last) in enumerate(STEPS + STEPS_ALL_LOCAL):
+    for skews, sync_last in STEPS + STEPS_ALL_LOCAL:
         batch = torch.randint(0, 256, (MICRO * world_size * PER_RANK, SEQ), generator=generator)
         shards = batch.split(PER_RANK)
         _reference_backward(reference, shards, skews, world_size, bias)
@@ -95,9 +96,10 @@ def _check(rank: int, world_size: int, device: torch.device, fit: bool = False) 
         t_flush = time.perf_counter()
         comm.flush()
         _compare_grads(inner, reference, skews)
-        # Chunks before the flush: from the syncing backward; with fit only once a step's gaps
-        # are known (step 0 holds every chunk for the flush, see moe/comm.py).
-        overlaps = sync_last and (step > 0 or not fit)
+        # Chunks before the flush: from the syncing backward. Not asserted with fit: a chunk
+        # goes only if its predicted all-reduce ends inside a measured gap, which a loaded
+        # host can make too short for any chunk (CI saw none go once), so only safety holds.
+        overlaps = sync_last and not fit
         _check_sequences(plugin, comm, world_size, skews, t_flush if overlaps else None, fit)
         _check_group_norms(plugin, optimizer, reference, skews)
         _check_clipped_step(inner, reference, optimizer, world_size, skews)
@@ -215,8 +217,8 @@ def test_accumulate_and_clip_ep2_match_single_process() -> None:
 
 @pytest.mark.timeout(300)
 def test_accumulate_and_clip_ep2_with_gap_fitting() -> None:
-    """The same with moe.fit_gaps on (the default): chunks go in the gaps the last steps'
-    a2a calls left, across the micro-steps of a step, still never inside an a2a call."""
+    """The same with moe.fit_gaps on (the default): chunks may go in the gaps the last steps'
+    a2a calls left, across the micro-steps of a step, never inside an a2a call."""
     run_distributed(_check, 2, force_cpu=True, fit=True)
 
 
