@@ -124,10 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     if notice and rank == 0:
         print(wrap(f"colossal-hetero: {notice}"), file=sys.stderr)
 
-    import torch.distributed as dist
-
     from colossal_hetero.plugin import init_distributed
     from colossal_hetero.training.trainer import run_training
+    from colossal_hetero.utils.teardown import close_process_group
 
     device = init_distributed(config.cluster, seed=config.train.seed)
     try:
@@ -136,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(error_line(error, rank) + "\n")
         return 2
     finally:
-        dist.destroy_process_group()
+        close_process_group()
     if rank == 0:
         print(format_results(result.val_losses, result.val_accuracy))
     return 0

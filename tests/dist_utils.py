@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from colossal_hetero.utils.device import backend_for, bind_device, cuda_device_count
+from colossal_hetero.utils.teardown import close_process_group
 
 
 def _entry(
@@ -40,10 +40,7 @@ def _entry(
         traceback.print_exc()
         raise
     finally:
-        # torch 2.5's gloo group can deadlock in destroy while a just-finished op's tensor is
-        # being freed (fixed upstream in pytorch PR #154976); a short pause avoids the race.
-        time.sleep(0.2)
-        dist.destroy_process_group()
+        close_process_group()
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, **kwargs: Any) -> None:

@@ -39,7 +39,6 @@ import os
 import pickle
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -47,6 +46,7 @@ from typing import Any
 from colossal_hetero.config.schema import NetworkEmulationConfig
 from colossal_hetero.emulation.shaped.controller import STEP_DIR_ENV, report_step
 from colossal_hetero.emulation.shaped.topology import SHAPED_ENV
+from colossal_hetero.utils.teardown import close_process_group
 
 SHAPED_BENCH_TIMEOUT_S = 1800.0
 """Default bound on one shaped launch (exit 124 and full cleanup after it)."""
@@ -167,8 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         result = fn(rank=rank, world_size=world, device=torch.device("cpu"), **kwargs)
         Path(args.dir, f"result_{rank}.json").write_text(json.dumps(result))
     finally:
-        time.sleep(0.2)  # torch 2.5 gloo teardown race, see tests/dist_utils.py
-        dist.destroy_process_group()
+        close_process_group()
     return 0
 
 

@@ -10,7 +10,6 @@ import json
 import os
 import pickle
 import tempfile
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +19,7 @@ import torch.multiprocessing as mp
 
 from colossal_hetero.utils.device import backend_for, bind_device, local_device
 from colossal_hetero.utils.quiet import no_idle_compile_workers, quiet_optional_kernel_warnings
+from colossal_hetero.utils.teardown import close_process_group
 
 
 def _entry(rank: int, world_size: int, folder: str, payload: bytes) -> None:
@@ -46,8 +46,7 @@ def _entry(rank: int, world_size: int, folder: str, payload: bytes) -> None:
         with open(os.path.join(folder, f"result_{rank}.json"), "w") as handle:
             json.dump(result, handle)
     finally:
-        time.sleep(0.2)  # torch 2.5 gloo teardown race, see tests/dist_utils.py
-        dist.destroy_process_group()
+        close_process_group()
 
 
 def spawn_ranks(fn: Callable[..., Any], world_size: int, **kwargs: Any) -> list[Any]:

@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from colossal_hetero.utils.teardown import close_process_group
 from tests.dist_utils import run_distributed
 from tests.distributed.test_moe_plugin import LAYERS, PER_RANK, SEQ, _model
 
@@ -165,4 +166,4 @@ def test_chooser_gives_up_and_decides_by_hand(tmp_path) -> None:  # type: ignore
     try:
         _single_rank_choices()
     finally:
-        dist.destroy_process_group()
+        close_process_group()

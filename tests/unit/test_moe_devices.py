@@ -25,6 +25,7 @@ from colossal_hetero.bench.moe_devices import (
     scoped_step,
     stretch_interceptor,
 )
+from colossal_hetero.utils.teardown import close_process_group
 
 CPU = torch.device("cpu")
 
@@ -38,7 +39,7 @@ def one_rank_group() -> Iterator[None]:
         try:
             yield
         finally:
-            dist.destroy_process_group()
+            close_process_group()
 
 
 def test_every_rank_gets_the_same_device_and_none_means_no_emulation() -> None:
