@@ -15,10 +15,10 @@ interleaved round by round on the rounds helper, through three phases:
   the plugin plans each stage's tensor-parallel widths (uneven on the stage with the slow
   device), and are given each stage's per-block and fixed seconds measured at those speeds
   and widths at the start of the run on Colossal-AI's 1F1B
-  (``pipeline_worker.measure_stage_times``) as ``plan.stage_times``: the plugin plans the
+  (``pipeline_split.measure_stage_times``) as ``plan.stage_times``: the plugin plans the
   split from them, as for a user. The near-tied splits the measurement cannot separate are
   then run a few steps each with ``pipeline.split_trial.pick_split`` and the fastest is kept
-  (``pipeline_worker.try_splits``; a split other than the plugin's is then configured as
+  (``pipeline_split.try_splits``; a split other than the plugin's is then configured as
   ``parallel.num_layers_per_stage``, the user recipe of docs/pipeline.md).
 
 Every figure is a median of per-round ratios of the slowest rank's step times (paired: one
@@ -398,6 +398,21 @@ def run_layout(spec: BenchSpec) -> dict[str, Any]:
     return results[0]  # type: ignore[no-any-return]
 
 
+def layout_timings(result: dict[str, Any], launched: float, ended: float) -> dict[str, float]:
+    """Where one layout's wall time went (seconds): ``launch_s`` (namespaces, links, the ranks'
+    imports and process group, up to the worker's start), the worker's set-up parts, each
+    phase's rounds, and ``exit_s`` (closing the plugins, leaving, taking the links down).
+    ``time.time()`` on one host: the driver's ``launched`` / ``ended``, rank 0's marks."""
+    marks = result.get("timings", {})
+    out = {key: value for key, value in marks.items() if key.endswith("_s")}
+    if "entered_at" in marks:
+        out["launch_s"] = marks["entered_at"] - launched
+        out["exit_s"] = ended - marks["left_at"]
+    for name, phase in result["phases"].items():
+        out[f"phase_{name}_s"] = phase["elapsed_s"]
+    return out
+
+
 def run_pipeline_benchmark(*, quick: bool, json_path: str = "") -> int:
     """``colossal-hetero bench pipeline``: print the table, write JSON; 0 when it ran."""
     from rich.console import Console
@@ -414,7 +429,7 @@ def run_pipeline_benchmark(*, quick: bool, json_path: str = "") -> int:
     only = os.environ.get(LAYOUTS_ENV, "")
     for spec in selected_layouts(build_specs(quick, mode), only):
         console.print(f"[bold]bench pipeline[/]: {spec.name} on {WORLD} ranks ({mode} links)")
-        t0 = time.perf_counter()
+        t0, launched = time.perf_counter(), time.time()
         result = run_layout(spec)
         figures = layout_figures(spec.to_dict(), result)
         layouts[spec.name] = {
@@ -422,6 +437,7 @@ def run_pipeline_benchmark(*, quick: bool, json_path: str = "") -> int:
             "figures": figures,
             "table": variant_table(spec.to_dict(), result),
             "wall_s": time.perf_counter() - t0,
+            "timings": layout_timings(result, launched, time.time()),
             "result": result,
         }
     report: dict[str, Any] = {

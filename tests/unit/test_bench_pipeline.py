@@ -311,7 +311,7 @@ def test_the_first_step_after_a_stretch_is_preceded_by_an_unrecorded_one(monkeyp
 
     monkeypatch.setattr(worker, "report_bench_step", lambda rank, number: None)
     monkeypatch.setattr(worker.dist, "barrier", lambda: None)
-    monkeypatch.setattr(worker, "_gather", lambda row: [row] * 4)
+    monkeypatch.setattr(worker, "gather_rows", lambda row: [row] * 4)
     phases = worker.Phases(spec, rank=0)
     fakes: list[Any] = [FakeRunner(), FakeRunner()]
     first, second = (phases.variant(fake) for fake in fakes)
@@ -353,13 +353,13 @@ class _FakeProbe:
 
 @pytest.mark.parametrize("warm", [0, 1])
 def test_stage_times_probe_warms_only_a_fresh_probe_and_off_the_stretch(monkeypatch, warm):
-    from colossal_hetero.bench import pipeline_worker as worker
+    from colossal_hetero.bench import pipeline_split as split
 
-    monkeypatch.setattr(worker, "_gather", lambda row: [row] * 2)
+    monkeypatch.setattr(split, "gather_rows", lambda row: [row] * 2)
     stretch = _FakeStretch()
     probe = _FakeProbe(stretch, steps=warm)
     spec = {"m": 4, "pp": 1}
-    got = worker.measure_stage_times(probe, stretch, [0, 0], spec, steps=3)  # type: ignore[arg-type]
+    got = split.measure_stage_times(probe, stretch, [0, 0], spec, steps=3)  # type: ignore[arg-type]
     # A fresh probe: one unrecorded step without the stretch, then 3 with it; a warm one: 3.
     assert probe.log == ([False] if warm == 0 else []) + [True, True, True]
     assert not stretch.enabled
