@@ -1,0 +1,398 @@
+"""Link time from the per-message timestamps of a measured pipeline step. Pure (no torch).
+
+A sender notes when each message went onto the link (its
+``isend``s issued), a receiver when it posted each message's receive and when the message
+arrived. The receiver knows the arrival only when it was blocked in ``wait()`` (the data was not
+there yet: it returned on arrival); an arrival it did not wait for is recorded as ``-1``. A
+message can move only once it is sent, its receive is posted and the message before it on the
+link has landed, so one blocked receive gives one sample of the link time:
+``arrived_j - max(sent_j, posted_j, arrived_{j-1})`` (the last term only when message
+``j - 1``'s receive blocked too, else its arrival is unknown). The direction's link time is
+the median sample (robust to the odd wait that blocked for other reasons), 0 when no
+receive blocked (then the transfers were hidden: the link did not hold anyone up). A boundary's
+time is the larger of its two directions (the simulator runs both on one trace). The times of
+all ranks must be on one clock: ``time.time()``, which ranks on one host share exactly and
+ranks on several hosts share to their clock synchronisation.
+"""
+
+from __future__ import annotations
+
+import statistics
+from bisect import bisect_left, bisect_right
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from itertools import zip_longest
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from colossal_hetero.pipeline.profile import RankRecord
+
+NOT_BLOCKED = -1.0
+"""The arrival time recorded for a receive whose ``wait()`` found the data already there."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Message:
+    """One message of a step as its two ends saw it (clock times; see the module doc)."""
+
+    release: float
+    """When it could move: sent, and its receive posted."""
+    src: int
+    dst: int
+    kind: tuple[str, int, int]
+    """(``"F"`` or ``"B"``, boundary, the sending stage's rank of that pipeline column)."""
+    arrived: float
+    asked: float
+    sent: float
+    index: int
+    """Its place in its direction's messages of the step (0: the first, which carries the
+    step's metadata and moves only once its receiver asks for it)."""
+
+
+def _messages(records: Sequence[RankRecord]) -> list[_Message]:
+    """Every message between pipeline neighbours, in the order they could move."""
+    by_rank = {r.rank: r for r in records}
+    out = []
+    for r in records:
+        if r.next_rank is None:
+            continue
+        if r.next_rank not in by_rank:
+            raise ValueError(f"records: rank {r.rank}'s next-stage peer has no record")
+        nxt = by_rank[r.next_rank]
+        for op, src, dst, ends in (
+            ("F", r, nxt, (r.sent_next, nxt.posted_prev, nxt.arrived_prev, nxt.asked_prev)),
+            ("B", nxt, r, (nxt.sent_prev, r.posted_next, r.arrived_next, r.asked_next)),
+        ):
+            sent, posted, arrived, asked = ends
+            for j in range(min(len(sent), len(posted), len(arrived))):
+                when = asked[j] if j < len(asked) else NOT_BLOCKED
+                kind = (op, r.stage, r.rank)
+                release = max(sent[j], posted[j])
+                out.append(
+                    _Message(release, src.rank, dst.rank, kind, arrived[j], when, sent[j], j)
+                )
+    return sorted(out, key=lambda m: (m.release, m.src, m.dst, m.kind))
+
+
+def _seconds(
+    msg: _Message,
+    history: Sequence[tuple[float, float]],
+    seen: float,
+    crossing: Sequence[Sequence[float]] = (),
+    unseen: Sequence[Sequence[tuple[float, float]]] = (),
+) -> tuple[float, str, float]:
+    """Link seconds of one message that landed at ``msg.arrived``: the least of the upper
+    bounds a first-in first-out link of constant time per message gives. ``history`` holds the
+    earlier messages of its direction, ``(release, landing seen or NOT_BLOCKED)`` in order:
+    messages ``i .. j`` all moved after ``release_i``, one at a time, and after a landing seen
+    on message ``i`` the rest did. ``seen``: the last landing seen on the ports it shares with
+    other directions (it moved after that, too). ``crossing``: per port it crossed, the landings
+    of the other directions there, sorted; those between a landing seen and this one took that
+    port's time too, and so did those the receiver found landed (``unseen``, per port:
+    ``(release, asked)``: it landed between the two) when released after that landing and asked
+    for before this one. The ports work side by side, so the busiest of them bounds the time
+    (session 10: summing both ports' messages halved it on a middle stage of PP=4).
+    Also which bound it is: ``"queued"`` (after a landing seen: the link's time per message
+    alone), ``"alone"`` (its own release, no message ahead: its time per message plus any
+    latency) or ``"burst"`` (an earlier release); and for ``"queued"``, how long before that
+    landing the message was released."""
+    best = msg.arrived - max(msg.release, seen)
+    how, ahead = ("alone", 0.0) if msg.release >= seen else ("queued", seen - msg.release)
+    for n, (release, landed) in enumerate(reversed(history), start=2):
+        if landed != NOT_BLOCKED:  # crossing is sorted: count landed < t < arrived by bisection
+            between = _busiest_port(crossing, unseen, landed, msg.arrived)
+            bound, kind = (msg.arrived - landed) / (n - 1 + between), "queued"
+        else:
+            bound, kind = (msg.arrived - release) / n, "burst"
+        if bound < best:
+            best, how, ahead = bound, kind, landed - msg.release
+        if landed != NOT_BLOCKED:
+            break
+    return max(0.0, best), how, ahead
+
+
+def _busiest_port(
+    crossing: Sequence[Sequence[float]],
+    unseen: Sequence[Sequence[tuple[float, float]]],
+    after: float,
+    before: float,
+) -> int:
+    """The most messages of other directions one port carried strictly between ``after`` and
+    ``before``: its landings there (sorted: counted by bisection) and its messages found landed
+    (``(release, asked)`` both inside)."""
+    counts = [
+        bisect_left(landings, before)
+        - bisect_right(landings, after)
+        + len([lo for lo, hi in spans if after < lo and hi < before])
+        for landings, spans in zip_longest(crossing, unseen, fillvalue=())
+    ]
+    return max([0, *counts])
+
+
+_Sample = tuple[float, str, float, float]
+"""One link sample (:func:`_seconds`): seconds, which bound, how long before the landing ahead
+it was released, and its delay from release to landing."""
+
+
+DESCHEDULED_S = 0.01
+"""Longest wait a receiver descheduled by the OS can show (about the kernel scheduler's latency
+period: 12 ms on 2 cores by default); a longer wait really waited for data."""
+
+
+def _waited(msg: _Message, seconds: float) -> bool:
+    """Whether the receiver really waited for the message: its wait blocked for at least half
+    of the message's link time, or longer than :data:`DESCHEDULED_S`. A short wait at the end
+    of a long interval is the receiver descheduled after the data had landed (a loaded host),
+    not a slow link."""
+    if msg.arrived == NOT_BLOCKED:
+        return False
+    if msg.asked == NOT_BLOCKED:
+        return True
+    return msg.arrived - msg.asked >= min(0.5 * seconds, DESCHEDULED_S)
+
+
+def _unseen_by_port(
+    messages: Sequence[_Message],
+) -> dict[tuple[str, int], list[tuple[tuple[str, int, int], tuple[float, float]]]]:
+    """Messages whose receiver found them landed, on each port they crossed: their kind and
+    ``(release, asked)`` (they landed in between)."""
+    unseen: dict[tuple[str, int], list[tuple[tuple[str, int, int], tuple[float, float]]]] = {}
+    for msg in messages:
+        if msg.arrived == NOT_BLOCKED and msg.asked != NOT_BLOCKED:
+            for port in (("up", msg.src), ("down", msg.dst)):
+                unseen.setdefault(port, []).append((msg.kind, (msg.release, msg.asked)))
+    return unseen
+
+
+def link_seconds(
+    records: Sequence[RankRecord], num_stages: int, shared_ports: bool = True
+) -> dict[str, tuple[float, ...]]:
+    """Seconds one message holds each boundary's link, activations and gradients apart, the
+    latency each direction adds after that, and the seconds of each direction's first message.
+
+    Each later message that the receiver really waited for (:func:`_waited`) gives one sample
+    (:func:`_seconds`): its direction is a first-in first-out link and, with ``shared_ports``,
+    it also queued behind the other direction's messages through the sender's upload or the
+    receiver's download (a rank's one network interface; the other direction's landings there,
+    seen or bounded, :func:`_unseen_by_port`). A direction splits into link time and latency
+    (:func:`_link_and_latency`); each is its slowest pipeline column's, 0 when no receive
+    waited (the transfers were hidden). The first message is timed from when it was both sent
+    and asked for to its arrival, less its direction's latency (which the simulator adds to
+    every landing): its tensors' receives are posted only then, after its metadata
+    (``pipeline/p2p.py``), and from the last landing of another direction before it on a
+    shared port it crossed (:func:`_ports_free`: the simulator queues it behind those too).
+    Links that let a lone message through at once and charge it after (token debt,
+    :func:`_debt_spacing`) split as :func:`_debt_link`. Keys: ``F``, ``B`` (per message),
+    ``LF``, ``LB`` (latency), ``F0``, ``B0`` (first messages), ``D`` (1: token debt), one value
+    per boundary. The same for any order of the records."""
+    history: dict[tuple[str, int, int], list[tuple[float, float]]] = {}
+    seen: dict[tuple[str, int], float] = {}
+    port_landings: dict[tuple[str, int], list[tuple[float, tuple[str, int, int]]]] = {}
+    samples: dict[tuple[str, int, int], list[_Sample]] = {}
+    unseen = _unseen_by_port(messages := _messages(records)) if shared_ports else {}
+    for msg in messages if shared_ports else _messages(records):
+        ports = [("up", msg.src), ("down", msg.dst)] if shared_ports else []
+        earlier = history.setdefault(msg.kind, [])
+        op, boundary, column = msg.kind
+        landed = NOT_BLOCKED
+        if msg.index == 0:  # it landed before it was asked for if its wait did not block
+            landed = msg.arrived
+            begin = max(msg.sent, msg.asked, _ports_free(port_landings, ports, msg))
+            first = 0.0 if landed == NOT_BLOCKED else max(0.0, landed - begin)
+            samples.setdefault((f"{op}0", boundary, column), []).append(
+                (first, "first", 0.0, first)
+            )
+        else:
+            latest = max([NOT_BLOCKED, *(seen.get(q, -1) for q in ports)])
+            crossing = [
+                sorted(t for t, kind in port_landings.get(q, []) if kind != msg.kind) for q in ports
+            ]
+            found = [[span for kind, span in unseen.get(q, []) if kind != msg.kind] for q in ports]
+            seconds, how, ahead = _seconds(msg, earlier, latest, crossing, found)
+            if _waited(msg, seconds):
+                delay = max(0.0, msg.arrived - msg.release)
+                samples.setdefault(msg.kind, []).append((seconds, how, ahead, delay))
+                landed = msg.arrived
+        earlier.append((msg.release, landed))
+        if landed != NOT_BLOCKED:
+            for port in ports:
+                seen[port] = max(seen.get(port, landed), landed)
+                port_landings.setdefault(port, []).append((landed, msg.kind))
+    downloads = _downloads(messages, unseen) if shared_ports else {}
+    return _per_boundary(samples, num_stages, downloads)
+
+
+_Download = tuple[list[tuple[float, tuple[str, int, int]]], list[tuple[Any, tuple[float, float]]]]
+"""One rank's download: the known arrivals there, ``(time, kind)`` in time order (first
+messages aside), and the messages found landed (``(kind, (release, asked))``)."""
+
+
+def _downloads(
+    messages: Sequence[_Message],
+    unseen: Mapping[tuple[str, int], Sequence[tuple[Any, tuple[float, float]]]],
+) -> dict[int, _Download]:
+    """Each receiving rank's :data:`_Download`."""
+    landed: dict[int, list[tuple[float, tuple[str, int, int]]]] = {}
+    for msg in messages:
+        landed.setdefault(msg.dst, [])
+        if msg.index > 0 and msg.arrived != NOT_BLOCKED:
+            landed[msg.dst].append((msg.arrived, msg.kind))
+    return {dst: (sorted(t), list(unseen.get(("down", dst), []))) for dst, t in landed.items()}
+
+
+MIN_PORT_LANDINGS = 5
+"""Known arrivals a download needs before :func:`_port_scale` bounds its times per message."""
+
+
+def _port_scale(download: _Download, seconds: Mapping[tuple[str, int, int], float]) -> float:
+    """At most 1: how far the times per message (``seconds`` per kind) of the messages into one
+    download must shrink to fit the time they took there. A first-in first-out port holds each
+    message for its time, so the messages landing over a run of consecutive arrivals took at
+    most that run's time; runs over half the arrivals leave out the step's fill and drain,
+    when the port idles. A queue ahead of the port (a tenant's, which messages wait out
+    together) delays them without spacing them apart: read per message, it would overstate
+    their times (PP=4 under the tenant: 20-27 ms per message on rank 2's download, which
+    carried both kinds at ~16 ms each)."""
+    landed, spans = download
+    if len(landed) < MIN_PORT_LANDINGS:
+        return 1.0
+    span, scale = (len(landed) - 1) // 2, 1.0
+    for i in range(len(landed) - span):
+        lo, hi = landed[i][0], landed[i + span][0]
+        kinds = [kind for _, kind in landed[i + 1 : i + span + 1]]
+        kinds += [kind for kind, (a, b) in spans if lo < a and b < hi]
+        need = sum(seconds.get(kind, 0.0) for kind in kinds)
+        if need > hi - lo:
+            scale = min(scale, (hi - lo) / need)
+    return scale
+
+
+def _per_boundary(
+    samples: Mapping[tuple[str, int, int], Sequence[_Sample]],
+    num_stages: int,
+    downloads: Mapping[int, _Download] | None = None,
+) -> dict[str, tuple[float, ...]]:
+    """:func:`link_seconds`' result from its samples per (kind, boundary, column); ``D`` is 1 on
+    every boundary when the step's links run in token debt (:func:`_debt_spacing`), else 0.
+    ``downloads`` (shared ports): each receiving rank's, whose times per message are fitted to
+    the time they took there (:func:`_port_scale`, :func:`_scaled`)."""
+    pooled = _debt_spacing(samples)
+    split = {
+        key: _debt_link(v, pooled)
+        if pooled is not None and key[0] in ("F", "B")
+        else _link_and_latency(v)
+        for key, v in samples.items()
+    }
+    per_message = {key: v[0] for key, v in split.items() if key[0] in ("F", "B")}
+    for download in (downloads or {}).values():
+        scale = _port_scale(download, per_message)
+        for key in {kind for _, kind in download[0]} & per_message.keys():
+            split[key] = _scaled(split[key], scale, debt=pooled is not None)
+
+    def slowest(key: str, part: int) -> tuple[float, ...]:
+        return tuple(
+            max([v[part] for (o, b, _), v in split.items() if (o, b) == (key, s)], default=0.0)
+            for s in range(num_stages - 1)
+        )
+
+    out: dict[str, tuple[float, ...]] = {}
+    for op in ("F", "B"):
+        out[op], out[f"L{op}"] = slowest(op, 0), slowest(op, 1)
+        firsts = zip(slowest(f"{op}0", 0), out[f"L{op}"], strict=True)
+        out[f"{op}0"] = tuple(max(0.0, x - lat) for x, lat in firsts)
+    out["D"] = (float(pooled is not None),) * (num_stages - 1)
+    return out
+
+
+def _scaled(split: tuple[float, float], scale: float, debt: bool) -> tuple[float, float]:
+    """A direction's (seconds per message, latency) with the time per message times ``scale``
+    (:func:`_port_scale`). A lone message keeps its delay: without token debt that is both
+    together, so what the time per message loses moves to the latency; under debt it is the
+    latency alone (the simulator lands such a message when it starts)."""
+    per_message, latency = split
+    if scale >= 1.0:
+        return split
+    return per_message * scale, latency if debt else latency + per_message * (1.0 - scale)
+
+
+DEBT_SHARE = 0.5
+"""Lone messages landing in less than this share of the queued ones' spacing show a shaper
+that lets a message through on credit and charges it after (:func:`_debt_spacing`)."""
+MIN_QUEUED = 3
+"""Queued samples a direction needs for its own time per message under token debt (fewer:
+the step's pooled spacing)."""
+
+
+def _debt_spacing(
+    samples: Mapping[tuple[str, int, int], Sequence[_Sample]],
+) -> float | None:
+    """The step's pooled time per message when its links run in token debt, else None.
+
+    A FIFO link (or one with latency) lands a lone message no sooner than a queued one follows
+    the one before it. tc's htb instead sends a packet whenever its bucket is not empty and
+    charges it after (a 16 KiB message is one GSO packet): lone messages land at once, queued
+    ones one transfer time apart (PP=4 at 20 Mbit/s: lone 0-3 ms, queued 6.6 ms). A direction
+    whose median lone sample is below :data:`DEBT_SHARE` of its median queued one shows it;
+    with any such direction the step's links are taken to be in debt, and the median of those
+    directions' queued samples is the pooled time per message (a k = 1 step has few queued
+    samples per direction: 0-13 in all)."""
+    pooled: list[float] = []
+    for key, values in samples.items():
+        if key[0] not in ("F", "B"):
+            continue
+        alone = [x for x, how, *_ in values if how == "alone"]
+        queued = [x for x, how, *_ in values if how == "queued"]
+        if alone and queued and statistics.median(alone) < DEBT_SHARE * statistics.median(queued):
+            pooled += queued
+    return statistics.median(pooled) if pooled else None
+
+
+def _debt_link(values: Sequence[_Sample], pooled: float) -> tuple[float, float]:
+    """(seconds per message, latency) of one direction under token debt: its median queued
+    sample (the step's ``pooled`` one with fewer than :data:`MIN_QUEUED`), and its median lone
+    sample as the latency (a lone message lands that long after it starts: the simulator adds
+    it to every landing, queued ones included, which then land one transfer time apart)."""
+    queued = [x for x, how, ahead, _ in values if how == "queued" and ahead > 0]
+    alone = [d for _, how, ahead, d in values if how == "alone" or ahead <= 0]
+    per_message = statistics.median(queued) if len(queued) >= MIN_QUEUED else pooled
+    return per_message, statistics.median(alone) if alone else 0.0
+
+
+def _ports_free(
+    landings: Mapping[tuple[str, int], Sequence[tuple[float, tuple[str, int, int]]]],
+    ports: Sequence[tuple[str, int]],
+    msg: _Message,
+) -> float:
+    """The last landing of another direction seen on ``msg``'s shared ports before ``msg``
+    landed (``NOT_BLOCKED`` if none). A first message that queued behind those (PP=4, k = 4: a
+    stage's first gradient behind the bursts of activations on its sender's upload and its
+    receiver's download, 46-57 ms where it takes ~13 alone) is queued behind them by the
+    simulator too, so its own time starts there, not at its send."""
+    before = [t for q in ports for t, kind in landings.get(q, ()) if kind != msg.kind]
+    return max([NOT_BLOCKED] + [t for t in before if t < msg.arrived])
+
+
+def _link_and_latency(values: Sequence[_Sample]) -> tuple[float, float]:
+    """(seconds per message, latency) of one direction of one pipeline column from its
+    samples ``(seconds, kind, ahead)`` (:func:`_seconds`). A message that queued behind a
+    landing on its link or port shows the link's time per message alone (queued messages land
+    that far apart); one that moved at once on a free link shows that time plus the latency
+    (say a queue behind other traffic, which messages on their way together wait out at once).
+    With both kinds: their medians' split. A message released less than the latency before the
+    landing it follows did not wait on the link for it (that one had left the link), so with a
+    latency found, only those released earlier count as queued, and the split is redone once.
+    Otherwise (or when the lone ones are no slower) the median of all samples, no latency."""
+    alone = [v for v, how, *_ in values if how == "alone"]
+    queued = [(v, ahead) for v, how, ahead, _ in values if how == "queued"]
+    latency = 0.0
+    for _ in range(2):
+        link = [v for v, ahead in queued if ahead > latency]
+        if not (alone and link):
+            break
+        per_message, total = statistics.median(link), statistics.median(alone)
+        if total <= per_message:
+            break
+        latency = total - per_message
+    if latency > 0.0:
+        return total - latency, latency
+    return statistics.median(v for v, *_ in values), 0.0

@@ -1,0 +1,98 @@
+"""pipeline/links.py: a download's throughput bounds the times per message into it, and a
+message released after the landing ahead of it shows a lone delay.
+
+Oracles: window arithmetic by hand, and one step measured on shaped links (PP=4, k = 1, a
+tenant on rank 2's download; ``pipeline_records/pp4_tenant_k1.json``) whose old reading put
+20-27 ms per message on both directions into rank 2 and over-predicted the step by 30%.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from colossal_hetero.pipeline.links import (
+    MIN_QUEUED,
+    _debt_link,
+    _Download,
+    _downloads,
+    _messages,
+    _port_scale,
+    _scaled,
+    _unseen_by_port,
+    link_seconds,
+)
+from colossal_hetero.pipeline.profile import RankRecord, predict_from_records
+
+RECORDED = Path(__file__).resolve().parent / "pipeline_records" / "pp4_tenant_k1.json"
+F, B = ("F", 1, 1), ("B", 2, 2)
+
+
+def test_port_scale_by_hand():
+    # Seven arrivals 10 ms apart, kinds alternating. Runs over half of them span 3 gaps
+    # (30 ms) and hold 3 landings; at 20 ms per message they would need 60 ms: scale 0.5.
+    landed = [(0.01 * i, F if i % 2 == 0 else B) for i in range(7)]
+    download: _Download = (landed, [])
+    assert _port_scale(download, {F: 0.02, B: 0.02}) == pytest.approx(0.5)
+    # A message found landed inside the first run counts too: 4 messages in 30 ms.
+    found: _Download = (landed, [(F, (0.011, 0.019))])
+    assert _port_scale(found, {F: 0.02, B: 0.02}) == pytest.approx(0.03 / 0.08)
+    # Only one kind is slow: the runs hold 2 F + 1 B or 1 F + 2 B (40 or 20 ms at F 20 ms,
+    # B free); the first exceeds its 30 ms.
+    assert _port_scale(download, {F: 0.02, B: 0.0}) == pytest.approx(0.03 / 0.04)
+    # Times that fit, or too few arrivals: no change.
+    assert _port_scale(download, {F: 0.01, B: 0.01}) == 1.0
+    assert _port_scale((landed[:4], []), {F: 0.02, B: 0.02}) == 1.0
+
+
+def test_scaled_keeps_a_lone_message_delay():
+    # 20 ms per message and 5 ms latency at half the time per message: without token debt a
+    # lone message took 25 ms, still does (10 + 15); under debt its delay is the latency alone.
+    assert _scaled((0.02, 0.005), 0.5, debt=False) == pytest.approx((0.01, 0.015))
+    assert _scaled((0.02, 0.005), 0.5, debt=True) == pytest.approx((0.01, 0.005))
+    assert _scaled((0.02, 0.005), 1.0, debt=False) == (0.02, 0.005)
+
+
+def test_debt_link_reads_a_lone_delay_from_messages_released_after_the_landing_ahead():
+    # Samples (seconds, bound, released before the landing ahead by, delay). The last two were
+    # released after the landing ahead of them (negative): nothing of theirs held the link,
+    # so their delays (34 ms) are what a lone message takes, the latency under token debt.
+    # The three released before it show the time per message: median 19 ms.
+    values = [
+        (0.019, "queued", 0.018, 0.057),
+        (0.032, "queued", 0.019, 0.050),
+        (0.007, "queued", 0.028, 0.035),
+        (0.029, "queued", -0.139, 0.034),
+        (0.023, "queued", -0.056, 0.034),
+    ]
+    assert MIN_QUEUED == 3
+    assert _debt_link(values, pooled=0.0072) == pytest.approx((0.019, 0.034))
+    # Fewer than MIN_QUEUED released ahead: the step's pooled time per message.
+    assert _debt_link(values[2:], pooled=0.0072) == pytest.approx((0.0072, 0.034))
+
+
+def _recorded() -> tuple[list[RankRecord], dict]:
+    data = json.loads(RECORDED.read_text())
+    return [RankRecord.from_dict(r) for r in data["records"]], data
+
+
+def test_recorded_tenant_step_fits_rank_2_download():
+    records, data = _recorded()
+    links = link_seconds(records, 4)
+    # Both kinds into rank 2 (activations over boundary 1, gradients over boundary 2) fit the
+    # time its download took for them over every run of half its arrivals.
+    messages = _messages(records)
+    download = _downloads(messages, _unseen_by_port(messages))[2]
+    seconds = {F: links["F"][1], B: links["B"][2]}
+    assert _port_scale(download, seconds) == pytest.approx(1.0)
+    # The old reading: 25.3 / 25.8 ms per message, which the download could not have carried
+    # (both kinds took ~16 ms each there); the rest of each message's delay (19-57 ms) is the
+    # tenant's queue, which messages wait out together: latency.
+    assert max(seconds.values()) < 0.02
+    assert min(links["LF"][1], links["LB"][2]) > 0.015
+    # The simulated step: 0.75 s against 0.704 s measured (the old reading: 0.912 s).
+    prediction = predict_from_records(records, data["num_microbatches"], data["k"])
+    assert prediction.measured_s == pytest.approx(0.704, abs=5e-4)
+    assert prediction.relative_error < 0.1
