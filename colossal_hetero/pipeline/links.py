@@ -352,8 +352,8 @@ def _debt_link(values: Sequence[_Sample], pooled: float) -> tuple[float, float]:
     sample (the step's ``pooled`` one with fewer than :data:`MIN_QUEUED`), and its median lone
     sample as the latency (a lone message lands that long after it starts: the simulator adds
     it to every landing, queued ones included, which then land one transfer time apart)."""
-    queued = [x for x, how, ahead, _ in values if how == "queued" and ahead > 0]
-    alone = [d for _, how, ahead, d in values if how == "alone" or ahead <= 0]
+    queued = [x for x, how, *_ in values if how == "queued"]
+    alone = [x for x, how, *_ in values if how == "alone"]
     per_message = statistics.median(queued) if len(queued) >= MIN_QUEUED else pooled
     return per_message, statistics.median(alone) if alone else 0.0
 
