@@ -13,6 +13,15 @@ costing ``T(S) = alpha + S / beta``, an a2a that becomes ready waits for at most
 the chunked all-reduce is ``(S / beta) / T(S)``. :func:`chunk_bytes_for` returns the smallest
 ``S`` with efficiency >= ``target``: ``S >= target / (1 - target) * alpha * beta``.
 
+A stable choice (:func:`choose_chunk_bytes`): the efficiency rule depends on ``alpha * beta``,
+whose noise under load (session 10: 42-382 KiB between runs of one link) the step time
+followed. The choice instead compares chunk counts ``k`` of the gradient's ``N`` bytes by a
+predicted cost, :func:`chunking_cost`: ``k * alpha + N / beta`` for the chunks themselves plus
+what the efficiency rule misses, the a2a wait bound (with priority a ready a2a waits for at
+most one chunk on the wire, ``alpha + N / (k * beta)``, for each of ``waits`` a2a's per step).
+The cost is flat near its least, so it takes the *fewest* chunks (the largest) whose cost is
+within ``slack`` of the least: noise in ``alpha`` moves the least count, rarely that one.
+
 Even chunks: cutting ``N`` bytes into pieces of at most ``S`` leaves a tail chunk of
 ``N mod S`` bytes, which pays a whole ``alpha`` for a few bytes (measured: an 8 KiB tail of
 the dense gradient ended 4 ms after the 379 KiB chunk before it). :func:`even_chunk_bytes`
@@ -110,6 +119,65 @@ def chunk_bytes_for(alpha_s: float, beta_bytes_per_s: float, target: float = 0.9
     if alpha_s < 0 or beta_bytes_per_s <= 0:
         raise ValueError("chunk size: need alpha >= 0 and beta > 0 from the profile")
     return max(1, math.ceil(target / (1 - target) * alpha_s * beta_bytes_per_s))
+
+
+def chunking_cost(total_bytes: int, count: int, alpha_s: float, beta: float, waits: float) -> float:
+    """Predicted cost (s) of reducing ``total_bytes`` in ``count`` equal chunks (pure; see the
+    module): every chunk pays ``alpha`` once, the bytes pay ``1 / beta`` once, and ``waits``
+    a2a's per step each wait for one whole chunk on the wire."""
+    if count < 1:
+        raise ValueError(f"chunking_cost: count must be >= 1, got {count}")
+    chunk = total_bytes / count
+    return count * alpha_s + total_bytes / beta + waits * (alpha_s + chunk / beta)
+
+
+def choose_chunk_bytes(
+    total_bytes: int,
+    alpha_s: float,
+    beta_bytes_per_s: float,
+    *,
+    itemsize: int = 1,
+    waits: float = 1.0,
+    slack: float = 0.1,
+    min_bytes: int = 1,
+    max_bytes: int | None = None,
+) -> int:
+    """Chunk size (bytes, a multiple of ``itemsize``) for a gradient of ``total_bytes`` from a
+    profile ``alpha_s``, ``beta_bytes_per_s`` (pure; see the module): of the chunk counts whose
+    even chunks lie in ``[min_bytes, max_bytes]``, the fewest (the largest chunks) whose
+    :func:`chunking_cost` is within ``slack`` of the cheapest count's. Returns the even size
+    ``ceil(total / count)`` rounded up to whole elements, for :func:`even_chunk_bytes` and
+    :func:`plan_chunks`. ValueError for a non-positive size, bounds or profile."""
+    if total_bytes <= 0 or itemsize <= 0 or min_bytes <= 0:
+        raise ValueError("choose_chunk_bytes: total_bytes, itemsize and min_bytes must be > 0")
+    if alpha_s < 0 or beta_bytes_per_s <= 0 or waits < 0 or slack < 0:
+        raise ValueError("choose_chunk_bytes: need alpha, waits, slack >= 0 and beta > 0")
+    most = max_bytes if max_bytes is not None else total_bytes
+    if most < min_bytes:
+        raise ValueError(f"choose_chunk_bytes: max_bytes {most} < min_bytes {min_bytes}")
+    fewest = max(1, -(-total_bytes // most))
+    most_count = max(fewest, total_bytes // min_bytes)
+
+    def cost(count: int) -> float:
+        return chunking_cost(total_bytes, count, alpha_s, beta_bytes_per_s, waits)
+
+    # cost(k) = k * alpha + waits * N / (k * beta) + const is convex in k, least at
+    # k* = sqrt(waits * N / (alpha * beta)); it falls from `fewest` to the best count
+    spread = waits * total_bytes / beta_bytes_per_s
+    ideal = math.sqrt(spread / alpha_s) if alpha_s > 0 else math.inf
+    if ideal >= most_count:
+        best = most_count
+    else:
+        near = {min(most_count, max(fewest, k)) for k in (math.floor(ideal), math.ceil(ideal))}
+        best = min(near, key=cost)
+    bound = (1 + slack) * cost(best)
+    low, high = fewest, best  # the fewest chunks within the bound: bisection on the fall
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (low, mid) if cost(mid) <= bound else (mid + 1, high)
+    count = low
+    elements = -(-total_bytes // itemsize)
+    return -(-elements // count) * itemsize
 
 
 def even_chunk_bytes(total_bytes: int, size: int, itemsize: int, min_count: int = 1) -> int:
