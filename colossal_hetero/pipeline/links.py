@@ -262,7 +262,7 @@ def _port_scale(download: _Download, seconds: Mapping[tuple[str, int, int], floa
         kinds = [kind for _, kind in landed[i + 1 : i + span + 1]]
         kinds += [kind for kind, (a, b) in spans if lo < a and b < hi]
         need = sum(seconds.get(kind, 0.0) for kind in kinds)
-        if need > hi - lo:
+        if need > (hi - lo) * (1 + 1e-9):  # beyond rounding: back-to-back is exactly full
             scale = min(scale, (hi - lo) / need)
     return scale
 

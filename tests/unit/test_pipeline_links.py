@@ -8,6 +8,7 @@ tenant on rank 2's download; ``pipeline_records/pp4_tenant_k1.json``) whose old 
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from colossal_hetero.pipeline.links import (
     link_seconds,
 )
 from colossal_hetero.pipeline.profile import RankRecord, predict_from_records
+from tests.unit.test_pipeline_profile import _records_from_simulation
 
 RECORDED = Path(__file__).resolve().parent / "pipeline_records" / "pp4_tenant_k1.json"
 F, B = ("F", 1, 1), ("B", 2, 2)
@@ -76,3 +78,23 @@ def test_recorded_tenant_step_fits_rank_2_download():
     prediction = predict_from_records(records, data["num_microbatches"], data["k"])
     assert prediction.measured_s == pytest.approx(0.704, abs=5e-4)
     assert prediction.relative_error < 0.1
+
+
+@pytest.mark.parametrize("p,m", [(3, 8), (4, 16)])
+def test_times_of_a_simulated_shared_port_always_fit_its_downloads(p, m):
+    # The bound's premise, with the simulator as the oracle: on shared stage ports each
+    # download lands one message at least its time per message after the one before, so the
+    # step's true times fit every run of arrivals a receiver saw (latency and first messages
+    # included), whatever the compute, links and k.
+    rng = random.Random(p * 1000 + m)
+    for _ in range(15):
+        f = [rng.uniform(0.5, 1.5) for _ in range(p)]
+        b = [2 * x for x in f]
+        c = [rng.choice([0.1, rng.uniform(0.1, 3.0)]) for _ in range(p - 1)]
+        latency = rng.choice([0.0, rng.uniform(0.0, 2.0)])
+        for k in (1, 2, m // 2):
+            records, _ = _records_from_simulation(f, b, c, m, k, 0.5, latency, shared=True)
+            messages = _messages(records)
+            true = {(op, s, s): c[s] for op in "FB" for s in range(p - 1)}
+            for download in _downloads(messages, _unseen_by_port(messages)).values():
+                assert _port_scale(download, true) == 1.0, (f, c, k, latency)

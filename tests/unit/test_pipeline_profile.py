@@ -131,15 +131,17 @@ def test_first_message_after_a_landing_on_its_port():
     assert link_seconds([r0, r1, r2], 3, shared_ports=False)["B0"] == (pytest.approx(2.0), 0.0)
 
 
-def _records_from_simulation(f, b, c, m, k, first, latency=0.0):
+def _records_from_simulation(f, b, c, m, k, first, latency=0.0, shared=False):
     """The records each stage of a simulated step would measure (one rank per stage): a
     sender notes when each pass ended; a receiver asks for each input when it is free for
     that pass, notes the arrival of each one it had to wait for, and posts every receive when
-    it asks for the first (no message moves before; the first takes ``first`` seconds)."""
+    it asks for the first (no message moves before; the first takes ``first`` seconds).
+    ``shared``: the step ran on shared stage ports (else one link per boundary and direction)."""
     p = len(f)
     firsts = [first] * (p - 1)
     lat = [latency] * (p - 1)  # after the link, on both directions
-    result = simulate(f, b, [Trace.constant(x) for x in c], m, k, first_s=firsts, latency_s=lat)
+    traces = [Trace.constant(x) for x in c]
+    result = simulate(f, b, traces, m, k, first_s=firsts, latency_s=lat, shared_ports=shared)
     sent = {(s, op): [0.0] * m for s in range(p) for op in "FB"}
     arrived = {(s, op): [NOT_BLOCKED] * m for s in range(p) for op in "FB"}
     asked = {(s, op): [0.0] * m for s in range(p) for op in "FB"}
