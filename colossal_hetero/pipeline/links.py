@@ -1,18 +1,20 @@
 """Link time from the per-message timestamps of a measured pipeline step. Pure (no torch).
 
-A sender notes when each message went onto the link (its
-``isend``s issued), a receiver when it posted each message's receive and when the message
-arrived. The receiver knows the arrival only when it was blocked in ``wait()`` (the data was not
-there yet: it returned on arrival); an arrival it did not wait for is recorded as ``-1``. A
-message can move only once it is sent, its receive is posted and the message before it on the
-link has landed, so one blocked receive gives one sample of the link time:
-``arrived_j - max(sent_j, posted_j, arrived_{j-1})`` (the last term only when message
-``j - 1``'s receive blocked too, else its arrival is unknown). The direction's link time is
-the median sample (robust to the odd wait that blocked for other reasons), 0 when no
-receive blocked (then the transfers were hidden: the link did not hold anyone up). A boundary's
-time is the larger of its two directions (the simulator runs both on one trace). The times of
+A sender notes when each message went onto the link (its ``isend``s issued), a receiver when it
+posted each message's receive and when the message arrived. The receiver knows the arrival only
+when it was blocked in ``wait()`` (the data was not there yet: it returned on arrival); an
+arrival it did not wait for is recorded as ``-1``. A message can move only once it is sent, its
+receive is posted and the message before it on the link has landed, so one blocked receive gives
+one sample of the link time: ``arrived_j - max(sent_j, posted_j, arrived_{j-1})`` (the last term
+only when message ``j - 1``'s receive blocked too, else its arrival is unknown). The direction's
+link time is the median sample (robust to the odd wait that blocked for other reasons), 0 when
+no receive blocked (then the transfers were hidden: the link did not hold anyone up). A
+boundary's time is the larger of its two directions (the simulator runs both on one trace). The
+times of
 all ranks must be on one clock: ``time.time()``, which ranks on one host share exactly and
-ranks on several hosts share to their clock synchronisation.
+ranks on several hosts share to their clock synchronisation. With shared ports, the times per
+message into one rank's download must also fit the time its arrivals took there
+(:func:`_port_scale`): a queue ahead of the port (a tenant's) is latency, not link time.
 """
 
 from __future__ import annotations
