@@ -10,10 +10,9 @@ only when message ``j - 1``'s receive blocked too, else its arrival is unknown).
 link time is the median sample (robust to the odd wait that blocked for other reasons), 0 when
 no receive blocked (then the transfers were hidden: the link did not hold anyone up). A
 boundary's time is the larger of its two directions (the simulator runs both on one trace). The
-times of
-all ranks must be on one clock: ``time.time()``, which ranks on one host share exactly and
-ranks on several hosts share to their clock synchronisation. With shared ports, the times per
-message into one rank's download must also fit the time its arrivals took there
+times of all ranks must be on one clock: ``time.time()``, which ranks on one host share exactly
+and ranks on several hosts share to their clock synchronisation. With shared ports, the times
+per message into one rank's download must also fit the time its arrivals took there
 (:func:`_port_scale`): a queue ahead of the port (a tenant's) is latency, not link time.
 """
 
