@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -36,6 +37,7 @@ import torch.distributed as dist
 from colossal_hetero.bench.moe_deepspeed import baseline_round_entries
 from colossal_hetero.bench.moe_devices import CollectiveTimer, transfer_time
 from colossal_hetero.bench.moe_hetero import run_hetero_case
+from colossal_hetero.bench.moe_order import TWINS, balanced_order
 from colossal_hetero.moe.pipeline_choice import DECIDE_AFTER, TRIAL_STEPS
 
 HF = {
@@ -261,8 +263,10 @@ def _measure(
     policy = RoundsPolicy(
         warmup=WARMUP, min_rounds=8 if quick else 12, budget_s=70 if quick else 300
     )
+    everything = {**variants, **ds_variants}
+    order = balanced_order(list(everything), TWINS, WARMUP)  # bench/moe_order.py
     result = run_rounds(
-        {**variants, **ds_variants},
+        {name: everything[name] for name in order},
         {**_ratios(list(variants)), **ds_figures},
         policy,
         decide=rank0_decides(device),
@@ -331,7 +335,7 @@ def _ours_variant(
         s, c, pg, missed = _agreed([step_time, comm, seen["pg_calls"], seen["missed"]])
         a2a = {"a2a_alone": alone, "a2a_under": under, "a2a_overlapped": overlapped}
         counts = {"a2a_bytes": _a2a_bytes(plugin.moe_log.last), "pg_calls": pg}
-        return {"step": s, "comm": c, **a2a, **counts, "missed": missed}
+        return {"step": s, "comm": c, **a2a, **counts, "missed": missed, **_phases(seen, plugin)}
 
     return run
 
@@ -378,8 +382,10 @@ def _stock_variant(
         )
         comm, transfer = sum(end - begin for begin, end, _ in calls), transfer_time(calls)
         values = [step_time, comm, -1.0 if transfer is None else transfer]
-        s, c, t, pg, missed = _agreed([*values, seen["pg_calls"], seen["missed"]])
-        return {"step": s, "comm": c, "transfer": t, "pg_calls": pg, "missed": missed}
+        values += [seen["pg_calls"], seen["missed"], seen["cpu"], seen["faults"]]
+        s, c, t, pg, missed, cpu, faults = _agreed(values)
+        counts = {"pg_calls": pg, "missed": missed, "cpu": cpu, "faults": faults}
+        return {"step": s, "comm": c, "transfer": t, **counts}
 
     return run
 
@@ -460,14 +466,37 @@ def _train_step(
     """One step after a barrier: (wall seconds, the synchronous collectives' ``(start, end,
     ranks)``, what ``scope`` yielded); forward, backward and the optimizer step in ``scope``."""
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu, faults = time.perf_counter(), time.thread_time(), _minor_faults()
     with timer.recording() as calls:
         with scope as seen:
             loss = model(input_ids=ids, labels=ids).loss
+            forward = time.perf_counter()
             booster.backward(loss, optimizer)
+            backward = time.perf_counter()
             optimizer.step()
         optimizer.zero_grad()
-    return time.perf_counter() - start, calls, seen
+    end = time.perf_counter()
+    seen.update(cpu=time.thread_time() - cpu, fwd=forward - start, bwd=backward - forward)
+    seen.update(opt=end - backward, faults=_minor_faults() - faults)
+    return end - start, calls, seen
+
+
+PHASES = ("cpu", "faults", "fwd", "bwd", "opt", "stretch", "wait")
+
+
+def _minor_faults() -> float:
+    """This thread's minor page faults so far (Linux ``RUSAGE_THREAD``)."""
+    return float(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt)
+
+
+def _phases(seen: Mapping[str, float], plugin: Any) -> dict[str, float]:
+    """Where a step of ours went, the slowest rank's of each (collective): the step thread's
+    CPU seconds and minor page faults, the wall seconds of forward, backward and optimizer
+    step (flush included), the emulated device's stretch and the collective waits."""
+    timing = plugin.timer.last_timing
+    values = [seen["cpu"], seen["faults"], seen["fwd"], seen["bwd"], seen["opt"]]
+    values += [timing.stretch_time, timing.comm_wait]
+    return dict(zip(PHASES, _agreed(values), strict=True))
 
 
 def _agreed(values: list[float]) -> list[float]:
