@@ -27,12 +27,16 @@ from colossal_hetero.pipeline.split_trial import SplitTrial, pick_split
 from colossal_hetero.planner.stages import StageTimes, split_candidates
 
 TRIAL_SLACK = 0.2
-TRIAL_SPLITS = 3
+TRIAL_SPLITS = 2
 TRIAL_STEPS = 3
 """Phase (c)'s split trial (``try_splits``, ``pipeline.split_trial.pick_split``): the plugin's
-split and candidates within 20% of the best predicted, at most 3, up to 3 steps each (the
-trial stops once the last step cannot change its pick). Under load a stage's measured block
-time moves by 10-14% between runs and splits (PP=2 x TP=2's full-speed stage: 10.6 and 12.0
+split and the best other predicted within 20% of the best, up to 3 steps each (the trial stops
+once the last step cannot change its pick). Since session 11 two candidates, not three, for
+``--quick``'s time: each costs a build and 2-3 steps at phase (c)'s speeds (~8 s), and the
+third ran slowest in every PP=2 x TP=2 trial recorded (session 10's two runs, ``[3, 9]``; one
+of session 11 under load, ``[6, 6]``); PP=4's three are near ties (3-5% apart: the third won
+2 of 3 runs, worth ~4% of that layout's 1.46-1.57). Under load a stage's measured block time
+moves by 10-14% between runs and splits (PP=2 x TP=2's full-speed stage: 10.6 and 12.0
 ms in two runs, 8.4 to 9.4 ms over the splits of one experiment): a 5% window left ``[4, 8]``
 out (predicted 11% behind), and 12% left it out once more (session 10, load 12: predicted
 12.4% behind ``[5, 7]``, which it had beaten by 10% on the idle machine)."""
