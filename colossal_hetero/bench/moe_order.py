@@ -3,9 +3,10 @@
 Our EP=2 x DP=2 variants without pipelining or packing (``TWINS``: priority off, hold, gap
 fitting, all on, session 7's all on) train the same model on the same batches, so in a round
 their experts receive the same token counts: the same matrix shapes, new in every round. On
-CPU, oneDNN compiles a bf16 matmul kernel for each new shape (about 1 ms of CPU and 250 page
-faults here, 0.2 ms once cached), and the cache is the process's: the first of the twins to
-run in a round compiled that round's expert kernels for the others. It took 10-13 ms more CPU
+CPU, oneDNN compiles bf16 matmul kernels for each new shape (one expert's forward and
+backward: 3.1 ms of CPU for a new token count, 1.0 ms once cached), and the cache is the
+process's: the first of the twins to run in a round compiled that round's expert kernels for
+the others. It took 10-13 ms more CPU
 (20-35 ms more step, on the emulated device that stretches CPU time 2.5x) than the same
 variant in a round where another twin ran first (docs/moe.md, session 11). The rounds'
 Williams order (bench/rounds.py) balances positions and neighbours, not which twin comes
