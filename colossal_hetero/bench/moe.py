@@ -37,7 +37,7 @@ import torch.distributed as dist
 from colossal_hetero.bench.moe_deepspeed import baseline_round_entries
 from colossal_hetero.bench.moe_devices import CollectiveTimer, transfer_time
 from colossal_hetero.bench.moe_hetero import run_hetero_case
-from colossal_hetero.bench.moe_order import TWINS, balanced_order
+from colossal_hetero.bench.moe_order import TWINS, balanced_order, twin_leads
 from colossal_hetero.moe.pipeline_choice import DECIDE_AFTER, TRIAL_STEPS
 
 HF = {
@@ -281,6 +281,7 @@ def _measure(
         "pipelining_ep4": _choice(ours["ours_all_ep4"]),
         "packing": _packing_stats(ours["ours_pack"][1]),
         "rounds": result.to_dict(),
+        "twin_leads": twin_leads(order, TWINS, result.series, WARMUP),
         "deepspeed": ds_info,
         "max_loss_diff_vs_stock": loss_diff,  # EP=4 included
         "timelines": timelines,
@@ -567,6 +568,7 @@ def run_moe_benchmark(
         "summary": summary,
         "chunking": results[0]["chunking"],
         "rounds": results[0]["rounds"],
+        "twin_leads": results[0]["twin_leads"],  # bench/moe_order.py
         "pipelining": {"ep2": results[0]["pipelining"], "ep4": results[0]["pipelining_ep4"]},
         "deepspeed": results[0]["deepspeed"],
         "heterogeneous": hetero,

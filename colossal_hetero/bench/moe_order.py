@@ -20,6 +20,7 @@ measured rounds of a full Williams cycle. Pure.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from itertools import combinations
 
@@ -71,3 +72,28 @@ def _placed(members: list[str], others: list[str], spots: tuple[int, ...], n: in
     at = dict(zip(spots, members, strict=True))
     rest = iter(others)
     return [at[i] if i in at else next(rest) for i in range(n)]
+
+
+def twin_leads(
+    names: Sequence[str], group: Sequence[str], series: dict[str, list[float]], warmup: int
+) -> dict[str, dict[str, float | int | None]]:
+    """Per member of ``group`` that ran: the measured rounds it led the group in (the rounds'
+    order of ``names``, first measured round ``warmup``), and the median of its ``step`` and
+    ``cpu`` series in those rounds and in the others (None where there are none)."""
+    members = [n for n in names if n in set(group) and f"{n}.step" in series]
+    rounds = len(series[f"{members[0]}.step"]) if members else 0
+    led = {n: [False] * rounds for n in members}
+    for i in range(rounds):
+        row = round_order(list(names), warmup + i)
+        led[next(x for x in row if x in led)][i] = True
+    out: dict[str, dict[str, float | int | None]] = {}
+    for name in members:
+        entry: dict[str, float | int | None] = {"led": sum(led[name])}
+        for key in ("step", "cpu"):
+            values = series.get(f"{name}.{key}") or [float("nan")] * rounds
+            for flag, label in ((True, "led"), (False, "not_led")):
+                chosen = [v for v, m in zip(values, led[name], strict=True) if m == flag]
+                chosen = [v for v in chosen if v == v]  # NaN: no such series
+                entry[f"{key}_{label}"] = statistics.median(chosen) if chosen else None
+        out[name] = entry
+    return out

@@ -6,7 +6,7 @@ from __future__ import annotations
 from itertools import permutations
 
 from colossal_hetero.bench.moe import WARMUP
-from colossal_hetero.bench.moe_order import TWINS, balanced_order, first_counts
+from colossal_hetero.bench.moe_order import TWINS, balanced_order, first_counts, twin_leads
 
 QUICK = [
     "stock",
@@ -60,3 +60,29 @@ def test_the_bench_order_lets_no_twin_lead_more_often() -> None:
     assert _spread(first_counts(order, twins, cycle)) <= 1
     # Fewer names in the group than two: unchanged.
     assert balanced_order(["a", "ours_hold", "b"], TWINS, WARMUP) == ["a", "ours_hold", "b"]
+
+
+def test_twin_leads_by_hand() -> None:
+    # Names a b c, group {a, b}; rounds from index 0: leaders a, b, a (test_first_counts_by_hand).
+    series = {
+        "a.step": [1.0, 5.0, 3.0],
+        "a.cpu": [0.1, 0.5, 0.3],
+        "b.step": [2.0, 4.0, 6.0],
+        "c.step": [9.0, 9.0, 9.0],
+    }
+    leads = twin_leads(["a", "b", "c"], ["a", "b"], series, warmup=0)
+    assert leads["a"] == {
+        "led": 2,
+        "step_led": 2.0,  # rounds 0 and 2: median of 1 and 3
+        "step_not_led": 5.0,
+        "cpu_led": 0.2,
+        "cpu_not_led": 0.5,
+    }
+    assert leads["b"] == {
+        "led": 1,
+        "step_led": 4.0,
+        "step_not_led": 4.0,  # rounds 0 and 2: median of 2 and 6
+        "cpu_led": None,  # no cpu series
+        "cpu_not_led": None,
+    }
+    assert "c" not in leads
