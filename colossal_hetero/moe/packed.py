@@ -16,10 +16,18 @@ same expert outputs; only the order of that sum changes (per rank partial sums, 
 ranks), so outputs and gradients equal the unpacked block's within fp32 rounding. Gradients
 reach the routing weights through the weight columns of the dispatch a2a.
 
-The a2a primitives (gated, logged, autograd) are the block's own, passed in, so this module
-does not import the block. Every rank issues the same calls whatever the routing: the counts
-a2a, the dispatch, the combine, and both backward a2a's (a rank that receives nothing passes
-the empty received tensor on, keeping it in the autograd graph).
+Cost (session 11). On the benchmark's emulated devices every CPU operation between two
+collectives is stretched, so the bookkeeping is vectorised: no loop over destinations, one
+gather per side (``index_select``, whose backward is an ``index_add``, not the serial
+accumulate of advanced indexing), one ``index_add`` per side, the routing tables cached per
+placement. Once a block has a history the row counts ride in the dispatch a2a
+(:mod:`.folded`, the block's ``_FoldedDispatch``) instead of an a2a of their own.
+
+The a2a primitives (gated, logged, autograd) are the block's own, passed in; the folded
+dispatch is imported from the block when first used (the block imports this module). Every
+rank issues the same calls whatever the routing: the counts a2a (until the block folds), the
+dispatch, the combine, and both backward a2a's (a rank that receives nothing passes the
+empty received tensor on, keeping it in the autograd graph).
 """
 
 from __future__ import annotations
@@ -50,27 +58,119 @@ class PackingStats:
         return self.bytes_unpacked - self.bytes_packed
 
 
-def _rows_for(
-    block: Any, x: torch.Tensor, selected: torch.Tensor, weights: torch.Tensor
-) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
-    """Per destination rank: the token indices sent there and their payload rows."""
-    tokens, hidden = x.shape
-    experts = block.num_experts
-    device_of = torch.tensor(block.placement.device_of, dtype=torch.long, device=x.device)
-    dev = device_of[selected]  # [T, k]
+@dataclass(frozen=True, slots=True)
+class _Tables:
+    """A placement's routing tables as tensors: each expert's rank and its column
+    ``rank * width + slot`` in the ``[tokens, ep * width]`` weight and mark tables."""
+
+    placement: Any
+    device_of: torch.Tensor
+    column_of: torch.Tensor
+    width: int
+
+
+def _tables(block: Any, device: torch.device) -> _Tables:
+    """The block's tables for its current placement (made once per placement and device)."""
+    cached = getattr(block, "packing_tables", None)
+    if cached is not None and cached.placement is block.placement:
+        if cached.device_of.device == device:
+            return cached
+    placement = block.placement
     width = max(block.device_sizes)
-    w_full = x.new_zeros(tokens, experts).scatter(1, selected, weights)
-    m_full = x.new_zeros(tokens, experts).scatter(1, selected, 1.0)
-    rows, payloads = [], []
+    column = [0] * block.num_experts
     for d in range(block.ep_size):
-        index = (dev == d).any(dim=1).nonzero().squeeze(1)
-        cols = torch.tensor(block.placement.experts_on(d), dtype=torch.long, device=x.device)
-        pad = x.new_zeros(index.numel(), width - cols.numel())
-        w = torch.cat([w_full[index][:, cols], pad], dim=1)
-        m = torch.cat([m_full[index][:, cols], pad], dim=1)
-        rows.append(index)
-        payloads.append(torch.cat([x[index], w, m], dim=1))
-    return rows, payloads, width
+        for j, e in enumerate(placement.experts_on(d)):
+            column[e] = d * width + j
+    tables = _Tables(
+        placement,
+        torch.tensor(placement.device_of, dtype=torch.long, device=device),
+        torch.tensor(column, dtype=torch.long, device=device),
+        width,
+    )
+    block.packing_tables = tables
+    return tables
+
+
+def _payload(
+    block: Any, x: torch.Tensor, selected: torch.Tensor, weights: torch.Tensor, t: _Tables
+) -> tuple[torch.Tensor, torch.Tensor, list[int], torch.Tensor]:
+    """(token index of each row, rows sorted by destination rank, rows per rank, ``[T, k]``
+    destination ranks): each row is ``[hidden | weights per slot | marks per slot]``."""
+    tokens, ep, width = x.shape[0], block.ep_size, t.width
+    dev = t.device_of[selected]  # [T, k]
+    hit = torch.zeros(tokens, ep, dtype=torch.bool, device=x.device).scatter_(1, dev, True)
+    pairs = hit.t().nonzero()  # (rank, token), rank-major, tokens increasing
+    index, flat = pairs[:, 1], pairs[:, 1] * ep + pairs[:, 0]
+    send = hit.sum(dim=0).tolist()
+    columns = t.column_of[selected]  # distinct per token: a plain scatter
+    w_table = x.new_zeros(tokens, ep * width).scatter(1, columns, weights)
+    m_table = x.new_zeros(tokens, ep * width).scatter_(1, columns, 1.0)
+    w_rows = w_table.view(tokens * ep, width).index_select(0, flat)
+    m_rows = m_table.view(tokens * ep, width).index_select(0, flat)
+    rows = torch.cat([x.index_select(0, index), w_rows, m_rows], dim=1)
+    return index, rows, send, dev
+
+
+def _counts_exchange(
+    block: Any, rows: torch.Tensor, send: list[int], a2a: A2A, dispatch: A2A
+) -> tuple[torch.Tensor, list[int]]:
+    """(received rows, rows from each rank): the row counts folded into the dispatch a2a
+    once the block has a history (moe/folded.py), else an a2a of counts first."""
+    history = block._fold_history()
+    if history is not None and history.ready and block._may_fold(rows):
+        from colossal_hetero.moe.block import _FoldedDispatch  # the block imports this module
+
+        # Header counts per expert slot: a rank's rows on its first slot (a rank with no
+        # experts gets no rows, and its empty header slice reads as zero).
+        counts = torch.zeros(block.num_experts, dtype=torch.long, device=rows.device)
+        starts = [sum(block.device_sizes[:d]) for d in range(block.ep_size)]
+        for d, n in enumerate(send):
+            if n:
+                counts[starts[d]] = n
+        received, peer_counts = _FoldedDispatch.apply(rows, counts, block)
+        local = len(block.held)
+        recv = [0] * block.ep_size
+        if local:
+            recv = peer_counts.view(block.ep_size, local).sum(dim=1).tolist()
+    else:
+        with torch.no_grad():
+            counts = torch.tensor(send, dtype=torch.long, device=rows.device)
+            ones = [1] * block.ep_size
+            recv = a2a(counts, ones, ones, block.ep_group, block.comm).tolist()
+        received = dispatch(rows, send, recv, block)
+    if history is not None:
+        history.record(send, recv)
+    return received, recv
+
+
+def _experts(block: Any, received: torch.Tensor, hidden: int, width: int) -> torch.Tensor:
+    """This rank's combined rows ``[received, hidden]``: each held expert on the rows that
+    select it (one gather, grouped by slot), weighted, summed per row (one ``index_add``)."""
+    xs, w, m = received.split([hidden, width, width], dim=1)
+    local = len(block.held)
+    marks = m[:, :local].t() != 0  # [local, rows]
+    pairs = marks.nonzero()  # (slot, row), slot-major
+    rows = pairs[:, 1]
+    per_slot = marks.sum(dim=1).tolist()
+    if block.training and torch.is_grad_enabled():  # held experts no token reaches here
+        idle = [
+            p
+            for j, n in enumerate(per_slot)
+            if n == 0
+            for p in block.experts[block.held[j]].parameters()
+        ]
+        if idle:
+            block.comm.idle(idle)
+    if not received.shape[0]:
+        return xs  # no rows: the empty received tensor stands in (keeps both backward a2a's)
+    outputs = []
+    for j, piece in enumerate(xs.index_select(0, rows).split(per_slot)):
+        if per_slot[j]:
+            expert = block.experts[block.held[j]]
+            outputs.append(expert.w2(expert.act_fn(expert.w1(piece)) * expert.w3(piece)))
+    scale = w[:, :local].t()[marks].unsqueeze(1)  # the weights in the order of ``pairs``
+    weighted = torch.cat(outputs) * scale if outputs else xs[:0]
+    return xs.new_zeros(xs.shape[0], hidden).index_add(0, rows, weighted)
 
 
 def packed_exchange(
@@ -89,51 +189,26 @@ def packed_exchange(
     ``dispatch`` / ``combine`` its autograd a2a's ``(tensor, send, recv, block)``.
     """
     hidden = x.shape[1]
-    rows, payloads, width = _rows_for(block, x, selected, weights)
-    send = [int(r.numel()) for r in rows]
-    with torch.no_grad():
-        counts = torch.tensor(send, dtype=torch.long, device=x.device)
-        ones = [1] * block.ep_size
-        recv = a2a(counts, ones, ones, block.ep_group, block.comm).tolist()
-    _account(block, selected, send, hidden, width, x.element_size())
-    received = dispatch(torch.cat(payloads), send, recv, block)
-    xs, w, m = received.split([hidden, width, width], dim=1)
-    chosen = [m[:, j].nonzero().squeeze(1) for j in range(len(block.held))]
-    if block.training and torch.is_grad_enabled():  # held experts no token reaches here
-        idle = [
-            p
-            for j, index in enumerate(chosen)
-            if index.numel() == 0
-            for p in block.experts[block.held[j]].parameters()
-        ]
-        if idle:
-            block.comm.idle(idle)
-    out_local = xs  # no rows: the empty received tensor stands in (keeps both backward a2a's)
-    if xs.shape[0]:
-        out_local = xs.new_zeros(xs.shape)
-        for j, index in enumerate(chosen):
-            if index.numel() == 0:
-                continue
-            expert = block.experts[block.held[j]]
-            piece = xs[index]
-            y = expert.w2(expert.act_fn(expert.w1(piece)) * expert.w3(piece))
-            out_local = out_local.index_add(0, index, y * w[index, j : j + 1])
+    tables = _tables(block, x.device)
+    index, rows, send, dev = _payload(block, x, selected, weights, tables)
+    _account(block, dev, send, hidden, tables.width, x.element_size())
+    received, recv = _counts_exchange(block, rows, send, a2a, dispatch)
+    out_local = _experts(block, received, hidden, tables.width)
     back = combine(out_local, recv, send, block)
-    out = x.new_zeros(x.shape).index_add(0, torch.cat(rows), back.to(x.dtype))
-    return out
+    return x.new_zeros(x.shape).index_add(0, index, back.to(x.dtype))
 
 
 def _account(
-    block: Any, selected: torch.Tensor, send: list[int], hidden: int, width: int, itemsize: int
+    block: Any, dev: torch.Tensor, send: list[int], hidden: int, width: int, itemsize: int
 ) -> None:
-    """Add this forward's remote rows and bytes to ``block.packing_stats`` (made on first use)."""
+    """Add this forward's remote rows and bytes to ``block.packing_stats`` (made on first use);
+    ``dev``: each (token, choice)'s destination rank."""
     stats = getattr(block, "packing_stats", None)
     if stats is None:
         stats = block.packing_stats = PackingStats()
     me = block.ep_rank
-    device_of = torch.tensor(block.placement.device_of, dtype=torch.long)
     packed = sum(send) - send[me]
-    unpacked = int((device_of[selected.cpu()] != me).sum())
+    unpacked = int((dev != me).sum())
     stats.rows_packed += packed
     stats.rows_unpacked += unpacked
     stats.bytes_packed += packed * (2 * hidden + 2 * width) * itemsize

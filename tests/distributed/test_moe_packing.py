@@ -9,7 +9,11 @@ model's own, skewed with an expert no token reaches, and zero: ep rank 1 receive
 - the packed rows and bytes the block accounts equal a brute-force count from the routing
   (``packing.a2a_sends`` with each token on its own rank): the rows a token sends to other
   ranks are its distinct remote ranks, not its remote experts;
-- the same number of a2a calls on both ranks (no hang under zero routing).
+- the same number of a2a calls on both ranks (no hang under zero routing);
+- from a block's second forward the row counts ride in the dispatch (moe/folded.py: one a2a
+  fewer per layer), and the last step, zero routing after three steps that send rank 0
+  nothing, sends rank 0 more rows from rank 1 than the pair's capacity (the overflow goes
+  point to point): still equal.
 """
 
 from __future__ import annotations
@@ -40,6 +44,12 @@ from tests.distributed.test_moe_plugin import (
 from tests.tolerances import chain_atol, transformer_depth
 
 PLACEMENT = [[0, 1], [2, 3]]
+FAR = ("far", True, "far")
+"""Every token to experts 2 and 3 (ep rank 0 receives nothing)."""
+STEPS = [*CASES, FAR, FAR, FAR, CASES[2]]
+"""The three routings, then three far steps and zero routing (an overflow once folded)."""
+UNFOLDED, FOLDED = 5, 4
+"""A2a calls per layer and step: counts, dispatch, combine, and the two backward ones."""
 
 
 def _check(rank: int, world_size: int, device: torch.device) -> None:
@@ -49,6 +59,7 @@ def _check(rank: int, world_size: int, device: torch.device) -> None:
     from colossal_hetero.config.parallel import ParallelConfig
     from colossal_hetero.config.schema import HeteroConfig
     from colossal_hetero.moe.block import HeteroEPMixtralSparseMoeBlock
+    from colossal_hetero.moe.folded import capacity
     from colossal_hetero.moe.packing import a2a_sends
     from colossal_hetero.moe.placement import placement_from_groups
     from colossal_hetero.plugin import HeteroParallelPlugin
@@ -71,13 +82,15 @@ def _check(rank: int, world_size: int, device: torch.device) -> None:
     for gate in _gates(inner):  # after the bias hook: the routing the block really uses
         gate.register_forward_hook(lambda m, i, out: routed.append(out.topk(2, dim=-1).indices))
     generator = torch.Generator().manual_seed(1)
-    for case, _, skew in CASES:
+    for step, (case, _, skew) in enumerate(STEPS):
         batch = torch.randint(0, 256, (world_size * PER_RANK, SEQ), generator=generator)
         shards = batch.split(PER_RANK)
-        ref_losses = _reference_step(reference, shards, skew, bias)
-        bias[0] = _bias(skew, rank)
+        ref_losses = _reference(reference, shards, skew, bias)
+        bias[0] = _routing_bias(skew, rank)
         for block in blocks:
             block.packing_stats = None
+        history = blocks[0].fold_history
+        before = list(history.sent[0]) if history is not None else []
         routed.clear()
         loss = model(input_ids=shards[rank], labels=shards[rank]).loss
         booster.backward(loss, optimizer)
@@ -96,8 +109,29 @@ def _check(rank: int, world_size: int, device: torch.device) -> None:
         everyone = [torch.zeros_like(calls) for _ in range(world_size)]
         dist.all_gather(everyone, calls)
         assert all(int(c) == int(calls) for c in everyone), case
+        assert int(calls) == LAYERS * (FOLDED if step else UNFOLDED), (step, case)
+        if step == len(STEPS) - 1 and rank == 1:  # rows to rank 0 beyond the pair's capacity
+            assert blocks[0].fold_history.sent[0][-1] > capacity(before), before
     _compare_params(inner, reference)
     plugin.close()
+
+
+def _routing_bias(skew: str | None, shard: int) -> torch.Tensor:
+    return torch.tensor([-8.0, -8.0, 8.0, 8.0]) if skew == "far" else _bias(skew, shard)
+
+
+def _reference(reference, shards, skew: str | None, bias: list) -> list[float]:  # type: ignore[no-untyped-def]
+    """test_moe_plugin's reference step with ``far`` routing too."""
+    if skew != "far":
+        return _reference_step(reference, shards, skew, bias)
+    losses = []
+    reference.zero_grad(set_to_none=True)
+    bias[0] = _routing_bias(skew, 0)
+    for shard in shards:
+        loss = reference(input_ids=shard, labels=shard).loss
+        (loss / len(shards)).backward()
+        losses.append(float(loss))
+    return losses
 
 
 def _check_accounting(blocks, routed, placement, a2a_sends, rank: int, case: str) -> None:  # type: ignore[no-untyped-def]
