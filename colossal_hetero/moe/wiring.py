@@ -9,10 +9,12 @@ The reducers then run on the step seam:
   data-parallel ranks (with ``parallel.tp > 1``: per tp index, each tp shard over the ranks
   holding the same shard), in fixed chunks, on process groups of their own (never the a2a's);
   each group's all-reduce cost is profiled once (moe/profile.py) to predict chunk times and,
-  with ``moe.chunk_efficiency``, to size the chunks; the size is then evened out over the
-  group's gradient (``max(1, total // size)`` equal chunks, so no small tail chunk pays a
-  whole all-reduce latency; for the dense group without expert replicas at least
-  ``MIN_CHUNKS``, each at least ``MIN_CHUNK_BYTES``); the dense chunks follow the order
+  with ``moe.chunk_efficiency > 0``, to size the chunks (:func:`chosen_chunk_bytes`: the rule
+  of moe/chunks.py's ``choose_chunk_bytes`` per group, at most ``moe.chunk_kib``, the one
+  ``bench moe`` uses); a given size is evened out over the group's gradient (``max(1, total
+  // size)`` equal chunks, so no small tail chunk pays a whole all-reduce latency); for the
+  dense group without expert replicas at least ``MIN_CHUNKS``, each at least
+  ``MIN_CHUNK_BYTES``; the dense chunks follow the order
   backward produced the gradients in, agreed in the first flush (``learn_order``,
   moe/scheduler.py);
 - the boosted optimizer's ``step`` first flushes both reducers, so every gradient is reduced
@@ -44,7 +46,7 @@ from colossal_hetero.config.schema import HeteroConfig
 from colossal_hetero.metrics.decisions import DecisionWriter
 from colossal_hetero.moe.block import HeteroEPMixtralSparseMoeBlock
 from colossal_hetero.moe.checks import check_moe_model
-from colossal_hetero.moe.chunks import chunk_bytes_for, even_chunk_bytes
+from colossal_hetero.moe.chunks import choose_chunk_bytes, even_chunk_bytes
 from colossal_hetero.moe.clip import install_ep_grad_norm
 from colossal_hetero.moe.comm import MoeComm
 from colossal_hetero.moe.pipeline_choice import PipelineChooser
@@ -155,11 +157,12 @@ def install_reducers(
         profiles,
         strict=True,
     ):
-        size = moe.chunk_bytes
-        if moe.chunk_efficiency > 0:
-            size = min(size, max(MIN_CHUNK_BYTES, chunk_bytes_for(*profile, moe.chunk_efficiency)))
         alone = name == "dense" and dist.get_world_size(expert_group) == 1  # no expert traffic
-        size = _evened(group_params, size, MIN_CHUNKS if alone else 1)
+        least = MIN_CHUNKS if alone else 1
+        if moe.chunk_efficiency > 0:  # the same rule as bench moe's one size
+            size = chosen_chunk_bytes(group_params, profile, moe.chunk_bytes, least)
+        else:
+            size = _evened(group_params, moe.chunk_bytes, least)
         reducers[name] = ChunkedGradReducer(
             group_params, group, chunk_bytes=size, learn_order=name == "dense", **common
         )
@@ -200,6 +203,27 @@ def _sync_flag(model: nn.Module) -> Callable[[], bool]:
         return bool(getattr(model, "require_grad_sync", True))
 
     return syncing
+
+
+def chosen_chunk_bytes(
+    params: list[nn.Parameter], profile: tuple[float, float], most: int, min_count: int = 1
+) -> int:
+    """The chunk size of ``moe.chunk_efficiency > 0`` for the gradient of ``params`` (local, no
+    collective): :func:`.chunks.choose_chunk_bytes` over its bytes with the group's profile
+    ``(alpha, beta)``, from :data:`MIN_CHUNK_BYTES` (or ``most``, if smaller) to ``most``;
+    that size is already even (``ceil(total / count)``). Fewer than ``min_count`` chunks are
+    cut finer by :func:`_evened`. ``most`` for a group without parameters."""
+    if not params:
+        return most
+    dtypes = {p.dtype for p in params}
+    itemsize = params[0].dtype.itemsize if len(dtypes) == 1 else 1  # mixed: chunks break
+    total = sum(p.numel() * p.dtype.itemsize for p in params)
+    size = choose_chunk_bytes(
+        total, *profile, itemsize=itemsize, min_bytes=min(MIN_CHUNK_BYTES, most), max_bytes=most
+    )
+    if -(-total // size) >= min_count:
+        return size
+    return _evened(params, size, min_count)
 
 
 def _evened(params: list[nn.Parameter], size: int, min_count: int = 1) -> int:
