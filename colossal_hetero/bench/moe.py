@@ -4,7 +4,9 @@ The stock ``MoeHybridParallelPlugin`` (ZeRO-1, its only EP x DP layout) against 
 (``HeteroParallelPlugin`` with ``parallel.ep``) in the settings of ``VARIANTS``, and
 DeepSpeed-MoE (bench/moe_deepspeed.py). All in bf16 (the stock plugin's ZeRO refuses fp32),
 built in one world from the same initial weights, trained on the same batches and measured in
-interleaved rounds (``bench.rounds``), one training step per variant per round, every rank of
+interleaved rounds (``bench.rounds``), one timed training step per variant per round, each
+after an untimed priming step at learning rate 0 on the same batch (bench/moe_prime.py: the
+timed step runs with its expert kernels compiled, as in steady-state training), every rank of
 every variant on the same emulated device (bench/moe_devices.py).
 
 Per step and variant: the slowest rank's step time; the time inside synchronous collectives
@@ -23,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -38,6 +39,8 @@ from colossal_hetero.bench.moe_deepspeed import baseline_round_entries
 from colossal_hetero.bench.moe_devices import CollectiveTimer, transfer_time
 from colossal_hetero.bench.moe_hetero import run_hetero_case
 from colossal_hetero.bench.moe_order import TWINS, balanced_order, twin_leads
+from colossal_hetero.bench.moe_prime import DESCRIPTION as PRIMING
+from colossal_hetero.bench.moe_prime import minor_faults, primed, priming_summary, with_cpu
 from colossal_hetero.moe.pipeline_choice import DECIDE_AFTER, TRIAL_STEPS
 
 HF = {
@@ -58,7 +61,7 @@ RATE_MBIT = {"dedicated": 300.0, "none": 900.0}
 """Link rate per emulation (``bench/moe_devices.py``), for a stock comm fraction of 0.40-0.60:
 ``dedicated`` 0.44-0.49 at 300 Mbit/s (0.31 at 900), ``none`` 0.40-0.44 at 900 (1200: 0.39)."""
 CHUNK_KIB, MAX_INFLIGHT = 512, 2
-CHUNK_EFFICIENCY = 0.5  # chunk size from the measured alpha-beta profile, at most CHUNK_KIB
+CHUNK_SLACK = 0.1  # choose_chunk_bytes: the fewest chunks within 10% of the least cost
 UNLIMITED = 1024  # priority off: every ready chunk goes at once (plain bucketed overlap, DDP-like)
 PIPELINE = 2  # token ranges of the forced a2a/expert pipelining (ours_pipe)
 PIPELINE_MOST = 4  # all on: the cost model picks 1..this many ranges (moe.pipeline_auto)
@@ -86,6 +89,9 @@ EP4_VARIANTS = {"ours_all_ep4": "ours_all"}
 """Variants of ours at EP=4 (``EP4``) and the EP=2 x DP=2 variant whose settings each takes."""
 WARMUP = DECIDE_AFTER + 1 + 2 * TRIAL_STEPS
 """Warm-up rounds: all on's pipelining choice (after step ``DECIDE_AFTER``) and its trial."""
+BUDGET_S = {True: 110.0, False: 400.0}
+"""Seconds of rounds (warm-up included) for ``--quick`` and the full run: each measured round
+runs every variant twice (a priming step, then the timed one: bench/moe_prime.py)."""
 
 
 def _model() -> torch.nn.Module:
@@ -255,14 +261,15 @@ def _measure(
     def scope(index: int) -> AbstractContextManager[dict[str, float]]:
         return scoped_step(clock, counter, index)
 
-    variants = {n: _stock_variant(rank, b, batch, scope, timer) for n, b in stocks.items()}
-    variants.update(
-        {n: _ours_variant(b, batch, (counter, timer), logs[n]) for n, b in ours.items()}
-    )
-    ds_variants, ds_figures, ds_info = _deepspeed(batch, scope)
-    policy = RoundsPolicy(
-        warmup=WARMUP, min_rounds=8 if quick else 12, budget_s=70 if quick else 300
-    )
+    variants = {  # each measured round primed (bench/moe_prime.py)
+        n: primed(_stock_variant(rank, b, batch, scope, timer), b[2], b[1].parameters)
+        for n, b in stocks.items()
+    }
+    for n, b in ours.items():
+        run = _ours_variant(b, batch, (counter, timer), logs[n])
+        variants[n] = primed(run, b[2], b[1].parameters)
+    ds_variants, ds_figures, ds_info = _deepspeed(batch, with_cpu(scope))
+    policy = RoundsPolicy(warmup=WARMUP, min_rounds=8 if quick else 12, budget_s=BUDGET_S[quick])
     everything = {**variants, **ds_variants}
     order = balanced_order(list(everything), TWINS, WARMUP)  # bench/moe_order.py
     result = run_rounds(
@@ -282,6 +289,7 @@ def _measure(
         "packing": _packing_stats(ours["ours_pack"][1]),
         "rounds": result.to_dict(),
         "twin_leads": twin_leads(order, TWINS, result.series, WARMUP),
+        "priming": {"what": PRIMING, "medians": priming_summary(result.series)},
         "deepspeed": ds_info,
         "max_loss_diff_vs_stock": loss_diff,  # EP=4 included
         "timelines": timelines,
@@ -311,9 +319,11 @@ def _deepspeed(
         run, figure, info = baseline_round_entries(
             _model, ep, "bf16", PER_RANK, batch, _agreed, all_on=all_on, scope=scope, name=name
         )
-        variants.update(run)
+        engine = info.pop("engine", None)
+        variants.update(  # primed, as every variant (bench/moe_prime.py)
+            {n: primed(r, engine.optimizer, engine.module.parameters) for n, r in run.items()}
+        )
         figures.update(figure)
-        info.pop("engine", None)
         infos[name] = info
     return variants, figures, {**infos["deepspeed"], "ep4": infos["deepspeed_ep4"]}
 
@@ -415,17 +425,26 @@ def _ratios(ran: list[str]) -> dict[str, Callable[[Mapping[str, float]], float]]
 def _profiled_chunk_kib() -> tuple[int, list[tuple[float, float]]]:
     """One chunk size for every variant (so their chunks are the same), from the alpha-beta
     profile of the world group and an expert group (moe/profile.py, agreed over the world):
-    ``chunk_bytes_for(alpha, beta, CHUNK_EFFICIENCY)`` of the world group, 16 KiB to
-    ``CHUNK_KIB``. Collective."""
-    from colossal_hetero.moe.chunks import chunk_bytes_for
+    ``choose_chunk_bytes`` (moe/chunks.py) over the dense bf16 gradient with the world group's
+    profile, 16 KiB to ``CHUNK_KIB``; each gradient group then evens it out. Collective."""
+    from colossal_hetero.moe.chunks import choose_chunk_bytes
     from colossal_hetero.moe.profile import profile_groups
     from colossal_hetero.moe.wiring import MIN_CHUNK_BYTES, gradient_groups
 
     dense, expert = gradient_groups(dist.get_world_size(), EP)
     profiles = profile_groups([dense, expert])
-    size = chunk_bytes_for(*profiles[0], CHUNK_EFFICIENCY)
-    kib = max(MIN_CHUNK_BYTES, min(CHUNK_KIB * 1024, size)) // 1024
-    return kib, profiles
+    with torch.random.fork_rng():  # _model() seeds the global generator
+        model = _model()
+    dense_bytes = 2 * sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n)
+    size = choose_chunk_bytes(
+        dense_bytes,
+        *profiles[0],
+        itemsize=2,
+        slack=CHUNK_SLACK,
+        min_bytes=MIN_CHUNK_BYTES,
+        max_bytes=CHUNK_KIB * 1024,
+    )
+    return size // 1024, profiles
 
 
 def _chunking(plugin: Any) -> dict[str, Any]:
@@ -467,7 +486,7 @@ def _train_step(
     """One step after a barrier: (wall seconds, the synchronous collectives' ``(start, end,
     ranks)``, what ``scope`` yielded); forward, backward and the optimizer step in ``scope``."""
     dist.barrier()
-    start, cpu, faults = time.perf_counter(), time.thread_time(), _minor_faults()
+    start, cpu, faults = time.perf_counter(), time.thread_time(), minor_faults()
     with timer.recording() as calls:
         with scope as seen:
             loss = model(input_ids=ids, labels=ids).loss
@@ -478,16 +497,11 @@ def _train_step(
         optimizer.zero_grad()
     end = time.perf_counter()
     seen.update(cpu=time.thread_time() - cpu, fwd=forward - start, bwd=backward - forward)
-    seen.update(opt=end - backward, faults=_minor_faults() - faults)
+    seen.update(opt=end - backward, faults=minor_faults() - faults)
     return end - start, calls, seen
 
 
 PHASES = ("cpu", "faults", "fwd", "bwd", "opt", "stretch", "wait")
-
-
-def _minor_faults() -> float:
-    """This thread's minor page faults so far (Linux ``RUSAGE_THREAD``)."""
-    return float(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt)
 
 
 def _phases(seen: Mapping[str, float], plugin: Any) -> dict[str, float]:
@@ -554,6 +568,7 @@ def run_moe_benchmark(
     hetero = run_hetero_case(quick=quick)  # H6's heterogeneous case (bench/moe_hetero.py)
     summary["speed_aware_vs_even_placement"] = hetero["speed_aware_vs_even_placement"]
     summary.pop("speed_aware_vs_even_placement_reason", None)
+    summary["priming"] = PRIMING  # bench/moe_prime.py
     report = {
         "benchmark": "moe",
         "quick": quick,
@@ -569,6 +584,7 @@ def run_moe_benchmark(
         "chunking": results[0]["chunking"],
         "rounds": results[0]["rounds"],
         "twin_leads": results[0]["twin_leads"],  # bench/moe_order.py
+        "priming": results[0]["priming"],  # bench/moe_prime.py
         "pipelining": {"ep2": results[0]["pipelining"], "ep4": results[0]["pipelining_ep4"]},
         "deepspeed": results[0]["deepspeed"],
         "heterogeneous": hetero,
