@@ -123,8 +123,17 @@ def stage_widths(runner: Runner) -> list[dict[str, list[int]]]:
     return every
 
 
+PROBE_STEPS = 2
+"""Measured steps of the probe (``measure_stage_times``; 3 until session 11): the stage times
+only choose the trial's candidates, and the trial runs them."""
+
+
 def measure_stage_times(
-    stock: Runner, stretch: Stretch, layout: list[int], spec: dict[str, Any], steps: int = 3
+    stock: Runner,
+    stretch: Stretch,
+    layout: list[int],
+    spec: dict[str, Any],
+    steps: int = PROBE_STEPS,
 ) -> dict[str, Any]:
     """Each stage's measured per-block and fixed seconds, for phase (c)'s split.
 

@@ -15,8 +15,8 @@ Variants (names used in the JSON):
 - ``planned_1f1b``: HeteroParallelPlugin, Colossal-AI's 1F1B on the planned split;
 - ``k{n}``: HeteroParallelPlugin, ``KFKBSchedule`` with a fixed ``k = n``, planned split;
 - ``ada``: HeteroParallelPlugin ``ada_kfkb``, planned split, under the memory budget;
-- ``k1_even`` (phase c only): the equal set's ``k1`` (``KFKBSchedule``, ``k = 1``, even split
-  and widths), the even split under our executor.
+- ``k1_even`` (phase c of full runs only): the equal set's ``k1`` (``KFKBSchedule``,
+  ``k = 1``, even split and widths), the even split under our executor.
 
 Phases (a) and (b) share one set (equal speeds: the planned split is the planner's for equal
 stages); phase (c) slows one device to half speed (``bench.pipeline_stretch``) and uses a second
@@ -36,6 +36,7 @@ forward/backward times and message bytes at the round's link rate.
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import sys
 import time
@@ -190,12 +191,31 @@ def run_pipeline_worker(
     """Every phase on this rank; rank-identical results (from all-gathered rows).
 
     ``timings``: wall seconds of the set-up's parts (``build_equal_s``, ``probe_s``: the
-    probe's build and its measured steps, ``trial_s``, ``build_slow_s``) and ``entered_at``
-    (``time.time()`` as the worker starts: the launch before it is the driver's to time)."""
+    probe's build and its measured steps, ``trial_s``, ``build_slow_s``), ``collect_s`` (the
+    garbage collection of every variant afterwards), ``entered_at`` and ``left_at``
+    (``time.time()`` as the worker starts and returns: the launch before it and the exit after
+    it are the driver's to time)."""
     from colossal_hetero.plugin import prepare_device
 
     timings: dict[str, float] = {"entered_at": time.time()}
     prepare_device(device)  # the gloo/CPU fixes Colossal-AI's stock plugin needs too
+    out = _run_phases(rank, device, spec, timings)
+    # The variants (models, optimizers, hooks; reference cycles) are garbage now: collect them
+    # here, timed, rather than in the exit path's collection (``close_process_group``).
+    collected = time.perf_counter()
+    gc.collect()
+    timings["collect_s"] = time.perf_counter() - collected
+    out["timings"] = {**timings, "left_at": time.time()}
+    if on_shaped_links():
+        atexit.register(_exit_at_once)
+    return out
+
+
+def _run_phases(
+    rank: int, device: torch.device, spec: dict[str, Any], timings: dict[str, float]
+) -> dict[str, Any]:
+    """Build the variants, run phases (a)-(c), close the plugins; the result without
+    ``timings`` (its set-up parts are added to ``timings``)."""
     started = time.perf_counter()
     phases = Phases(spec, rank)
     equal = _build_set(spec, "equal", device, {})
@@ -228,9 +248,6 @@ def run_pipeline_worker(
         close = getattr(runner.plugin, "close", None)
         if close is not None:
             close()
-    out["timings"] = {**timings, "left_at": time.time()}
-    if on_shaped_links():
-        atexit.register(_exit_at_once)
     return out
 
 
@@ -274,7 +291,9 @@ def _slow_set(
     slow_spec = {**spec, "splits": {**spec["splits"], "slow": trial.split}, "stage_times": times}
     # k1_even: the equal set's KFKBSchedule at k = 1 (even split, even widths), so that (c)
     # also gives the split's gain under our executor (k1 over it), not only under Colossal-AI's.
-    shared = {"stock": stock, "planned_1f1b": tried[trial.best], "k1_even": equal["k1"]}
+    shared = {"stock": stock, "planned_1f1b": tried[trial.best]}
+    if spec.get("even_k1", True):
+        shared["k1_even"] = equal["k1"]
     slow = _build_set(slow_spec, "slow", device, shared)
     for runner in slow.values():
         if runner.stretch is None:  # stock and the tried splits have theirs

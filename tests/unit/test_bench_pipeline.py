@@ -74,6 +74,9 @@ def test_specs_and_network():
     assert (mixed.pp, mixed.tp, mixed.m) == (2, 2, 8)
     # Phase (c)'s half-speed device: PP=4's stage 1; one of PP=2 x TP=2's stage-0 TP pair.
     assert (pp4.slow_ranks, mixed.slow_ranks) == ((1,), (0,))
+    # k1_even (phase c's extra) only in full runs.
+    assert not pp4.even_k1 and not mixed.even_k1
+    assert all(s.even_k1 for s in build_specs(quick=False, network_mode="shaped"))
     assert pp4.batch_size % pp4.m == 0 and mixed.batch_size % mixed.m == 0
     net = network_config(mixed.to_dict(), "shaped")
     assert net.mode == "shaped" and net.bandwidth_gbps == mixed.rate_gbps
@@ -150,6 +153,18 @@ def test_summary_arithmetic():
         "memory_limit_exceeded": True,
     }
     assert not good["memory"]["exceeded"] and worse["memory"]["exceeded"]
+    # --quick runs no k1_even (BenchSpec.even_k1): the extra figure and key are left out, the
+    # rest is the same.
+    quick = _result(2.0, 1.0, 1.02, ada_peak=2**20)
+    for key in [k for k in quick["phases"]["c"]["series"] if k.startswith("k1_even.")]:
+        del quick["phases"]["c"]["series"][key]
+    lean = layout_figures(spec, quick)
+    assert "planned_vs_even_split_slow_stage_kfkb_k1" not in lean
+    assert lean["planned_vs_even_split_slow_stage"] == good["planned_vs_even_split_slow_stage"]
+    lean_summary = summarise("shaped", {"x": lean, "y": worse})
+    assert lean_summary == {
+        k: v for k, v in summary.items() if k != "planned_vs_even_split_slow_stage_kfkb_k1"
+    }
 
 
 def test_stretch_sleeps_in_proportion_and_keeps_gradients():
