@@ -19,16 +19,17 @@ class MoeConfig:
     optimizer reduces the gradients and this section's reducer settings are unused."""
 
     chunk_kib: int = 256
-    """Target size of one gradient all-reduce chunk, KiB (the largest, with chunk_efficiency).
+    """Target size of one gradient all-reduce chunk, KiB (the largest, with chunk_auto).
     Each gradient group is cut into max(1, group // size) equal chunks, so a chunk holds
     between this size and twice it (no small tail chunk paying a whole all-reduce latency).
     Chunks are fixed by parameter shapes, never by routing, so every rank issues the same
     all-reduces."""
 
-    chunk_efficiency: float = 0.0
-    """0: chunks of chunk_kib. In (0, 1): the smallest chunk whose all-reduce spends at least
-    this fraction of its time moving bytes, from an alpha-beta profile measured at boost time
-    on the gradient groups (agreed over the world), at most chunk_kib."""
+    chunk_auto: bool = False
+    """false: chunks of chunk_kib. true: each gradient group's chunk size comes from the
+    alpha-beta profile of its all-reduce, measured at boost time (agreed over the world): the
+    fewest equal chunks whose predicted cost, the a2a's wait for one chunk included, is within
+    10% of the least, from 16 KiB to chunk_kib (docs/moe.md, "Chunk size")."""
 
     pipeline_chunks: int = 1
     """a2a/expert pipelining: each MoE block's dispatch and combine all-to-alls are cut into
@@ -88,11 +89,6 @@ class MoeConfig:
             self.pipeline_chunks == 1 or not self.packing,
             "pipeline_chunks",
             "pipelining is not combined with moe.packing: set one of them",
-        )
-        _require(
-            0 <= self.chunk_efficiency < 1,
-            "chunk_efficiency",
-            f"must be in [0, 1), got {self.chunk_efficiency}",
         )
         _require(
             self.replace_every >= 0, "replace_every", f"must be >= 0, got {self.replace_every}"

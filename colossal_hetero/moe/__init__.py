@@ -1,7 +1,7 @@
 """Mixture-of-experts support: speed-aware expert placement and the packing planner (pure), and
 the chunked, prioritised gradient reducer (runtime). See docs/moe.md."""
 
-from colossal_hetero.moe.chunks import Chunk, Segment, chunk_bytes_for, plan_chunks
+from colossal_hetero.moe.chunks import Chunk, Segment, plan_chunks
 from colossal_hetero.moe.packing import (
     SendCounts,
     a2a_sends,
@@ -25,7 +25,6 @@ from colossal_hetero.moe.placement import (
 __all__ = [
     "Chunk",
     "Segment",
-    "chunk_bytes_for",
     "plan_chunks",
     "EXACT_MAX_EXPERTS",
     "Placement",

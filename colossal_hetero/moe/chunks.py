@@ -10,15 +10,15 @@ produced their gradients, agreed once: moe/scheduler.py's ``learn_order``), by d
 Chunk size (Lina's tensor partitioning, digest section 3.3): with an all-reduce of ``S`` bytes
 costing ``T(S) = alpha + S / beta``, an a2a that becomes ready waits for at most the
 ``max_inflight`` chunks already on the wire, ``max_inflight * T(S)``, while the efficiency of
-the chunked all-reduce is ``(S / beta) / T(S)``. :func:`chunk_bytes_for` returns the smallest
-``S`` with efficiency >= ``target``: ``S >= target / (1 - target) * alpha * beta``.
+the chunked all-reduce is ``(S / beta) / T(S)``. Session 10 took the smallest ``S`` of a given
+efficiency, ``S >= e / (1 - e) * alpha * beta``; that depends on ``alpha * beta``, whose noise
+under load (42-382 KiB between runs of one link) the step time followed.
 
-A stable choice (:func:`choose_chunk_bytes`): the efficiency rule depends on ``alpha * beta``,
-whose noise under load (session 10: 42-382 KiB between runs of one link) the step time
-followed. The choice instead compares chunk counts ``k`` of the gradient's ``N`` bytes by a
-predicted cost, :func:`chunking_cost`: ``k * alpha + N / beta`` for the chunks themselves plus
-what the efficiency rule misses, the a2a wait bound (with priority a ready a2a waits for at
-most one chunk on the wire, ``alpha + N / (k * beta)``, for each of ``waits`` a2a's per step).
+A stable choice (:func:`choose_chunk_bytes`) instead compares chunk counts ``k`` of the
+gradient's ``N`` bytes by a predicted cost, :func:`chunking_cost`: ``k * alpha + N / beta``
+for the chunks themselves plus what the efficiency rule misses, the a2a wait bound (with
+priority a ready a2a waits for at most one chunk on the wire, ``alpha + N / (k * beta)``, for
+each of ``waits`` a2a's per step).
 The cost is flat near its least, so it takes the *fewest* chunks (the largest) whose cost is
 within ``slack`` of the least: noise in ``alpha`` moves the least count, rarely that one.
 
@@ -109,16 +109,6 @@ def plan_chunks(
     if segments:
         chunks.append(Chunk(len(chunks), tuple(segments), current))  # type: ignore[arg-type]
     return tuple(chunks)
-
-
-def chunk_bytes_for(alpha_s: float, beta_bytes_per_s: float, target: float = 0.9) -> int:
-    """Smallest chunk size (bytes) whose all-reduce efficiency ``(S/beta) / (alpha + S/beta)``
-    reaches ``target`` (in (0, 1)), from a measured latency ``alpha_s`` and bandwidth."""
-    if not 0 < target < 1:
-        raise ValueError(f"moe.chunk_efficiency must be in (0, 1), got {target}")
-    if alpha_s < 0 or beta_bytes_per_s <= 0:
-        raise ValueError("chunk size: need alpha >= 0 and beta > 0 from the profile")
-    return max(1, math.ceil(target / (1 - target) * alpha_s * beta_bytes_per_s))
 
 
 def chunking_cost(total_bytes: int, count: int, alpha_s: float, beta: float, waits: float) -> float:

@@ -9,7 +9,7 @@ The reducers then run on the step seam:
   data-parallel ranks (with ``parallel.tp > 1``: per tp index, each tp shard over the ranks
   holding the same shard), in fixed chunks, on process groups of their own (never the a2a's);
   each group's all-reduce cost is profiled once (moe/profile.py) to predict chunk times and,
-  with ``moe.chunk_efficiency > 0``, to size the chunks (:func:`chosen_chunk_bytes`: the rule
+  with ``moe.chunk_auto``, to size the chunks (:func:`chosen_chunk_bytes`: the rule
   of moe/chunks.py's ``choose_chunk_bytes`` per group, at most ``moe.chunk_kib``, the one
   ``bench moe`` uses); a given size is evened out over the group's gradient (``max(1, total
   // size)`` equal chunks, so no small tail chunk pays a whole all-reduce latency); for the
@@ -159,7 +159,7 @@ def install_reducers(
     ):
         alone = name == "dense" and dist.get_world_size(expert_group) == 1  # no expert traffic
         least = MIN_CHUNKS if alone else 1
-        if moe.chunk_efficiency > 0:  # the same rule as bench moe's one size
+        if moe.chunk_auto:  # the same rule as bench moe's one size
             size = chosen_chunk_bytes(group_params, profile, moe.chunk_bytes, least)
         else:
             size = _evened(group_params, moe.chunk_bytes, least)
@@ -208,7 +208,7 @@ def _sync_flag(model: nn.Module) -> Callable[[], bool]:
 def chosen_chunk_bytes(
     params: list[nn.Parameter], profile: tuple[float, float], most: int, min_count: int = 1
 ) -> int:
-    """The chunk size of ``moe.chunk_efficiency > 0`` for the gradient of ``params`` (local, no
+    """The chunk size of ``moe.chunk_auto`` for the gradient of ``params`` (local, no
     collective): :func:`.chunks.choose_chunk_bytes` over its bytes with the group's profile
     ``(alpha, beta)``, from :data:`MIN_CHUNK_BYTES` (or ``most``, if smaller) to ``most``;
     that size is already even (``ceil(total / count)``). Fewer than ``min_count`` chunks are

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colossal_hetero.moe.chunks import Segment, chunk_bytes_for, even_chunk_bytes, plan_chunks
+from colossal_hetero.moe.chunks import Segment, even_chunk_bytes, plan_chunks
 
 F32 = torch.float32
 
@@ -49,19 +49,6 @@ def test_dtype_change_starts_a_new_chunk_and_output_is_deterministic():
 def test_bad_chunk_size(chunk_bytes, message):
     with pytest.raises(ValueError, match=message):
         plan_chunks([4], [F32], chunk_bytes)
-
-
-def test_chunk_size_from_alpha_beta():
-    # alpha 1 ms, beta 1 GB/s: efficiency 0.9 needs S >= 0.9 / 0.1 * alpha * beta = 9 MB.
-    s = chunk_bytes_for(1e-3, 1e9, 0.9)
-    assert abs(s - 9_000_000) <= 1  # ceil of 9e6 computed in floats (0.9 / 0.1 is not exact)
-
-    def efficiency(size: int) -> float:
-        return (size / 1e9) / (1e-3 + size / 1e9)
-
-    assert efficiency(s) >= 0.9 - 1e-12 and efficiency(s - 2) < 0.9  # smallest such size
-    with pytest.raises(ValueError, match="moe.chunk_efficiency"):
-        chunk_bytes_for(1e-3, 1e9, 1.0)
 
 
 def test_even_chunks_by_hand():

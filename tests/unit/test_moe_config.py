@@ -84,7 +84,8 @@ def test_bad_moe_layout_is_one_config_error(parallel, moe, hf, world, fragment) 
         ({"max_inflight": 0}, "moe.max"),
         ({"pipeline_chunks": 0}, "moe.pipeline_chunks: must be >= 1, got 0"),
         ({"pipeline_chunks": 2, "packing": True}, "moe.pipeline_chunks: pipelining is not"),
-        ({"chunk_efficiency": 1.0}, "moe.chunk_efficiency: must be in [0, 1), got 1.0"),
+        ({"chunk_efficiency": 0.5}, "moe.chunk_efficiency: unknown key"),  # session 10's knob
+        ({"chunk_auto": "yes"}, "moe.chunk_auto: expected bool"),
     ],
 )
 def test_bad_moe_field_names_it(moe, fragment) -> None:

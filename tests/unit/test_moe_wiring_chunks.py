@@ -1,4 +1,4 @@
-"""The plugin's automatic chunk size (``moe.chunk_efficiency > 0``, moe/wiring.py's
+"""The plugin's automatic chunk size (``moe.chunk_auto``, moe/wiring.py's
 ``chosen_chunk_bytes``): hand-computed sizes for the bench model's dense gradient, and a brute
 force over every chunk count of the cost rule of moe/chunks.py."""
 
