@@ -143,15 +143,24 @@ def _counts_exchange(
     return received, recv
 
 
-def _experts(block: Any, received: torch.Tensor, hidden: int, width: int) -> torch.Tensor:
+def _experts(
+    block: Any, received: torch.Tensor, recv: list[int], hidden: int, width: int
+) -> torch.Tensor:
     """This rank's combined rows ``[received, hidden]``: each held expert on the rows that
-    select it (one gather, grouped by slot), weighted, summed per row (one ``index_add``)."""
+    select it (one gather, grouped by slot), weighted, summed per row (one ``index_add``).
+
+    An expert runs once per source rank, on that rank's rows, as in the unpacked block: its
+    activations then have the unpacked block's sizes (one piece over all sources doubled them
+    at EP=2, and past glibc's mmap threshold, 128 KiB at the benchmark's sizes, every step
+    paid page faults for them)."""
     xs, w, m = received.split([hidden, width, width], dim=1)
     local = len(block.held)
     marks = m[:, :local].t() != 0  # [local, rows]
-    pairs = marks.nonzero()  # (slot, row), slot-major
+    pairs = marks.nonzero()  # (slot, row), slot-major; rows (so source ranks) increasing
     rows = pairs[:, 1]
-    per_slot = marks.sum(dim=1).tolist()
+    by_source = torch.stack([part.sum(dim=1) for part in marks.split(recv, dim=1)], dim=1)
+    pieces = by_source.reshape(-1).tolist()  # (slot, source rank), slot-major
+    per_slot = by_source.sum(dim=1).tolist()
     if block.training and torch.is_grad_enabled():  # held experts no token reaches here
         idle = [
             p
@@ -164,9 +173,10 @@ def _experts(block: Any, received: torch.Tensor, hidden: int, width: int) -> tor
     if not received.shape[0]:
         return xs  # no rows: the empty received tensor stands in (keeps both backward a2a's)
     outputs = []
-    for j, piece in enumerate(xs.index_select(0, rows).split(per_slot)):
-        if per_slot[j]:
-            expert = block.experts[block.held[j]]
+    ep = len(recv)
+    for i, piece in enumerate(xs.index_select(0, rows).split(pieces)):
+        if pieces[i]:
+            expert = block.experts[block.held[i // ep]]
             outputs.append(expert.w2(expert.act_fn(expert.w1(piece)) * expert.w3(piece)))
     scale = w[:, :local].t()[marks].unsqueeze(1)  # the weights in the order of ``pairs``
     weighted = torch.cat(outputs) * scale if outputs else xs[:0]
@@ -193,7 +203,7 @@ def packed_exchange(
     index, rows, send, dev = _payload(block, x, selected, weights, tables)
     _account(block, dev, send, hidden, tables.width, x.element_size())
     received, recv = _counts_exchange(block, rows, send, a2a, dispatch)
-    out_local = _experts(block, received, hidden, tables.width)
+    out_local = _experts(block, received, recv, hidden, tables.width)
     back = combine(out_local, recv, send, block)
     return x.new_zeros(x.shape).index_add(0, index, back.to(x.dtype))
 
