@@ -255,10 +255,9 @@ def _exit_at_once() -> None:
     """A shaped rank's last exit handler (registered last, so run first): flush and leave.
 
     By then ``shaped_spawn.main`` has written this rank's result and closed its process group;
-    what remains is the interpreter's teardown of ~20 plugins' models, groups and threads,
-    which took 4-13 s per launch on the shared 2 cores (load 8-15; exit code 0 either way).
-    A rank that failed before writing its result still fails the run: the driver finds no
-    result file."""
+    what remains is the interpreter's teardown (a trivial rank's: 3.5-4.3 s at load 8-10 on
+    the shared 2 cores). Exit code 0 either way: a rank that failed before writing its result
+    still fails the run, as the driver then finds no result file."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
