@@ -149,10 +149,11 @@ def _experts(
     """This rank's combined rows ``[received, hidden]``: each held expert on the rows that
     select it (one gather, grouped by slot), weighted, summed per row (one ``index_add``).
 
-    An expert runs once per source rank, on that rank's rows, as in the unpacked block: its
-    activations then have the unpacked block's sizes (one piece over all sources doubled them
-    at EP=2, and past glibc's mmap threshold, 128 KiB at the benchmark's sizes, every step
-    paid page faults for them)."""
+    An expert runs once per source rank, on that rank's rows, as the unpacked block does, so
+    both run matmuls of the same shapes. oneDNN builds a bf16 kernel per new shape (on this
+    host ~80 page faults and ~0.3 ms of CPU a call) and caches it: one piece over all sources
+    ran shapes no other variant of ``bench moe``'s rounds had built, and paid that each step
+    (session 11: +2.5 ms of forward CPU, stretched 2.5x on the emulated devices)."""
     xs, w, m = received.split([hidden, width, width], dim=1)
     local = len(block.held)
     marks = m[:, :local].t() != 0  # [local, rows]
