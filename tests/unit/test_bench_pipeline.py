@@ -381,3 +381,19 @@ def test_stage_times_probe_warms_only_a_fresh_probe_and_off_the_stretch(monkeypa
     # Per block and micro-batch: 2 passes of 5 ms; the rest: 20 ms over 4 micro-batches.
     assert got["block_s"] == [pytest.approx(0.010)]
     assert got["fixed_s"] == [pytest.approx(0.005)]
+
+
+def test_brute_force_split_summary_by_hand():
+    from colossal_hetero.bench.pipeline_brute import (
+        EVEN_WIDTH_SPLITS,
+        PLANNED_WIDTH_SPLITS,
+        summarise_steps,
+    )
+
+    # Per-round ratios stock / this: 2/1, 3/1.5, 2.4/1.2 -> all 2.0; medians of steps 2.4, 1.2.
+    got = summarise_steps({"stock": [2.0, 3.0, 2.4], "x": [1.0, 1.5, 1.2]})
+    assert got["x"] == {"median_s": pytest.approx(1.2), "stock_over": pytest.approx(2.0)}
+    assert got["stock"]["stock_over"] == 1.0
+    # Every candidate split holds the 12 blocks over 2 stages, each stage at least one.
+    for split in (*PLANNED_WIDTH_SPLITS, *EVEN_WIDTH_SPLITS):
+        assert len(split) == 2 and sum(split) == 12 and min(split) >= 1
