@@ -77,7 +77,8 @@ VARIANTS = {  # name: (priority, fit_gaps, max_inflight, pipeline_chunks, pipeli
 """``ours_all`` ("all on"): priority (chunks held from dispatch to combine and during every
 a2a: the issue's rule; gap fitting, ``ours_on``, measured 0.89-1.00x of it in every run of
 sessions 8-9, docs/moe.md) and a2a/expert pipelining as its cost model chooses. Expert packing
-(``ours_pack``) is left out: it does not combine with pipelining, and it made the step slower.
+(``ours_pack``) is left out: it does not combine with pipelining, and it runs level with
+priority on (session 11).
 Speed-aware placement is the even one on equal devices (its re-placement needs fp32: the
 heterogeneous case measures it). ``ours_s7`` is all on as session 7 left it (``SESSION7``):
 gap fitting, the optimizer stepped once after the whole flush, and the routing counts in an

@@ -107,7 +107,8 @@ def summarise(result: dict, network_mode: str, stretch: str = "dedicated") -> di
         f"{PIPELINE_MOST} token ranges as its cost model chooses, routing counts inside the "
         "dispatch a2a, the expert optimizer step during the dense gradient transfer "
         "(all_on_vs_session7_all_on: against all on without the last two); expert packing apart "
-        "(packing_on_vs_priority_on: it does not combine with pipelining and slowed the step); "
+        "(packing_on_vs_priority_on: it does not combine with pipelining and runs level with "
+        "priority on); "
         "placement: even on equal devices, speed-aware in the heterogeneous case; "
         f"pipelining_on_vs_off: forced to {PIPELINE} ranges",
         "packing_on_vs_priority_on": float(figures["pack_vs_on"]["value"]),
