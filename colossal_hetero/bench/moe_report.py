@@ -67,6 +67,18 @@ def ep4_summary(result: dict) -> dict[str, Any]:
     return {"ep4": section}
 
 
+ALL_ON_MEANS = (
+    "priority on, chunks held from dispatch to combine (no gap fitting), a2a/expert pipelining "
+    f"over 1 to {PIPELINE_MOST} token ranges as its cost model chooses, routing counts inside "
+    "the dispatch a2a, the expert optimizer step during the dense gradient transfer "
+    "(all_on_vs_session7_all_on: against all on without the last two); expert packing apart "
+    "(packing_on_vs_priority_on: it does not combine with pipelining and runs level with "
+    "priority on); placement: even on equal devices, speed-aware in the heterogeneous case; "
+    f"pipelining_on_vs_off: forced to {PIPELINE} ranges"
+)
+"""What ``ours_all`` runs, as the JSON's summary says it."""
+
+
 def summarise(result: dict, network_mode: str, stretch: str = "dedicated") -> dict[str, Any]:
     """The issue's summary keys from one rank's result (all ranks agree)."""
     from colossal_hetero.bench.moe_devices import boundary_summary, describe
@@ -102,15 +114,7 @@ def summarise(result: dict, network_mode: str, stretch: str = "dedicated") -> di
             n: med(f"{n}.a2a_overlapped") for n in _ran(medians, "a2a_overlapped")
         },
         "max_loss_diff_vs_stock": result["max_loss_diff_vs_stock"],
-        "all_on_means": "priority on, chunks held from dispatch to combine (no gap fitting), "
-        f"a2a/expert pipelining over 1 to "
-        f"{PIPELINE_MOST} token ranges as its cost model chooses, routing counts inside the "
-        "dispatch a2a, the expert optimizer step during the dense gradient transfer "
-        "(all_on_vs_session7_all_on: against all on without the last two); expert packing apart "
-        "(packing_on_vs_priority_on: it does not combine with pipelining and runs level with "
-        "priority on); "
-        "placement: even on equal devices, speed-aware in the heterogeneous case; "
-        f"pipelining_on_vs_off: forced to {PIPELINE} ranges",
+        "all_on_means": ALL_ON_MEANS,
         "packing_on_vs_priority_on": float(figures["pack_vs_on"]["value"]),
         "a2a_bytes_per_step": {n: med(f"{n}.a2a_bytes") for n in _ran(medians, "a2a_bytes")},
         "packing_a2a_bytes_saved": 1 - med("ours_pack.a2a_bytes") / med("ours_on.a2a_bytes"),
