@@ -205,6 +205,22 @@ class HeteroEPMixtralSparseMoeBlock(EPMixtralSparseMoeBlock):
             return False
         return header_fits(dispatch.shape[1] * dispatch.element_size(), self.device_sizes)
 
+    def mark_idle(self, reached: list[int]) -> None:
+        """Tell the reducers which held experts no token reached in this training forward
+        (``reached[j]``: rows for held slot ``j``): they get no gradient in the coming
+        backward, so their chunks may go before the flush (``MoeComm.idle``). Local; nothing
+        in eval or under no_grad."""
+        if not (self.training and torch.is_grad_enabled()):
+            return
+        idle = [
+            p
+            for j, n in enumerate(reached)
+            if n == 0
+            for p in self.experts[self.held[j]].parameters()
+        ]
+        if idle:
+            self.comm.idle(idle)
+
     def expert_parameters(self) -> list[torch.nn.Parameter]:
         """The parameters of the experts this rank holds (reduced over their replicas)."""
         return [p for e in self.held for p in self.experts[e].parameters()]
@@ -254,16 +270,7 @@ class HeteroEPMixtralSparseMoeBlock(EPMixtralSparseMoeBlock):
             received, peer_counts = _FoldedDispatch.apply(dispatch, counts, self)
         else:
             peer_counts = _all_to_all_counts(counts, self.device_sizes, local, self)
-        if self.training and torch.is_grad_enabled():  # held experts no token reaches here
-            reached = peer_counts.view(self.ep_size, local).sum(dim=0).tolist()
-            idle = [
-                p
-                for j, n in enumerate(reached)
-                if n == 0
-                for p in self.experts[self.held[j]].parameters()
-            ]
-            if idle:
-                self.comm.idle(idle)
+        self.mark_idle(peer_counts.view(self.ep_size, local).sum(dim=0).tolist())
         recv = peer_counts.view(self.ep_size, local).sum(dim=1).tolist()
         if not folded:
             received = _Dispatch.apply(dispatch, send, recv, self)

@@ -162,15 +162,7 @@ def _experts(
     by_source = torch.stack([part.sum(dim=1) for part in marks.split(recv, dim=1)], dim=1)
     pieces = by_source.reshape(-1).tolist()  # (slot, source rank), slot-major
     per_slot = by_source.sum(dim=1).tolist()
-    if block.training and torch.is_grad_enabled():  # held experts no token reaches here
-        idle = [
-            p
-            for j, n in enumerate(per_slot)
-            if n == 0
-            for p in block.experts[block.held[j]].parameters()
-        ]
-        if idle:
-            block.comm.idle(idle)
+    block.mark_idle(per_slot)
     if not received.shape[0]:
         return xs  # no rows: the empty received tensor stands in (keeps both backward a2a's)
     outputs = []

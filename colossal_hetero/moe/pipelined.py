@@ -90,25 +90,13 @@ def plan_ranges(block: Any, selected: torch.Tensor, n: int) -> list[_Range]:
     with torch.no_grad():
         handle = wire.issue(send_counts, [n * s for s in block.device_sizes], [n * local] * ep)
         peer = wire.wait(handle).view(ep, n, local)
-    _mark_idle(block, peer.sum(dim=(0, 1)).tolist())
+    block.mark_idle(peer.sum(dim=(0, 1)).tolist())
     ranges = []
     for g, (rows, order, _) in enumerate(routed):
         send = [int(d[g].sum()) for d in by_device]
         recv = peer[:, g, :].sum(dim=1).tolist()
         ranges.append(_Range(rows, order, send, recv, peer[:, g, :].reshape(-1).tolist()))
     return ranges
-
-
-def _mark_idle(block: Any, reached: list[int]) -> None:
-    if block.training and torch.is_grad_enabled():  # held experts no token reaches here
-        idle = [
-            p
-            for j, n in enumerate(reached)
-            if n == 0
-            for p in block.experts[block.held[j]].parameters()
-        ]
-        if idle:
-            block.comm.idle(idle)
 
 
 def pipelined_exchange(block: Any, x: torch.Tensor, selected: torch.Tensor, n: int) -> Any:
