@@ -2,8 +2,7 @@
 
 The chunked reducers (moe/scheduler.py) need, identically on every rank, the cost
 ``T(S) = alpha + S / beta`` of one all-reduce of ``S`` bytes on their group: to size chunks
-(:func:`.chunks.choose_chunk_bytes`) and to predict whether a
-chunk fits before the next a2a.
+(:func:`.chunks.choose_chunk_bytes`) and to predict whether a chunk fits before the next a2a.
 
 How, so that the result does not swing with the host's load (session 10: two probes of 4 KiB
 and 256 KiB, median of 7 each, gave chunk sizes of 42-382 KiB between runs of one link):
