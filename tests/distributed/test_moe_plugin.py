@@ -79,7 +79,12 @@ def _gates(model):  # type: ignore[no-untyped-def]
 
 
 def _check(  # type: ignore[no-untyped-def]
-    rank: int, world_size: int, device: torch.device, placement: list | None = None, pipeline=1
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    placement: list | None = None,
+    pipeline=1,
+    auto=False,
 ) -> None:
     from colossalai.booster import Booster
 
@@ -95,6 +100,7 @@ def _check(  # type: ignore[no-untyped-def]
         fit_gaps=False,
         pipeline_chunks=pipeline,
         pipeline_auto=False,  # exactly `pipeline` ranges (the choice: test_moe_pipeline_choice)
+        chunk_auto=auto,
     )
     config = HeteroConfig(parallel=ParallelConfig(ep=2), moe=moe)
     held = (placement or [[0, 1], [2, 3]])[rank % 2]
@@ -104,6 +110,8 @@ def _check(  # type: ignore[no-untyped-def]
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     booster = Booster(plugin=plugin)
     model, optimizer, *_ = booster.boost(model, optimizer)
+    if auto:
+        _check_auto_chunks(plugin.moe_reducers)
     inner = model.unwrap()
     bias = [torch.zeros(EXPERTS)]
     for gate in _gates(inner) + _gates(reference):
@@ -143,6 +151,21 @@ def _check(  # type: ignore[no-untyped-def]
         _check_sequences(plugin, log, rank, world_size, case)
     _compare_params(inner, reference)
     plugin.close()
+
+
+def _check_auto_chunks(reducers) -> None:  # type: ignore[no-untyped-def]
+    """moe.chunk_auto reached the reducers: each group's chunks are choose_chunk_bytes' size
+    from its own agreed profile (1 KiB both bounds here: the fewest chunks of at most 1 KiB,
+    ceil(total / 1 KiB) of them; a fixed chunk_kib evens into floor(total / 1 KiB) instead)."""
+    from colossal_hetero.moe.chunks import choose_chunk_bytes
+
+    for name, reducer in reducers.items():
+        total = sum(c.numel for c in reducer.chunks) * 4  # fp32
+        size = choose_chunk_bytes(
+            total, *reducer.profile, itemsize=4, min_bytes=1024, max_bytes=1024
+        )
+        assert len(reducer.chunks) == -(-total // size), (name, len(reducer.chunks), total)
+        assert max(c.numel for c in reducer.chunks) * 4 <= size, name
 
 
 def _reference_step(reference, shards, skew: str | None, bias: list) -> list[float]:  # type: ignore[no-untyped-def]
@@ -226,8 +249,9 @@ def test_mixtral_ep2_matches_single_process() -> None:
 @pytest.mark.timeout(300)
 def test_mixtral_ep2_pipelined_matches_single_process() -> None:
     """EP=2 on 2 ranks with a2a/expert pipelining over 3 token ranges (moe.pipeline_chunks):
-    the same checks, every a2a of every range gated and issued by both ranks."""
-    run_distributed(_check, 2, force_cpu=True, pipeline=3)
+    the same checks, every a2a of every range gated and issued by both ranks; chunk sizes from
+    the measured profile (moe.chunk_auto)."""
+    run_distributed(_check, 2, force_cpu=True, pipeline=3, auto=True)
 
 
 @pytest.mark.slow
