@@ -19,6 +19,14 @@ which does not depend on where the expert lives:
   "groups": [hyperparameters]}``, gathered the same way. ``masters`` holds the fp32 master
   weights of mixed precision (which the bf16/fp16 model file cannot hold exactly).
 
+Tensor parallelism around the experts (``parallel.tp > 1``, 1D, ``zero_stage`` 0): attention,
+embeddings, router and LM head are Colossal-AI's 1D shards and each held expert is split over
+the tp group (moe/block.py). Saving gathers every shard (weights, optimizer states, fp32
+masters) over the tp group to its full Hugging Face shape (a padded vocabulary unpadded), and
+only tp rank 0 sends on to the writer, so the files are the same as without tensor parallelism;
+loading slices each rank's shard from the full tensor by the parameter's own 1D layout. A
+checkpoint therefore moves between tp widths (and placements) in both directions.
+
 Both optimizer paths: our reducers' (``parallel.zero_stage`` 0, the fp32 naive or AMP
 wrapper) and Colossal-AI's ZeRO MoE optimizer (``zero_stage`` 1/2), whose flat, padded state
 and master shards are gathered over each parameter's ZeRO group to full shapes on save and
@@ -45,7 +53,13 @@ from colossalai.checkpoint_io.utils import (
     save_state_dict,
     save_state_dict_shards,
 )
+from colossalai.tensor.d_tensor.api import (
+    get_shard_dim_1d,
+    is_customized_distributed_tensor,
+    is_distributed_tensor,
+)
 from colossalai.tensor.moe_tensor.api import is_moe_tensor
+from colossalai.tensor.padded_tensor import is_padded_tensor
 from torch import nn
 from torch.distributed import ProcessGroup
 
@@ -150,7 +164,7 @@ class MoeCheckpointIO(HeteroCheckpointIO):
                 files[file] = load_shard_state_dict(path, use_safetensors=safetensors)
             return files[file][name]
 
-        _copy_into(model, tensor, str(checkpoint_index_file))
+        _copy_into(model, tensor, str(checkpoint_index_file), self._local, self._full_shape)
 
     def load_unsharded_model(
         self,
@@ -164,18 +178,19 @@ class MoeCheckpointIO(HeteroCheckpointIO):
         from colossalai.checkpoint_io.utils import load_state_dict
 
         saved = load_state_dict(str(checkpoint))
-        _copy_into(model, saved.get, checkpoint)
+        _copy_into(model, saved.get, checkpoint, self._local, self._full_shape)
 
     def _gathered_model(self, model: Any) -> dict[str, torch.Tensor] | None:
-        """The whole model by HF name on the writer (None elsewhere); collective over the
-        ep group of ``moe_dp`` rank 0."""
+        """The whole model by HF name on the writer (None elsewhere); collective over the tp
+        groups of ``moe_dp`` rank 0 (full shapes), then over the ep group of its tp rank 0."""
         if self.moe_dp_rank != 0:
             return None
-        module = model.unwrap()
-        mine = module.state_dict() if self.ep_rank == 0 else {}
+        held = _held(model.unwrap())
         if self.ep_rank != 0:  # experts only: the dense tensors are the writer's too
-            mine = {n: p for n, p in module.named_parameters() if is_moe_tensor(p)}
-        mine = {n: t.detach().cpu() for n, t in mine.items()}
+            held = {n: p for n, p in held.items() if is_moe_tensor(p)}
+        mine = {n: _cpu(self._full(p, p.detach())) for n, p in held.items()}
+        if self.tp_rank != 0:  # its tp rank 0 holds the same full tensors now
+            return None
         return self._to_writer(mine)
 
     # -- optimizer --------------------------------------------------------------------------
@@ -188,8 +203,8 @@ class MoeCheckpointIO(HeteroCheckpointIO):
         saved = None
         zero = self.zero_stage > 0  # every rank gathers its ZeRO shards: all take part
         if zero or self.moe_dp_rank == 0:
-            local = _named_states(optimizer, dense=self.ep_rank == 0, zero=zero)
-        if self.moe_dp_rank == 0:
+            local = _named_states(optimizer, dense=self.ep_rank == 0, zero=zero, full=self._full)
+        if self.moe_dp_rank == 0 and self.tp_rank == 0:
             parts = self._to_writer(local)
             if parts is not None:
                 saved = _merge(parts, optimizer)
@@ -212,18 +227,63 @@ class MoeCheckpointIO(HeteroCheckpointIO):
         saved = torch.load(path, map_location="cpu", weights_only=False)
         if saved.get("format") != FORMAT:
             raise ValueError(f"{path}: not an expert-parallel optimizer checkpoint ({FORMAT})")
-        _load_named_states(optimizer, saved, str(path), zero=self.zero_stage > 0)
+        _load_named_states(optimizer, saved, str(path), zero=self.zero_stage > 0, local=self._local)
         dist.barrier()
 
     # -- helpers ----------------------------------------------------------------------------
     def _require_layout(self, action: str) -> None:
-        """Refused before any collective, on every rank: tensor-parallel shards (of experts
-        and dense weights) are not gathered here."""
-        if self.tp_size > 1 or self.pp_size > 1:
+        """Refused before any collective, on every rank: pipeline stages, and ZeRO shards of
+        tensor-parallel shards (config checks refuse both layouts to run at all)."""
+        if self.pp_size > 1 or (self.tp_size > 1 and self.zero_stage > 0):
             raise ValueError(
-                f"parallel.tp: cannot {action} an expert-parallel checkpoint with tensor or "
-                f"pipeline parallelism (tp={self.tp_size}, pp={self.pp_size}); it needs tp = pp = 1"
+                f"parallel.pp: cannot {action} an expert-parallel checkpoint with pipeline "
+                f"parallelism or with ZeRO under tensor parallelism (pp={self.pp_size}, "
+                f"tp={self.tp_size}, zero_stage={self.zero_stage}); it needs pp = 1 and, with "
+                "tp > 1, zero_stage 0"
             )
+
+    def _full(self, working: torch.Tensor, value: Any) -> Any:
+        """``value`` (this rank's tp shard of ``working``, or a value shaped like it: a state,
+        a master) gathered to the full HF shape; anything else as it is. Collective over the
+        tp group for a sharded parameter (tp peers call it in the same order)."""
+        if self.tp_size == 1 or not _like(value, working.shape):
+            return value
+        _require_1d(working)
+        if is_distributed_tensor(working):
+            parts = [torch.empty_like(value) for _ in range(self.tp_size)]
+            dist.all_gather(parts, value.contiguous(), group=self.tp_group)
+            value = torch.cat(parts, dim=get_shard_dim_1d(working))
+        if is_padded_tensor(working):  # a padded vocabulary: the HF rows only
+            dim, length, _ = _padding(working)
+            value = value.narrow(dim, 0, length)
+        return value
+
+    def _local(self, working: torch.Tensor, full: Any) -> Any:
+        """This rank's tp shard of a full-shaped ``full`` (the inverse of :meth:`_full`, no
+        communication); anything else (``step``) as it is."""
+        if self.tp_size == 1 or not _like(full, self._full_shape(working)):
+            return full
+        if is_padded_tensor(working):  # zero rows up to the padded length
+            dim, _, padded = _padding(working)
+            pad = list(full.shape)
+            pad[dim] = padded - full.shape[dim]
+            full = torch.cat([full, full.new_zeros(pad)], dim=dim)
+        if is_distributed_tensor(working):
+            full = full.chunk(self.tp_size, dim=get_shard_dim_1d(working))[self.tp_rank]
+        return full.clone()
+
+    def _full_shape(self, working: torch.Tensor) -> torch.Size:
+        """The HF shape of ``working`` (its own shape unless tp-sharded or padded)."""
+        if self.tp_size == 1:
+            return working.shape
+        _require_1d(working)
+        shape = list(working.shape)
+        if is_distributed_tensor(working):
+            shape[get_shard_dim_1d(working)] *= self.tp_size
+        if is_padded_tensor(working):
+            dim, length, _ = _padding(working)
+            shape[dim] = length
+        return torch.Size(shape)
 
     def _to_writer(self, mine: dict[str, Any]) -> dict[str, Any] | None:
         """Merge every ep rank's ``mine`` on ep rank 0 (returned there, None elsewhere)."""
@@ -246,25 +306,53 @@ def _shards(full: dict[str, torch.Tensor], size_mb: int) -> Iterator[tuple[dict,
     yield sharder.current_block, sharder.current_block_size
 
 
-def _copy_into(model: Any, tensor: Any, source: str) -> None:
-    """Copy ``tensor(name)`` into every parameter and persistent buffer ``model`` holds;
-    nothing is copied unless every rank finds all of its tensors with the right shapes."""
-    module = model.unwrap()
-    held = dict(module.named_parameters())
-    held.update({n: b for n, b in module.state_dict(keep_vars=True).items() if n not in held})
+def _held(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and persistent buffer of ``module`` by name (no gathering)."""
+    held: dict[str, torch.Tensor] = dict(module.named_parameters())
+    for prefix, sub in module.named_modules():
+        for name, buffer in sub._buffers.items():
+            if buffer is not None and name not in sub._non_persistent_buffers_set:
+                held.setdefault(f"{prefix}.{name}" if prefix else name, buffer)
+    return held
+
+
+def _copy_into(model: Any, tensor: Any, source: str, local: Any, full_shape: Any) -> None:
+    """Copy ``tensor(name)`` (its tp shard: ``local(target, value)``) into every parameter and
+    persistent buffer ``model`` holds; nothing is copied unless every rank finds all of its
+    tensors with the right full shapes (``full_shape(target)``)."""
+    held = _held(model.unwrap())
     values = {name: tensor(name) for name in held}
     wrong = [
-        f"{name} (saved {tuple(v.shape)}, here {tuple(held[name].shape)})"
+        f"{name} (saved {tuple(v.shape)}, here {tuple(full_shape(held[name]))})"
         if v is not None
         else name
         for name, v in values.items()
-        if v is None or v.shape != held[name].shape
+        if v is None or v.shape != full_shape(held[name])
     ]
     _agree_missing(wrong, f"{source}: no tensor (or a wrong shape) for")
     with torch.no_grad():
         for name, target in held.items():
-            target.copy_(values[name])
+            target.copy_(local(target, values[name]))
     model.update_master_params()  # mixed precision: masters from the loaded weights
+
+
+def _like(value: Any, shape: torch.Size) -> bool:
+    """Whether ``value`` is a per-element tensor of a parameter of ``shape`` (not ``step``)."""
+    return torch.is_tensor(value) and value.dim() > 0 and value.shape == shape
+
+
+def _padding(working: torch.Tensor) -> tuple[int, int, int]:
+    """(dim, HF length, padded length) of a padded (vocabulary) parameter."""
+    dim, length = working._padding_dim, working._origin_length  # type: ignore[attr-defined]
+    return dim, length, working._current_length  # type: ignore[attr-defined]
+
+
+def _require_1d(working: torch.Tensor) -> None:
+    if is_customized_distributed_tensor(working):  # e.g. GPT-2's fused QKV, not Mixtral's
+        raise ValueError(
+            "parallel.tp: an expert-parallel checkpoint gathers plain 1D shards only, got a "
+            f"parameter of shape {tuple(working.shape)} with custom shard functions"
+        )
 
 
 def _agree_missing(missing: list[str], message: str) -> None:
@@ -289,10 +377,11 @@ def _names(optimizer: Any) -> dict[int, str]:
     }
 
 
-def _named_states(optimizer: Any, *, dense: bool, zero: bool) -> dict[str, Any]:
+def _named_states(optimizer: Any, *, dense: bool, zero: bool, full: Any) -> dict[str, Any]:
     """``{name: (state, master or None)}`` of this rank's experts (and dense parameters),
     full-shaped. ``zero``: each state and master is gathered from its ZeRO group (collective:
-    every rank calls this; dense parameters first, then experts, in optimizer order)."""
+    every rank calls this; dense parameters first, then experts, in optimizer order); then
+    ``full(working, value)`` gathers a tp shard (collective over the tp group)."""
     names = _names(optimizer)
     to_working = optimizer.get_master_to_working_map() or {}
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -309,8 +398,9 @@ def _named_states(optimizer: Any, *, dense: bool, zero: bool) -> dict[str, Any]:
                 state = {k: _zero_full(optimizer, param, v) for k, v in state.items()}
                 master = _zero_full(optimizer, param, param.detach())
             if dense or is_expert:
-                copied = {k: _cpu(v) for k, v in state.items()}
-                out[names[id(param)]] = (copied, None if master is None else _cpu(master))
+                copied = {k: _cpu(full(working, v)) for k, v in state.items()}
+                master = None if master is None else _cpu(full(working, master))
+                out[names[id(param)]] = (copied, master)
     return out
 
 
@@ -351,22 +441,28 @@ def _merge(parts: dict[str, Any], optimizer: Any) -> dict[str, Any]:
     }
 
 
-def _load_named_states(optimizer: Any, saved: dict[str, Any], source: str, zero: bool) -> None:
+def _load_named_states(
+    optimizer: Any, saved: dict[str, Any], source: str, zero: bool, local: Any
+) -> None:
+    """Each stepped parameter's state and master by name: its tp shard (``local(working,
+    full)``), then its ZeRO slice (``zero``)."""
     if len(saved["groups"]) != len(optimizer.param_groups):
         raise ValueError(
             f"{source}: {len(saved['groups'])} parameter groups saved, the optimizer has "
             f"{len(optimizer.param_groups)}"
         )
     names = _names(optimizer)
+    to_working = optimizer.get_master_to_working_map() or {}
     missing = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
     missing = [n for n in missing if n not in saved["states"]]
     _agree_missing(missing, f"{source}: no optimizer state for")
     for group, hyper in zip(optimizer.param_groups, saved["groups"], strict=True):
         group.update(hyper)
         for param in group["params"]:
-            name = names[id(param)]
-            state = saved["states"][name]
+            name, working = names[id(param)], to_working.get(id(param), param)
+            state = {k: local(working, v) for k, v in saved["states"][name].items()}
             master = saved["masters"].get(name)
+            master = None if master is None else local(working, master)
             if zero:
                 state = {
                     k: _zero_shard(optimizer, param, v) if torch.is_tensor(v) else v

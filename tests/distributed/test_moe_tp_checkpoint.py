@@ -1,0 +1,190 @@
+"""Checkpoints of expert parallelism with tensor parallelism around it (checkpoint/moe.py), on 4
+gloo ranks: EP=2 x TP=2 (dp 2, moe_dp 1) and EP=2 x TP=1 (dp 4, moe_dp 2), one spawn.
+
+The tiny Mixtral of test_moe_plugin (4 experts, top-2, router aux loss) in fp32 with AdamW, a
+plain Booster loop; rank ``r`` trains on data-parallel shard ``r // 2`` in both layouts. The
+test's own view of a run (``_everything``) is independent of the checkpoint code: every weight,
+AdamW state (moments, step) and fp32 master by HF name, tp shards all-gathered along the one
+dim where they are shorter than the single-process model's tensor, merged over all ranks
+(replicas must agree bit for bit).
+
+- ``a`` (EP=2 x TP=2) trains 2 steps, saves model and optimizer (sharded folders), trains 2
+  more: the uninterrupted run.
+- the files: the model folder's tensors (``MixtralForCausalLM.from_pretrained``, a single
+  process, EP=1 and TP=1) and the optimizer file's states equal ``a``'s at the save bit for bit;
+  the HF model's loss on each rank's next batch equals ``a``'s there within the fp32 chain
+  tolerance of the forward.
+- ``c`` (EP=2 x TP=1, other starting weights) loads them: everything equals ``a``'s at the save
+  bit for bit; it saves again (one-file, ``shard=False``) and trains a step, whose loss is
+  within the forward tolerance of ``a``'s (other reduction widths).
+- ``b`` (EP=2 x TP=2, other starting weights) loads ``a``'s folders: everything equals ``a``'s
+  at the save bit for bit, its next two losses and then everything equal ``a``'s bit for bit
+  (same layout, same arithmetic); then it loads ``c``'s re-save (TP=1 back to TP=2): again
+  everything equals ``a``'s at the save.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist_utils import run_distributed
+from tests.distributed.test_moe_plugin import K_MAX, LAYERS, PER_RANK, SEQ, _model
+from tests.tolerances import chain_atol, transformer_depth
+
+STEPS_BEFORE, STEPS_AFTER, TP, SHARDS = 2, 2, 2, 2  # SHARDS: data-parallel shards of a batch
+
+
+def _build(tp: int, seed: int = 0):  # type: ignore[no-untyped-def]
+    from colossalai.booster import Booster
+
+    from colossal_hetero.config.moe import MoeConfig
+    from colossal_hetero.config.parallel import ParallelConfig
+    from colossal_hetero.config.schema import HeteroConfig
+    from colossal_hetero.plugin import HeteroParallelPlugin
+
+    config = HeteroConfig(parallel=ParallelConfig(ep=2, tp=tp), moe=MoeConfig(chunk_kib=1))
+    plugin = HeteroParallelPlugin(config)
+    model = _model()
+    if seed:  # other starting weights: a load that misses a tensor shows
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    booster = Booster(plugin=plugin)
+    model, optimizer, *_ = booster.boost(model, optimizer)
+    return plugin, booster, model, optimizer
+
+
+def _batches() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(5)
+    return [
+        torch.randint(0, 256, (SHARDS * PER_RANK, SEQ), generator=generator)
+        for _ in range(STEPS_BEFORE + STEPS_AFTER)
+    ]
+
+
+def _train(run, batches: list[torch.Tensor], rank: int) -> list[float]:  # type: ignore[no-untyped-def]
+    _, booster, model, optimizer = run
+    losses = []
+    for batch in batches:
+        ids = batch.split(PER_RANK)[rank // TP]
+        loss = model(input_ids=ids, labels=ids).loss
+        booster.backward(loss, optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    return losses
+
+
+def _full(local: torch.Tensor, shape: torch.Size, group: Any) -> torch.Tensor:
+    """``local`` all-gathered over the tp ``group`` along the one dim where it is shorter than
+    ``shape`` (as it is when it has the full shape)."""
+    dims = [d for d in range(local.dim()) if local.shape[d] != shape[d]]
+    if not dims:
+        return local.detach().clone()
+    assert len(dims) == 1, (local.shape, shape)
+    size = dist.get_world_size(group)
+    assert local.shape[dims[0]] * size == shape[dims[0]], (local.shape, shape)
+    parts = [torch.empty_like(local) for _ in range(size)]
+    dist.all_gather(parts, local.detach().contiguous(), group=group)
+    return torch.cat(parts, dim=dims[0])
+
+
+def _everything(run, shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+    """Every weight (``name``), optimizer state (``name/key``) and master (``name/master``) of
+    the run, full-shaped, merged over all ranks (collective; tp peers hold the same names)."""
+    plugin, _, model, optimizer = run
+    group = plugin.engine.tp_group
+    module = model.unwrap()
+    names = {id(p): n for n, p in module.named_parameters()}
+    mine = {n: _full(p, shapes[n], group) for n, p in module.named_parameters()}
+    to_working = optimizer.get_master_to_working_map() or {}
+    for param in (p for g in optimizer.param_groups for p in g["params"]):
+        working = to_working.get(id(param), param)
+        name = names[id(working)]
+        for key, value in optimizer.optim.state.get(param, {}).items():
+            per_element = value.dim() > 0
+            mine[f"{name}/{key}"] = _full(value, shapes[name], group) if per_element else value
+        if param is not working:
+            mine[f"{name}/master"] = _full(param, shapes[name], group)
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    merged: dict[str, torch.Tensor] = {}
+    for part in everyone:
+        for key, value in part.items():
+            assert key not in merged or torch.equal(merged[key], value), key  # replicas agree
+            merged[key] = value
+    return merged
+
+
+def _assert_equal(got: dict, want: dict, what: str) -> None:
+    assert sorted(got) == sorted(want), what
+    for key, value in want.items():
+        assert torch.equal(got[key], value), f"{what}: {key}"
+
+
+def _check(rank: int, world_size: int, device: torch.device, folder: str) -> None:
+    batches, root = _batches(), Path(folder)
+    shapes = {n: p.shape for n, p in _model().named_parameters()}
+    a = _build(TP)
+    _train(a, batches[:STEPS_BEFORE], rank)
+    a[1].save_model(a[2], str(root / "model"), shard=True)
+    a[1].save_optimizer(a[3], str(root / "optimizer"), shard=True)
+    saved = _everything(a, shapes)
+    after_a = _train(a, batches[STEPS_BEFORE:], rank)
+    final_a = _everything(a, shapes)
+    forward = chain_atol(transformer_depth(LAYERS, backward=False) + 4, K_MAX, torch.float32, 10.0)
+    _check_files(root, saved, batches[STEPS_BEFORE], rank, after_a[0], forward)
+
+    c = _build(1, seed=11)  # EP=2 x TP=1: dp 4, moe_dp 2
+    c[1].load_model(c[2], str(root / "model"))
+    c[1].load_optimizer(c[3], str(root / "optimizer"))
+    _assert_equal(_everything(c, shapes), saved, "TP=2 -> TP=1")
+    c[1].save_model(c[2], str(root / "model_tp1.bin"))
+    c[1].save_optimizer(c[3], str(root / "optimizer_tp1.bin"))
+    (loss_c,) = _train(c, batches[STEPS_BEFORE : STEPS_BEFORE + 1], rank)
+    assert abs(loss_c - after_a[0]) <= forward, (loss_c, after_a[0])
+
+    b = _build(TP, seed=7)
+    b[1].load_model(b[2], str(root / "model"))
+    b[1].load_optimizer(b[3], str(root / "optimizer"))
+    _assert_equal(_everything(b, shapes), saved, "TP=2 -> TP=2")
+    assert _train(b, batches[STEPS_BEFORE:], rank) == after_a
+    _assert_equal(_everything(b, shapes), final_a, "TP=2 -> TP=2, trained on")
+    b[1].load_model(b[2], str(root / "model_tp1.bin"))
+    b[1].load_optimizer(b[3], str(root / "optimizer_tp1.bin"))
+    _assert_equal(_everything(b, shapes), saved, "TP=2 -> TP=1 -> TP=2")
+    for run in (a, c, b):
+        run[0].close()
+
+
+def _check_files(  # type: ignore[no-untyped-def]
+    root: Path, saved: dict, batch: torch.Tensor, rank: int, loss: float, tol: float
+) -> None:
+    """The model folder in a single-process HF Mixtral and the optimizer file hold ``saved``
+    bit for bit; the HF model's loss on this rank's shard is ``loss`` within ``tol``."""
+    from transformers import MixtralForCausalLM
+
+    from colossal_hetero.checkpoint.moe import OPTIMIZER_FILE
+
+    hf = MixtralForCausalLM.from_pretrained(root / "model", torch_dtype=torch.float32).eval()
+    weights = {n: t for n, t in saved.items() if "/" not in n}
+    _assert_equal(dict(hf.named_parameters()), weights, "model folder")
+    states = torch.load(root / "optimizer" / OPTIMIZER_FILE, weights_only=False)["states"]
+    flat = {f"{n}/{k}": v for n, state in states.items() for k, v in state.items()}
+    _assert_equal(flat, {n: t for n, t in saved.items() if "/" in n}, "optimizer file")
+    ids = batch.split(PER_RANK)[rank // TP]
+    with torch.no_grad():
+        hf_loss = float(hf(input_ids=ids, labels=ids).loss)
+    assert abs(hf_loss - loss) <= tol, (hf_loss, loss)
+
+
+@pytest.mark.timeout(300)
+def test_ep2_tp2_checkpoint_round_trips_through_tp1_and_hf(tmp_path: Path) -> None:
+    run_distributed(_check, 4, force_cpu=True, folder=str(tmp_path))
