@@ -82,20 +82,19 @@ def check_moe_tp(parallel: ParallelConfig, moe: MoeConfig) -> None:
 
 
 def check_moe_run(config: Any) -> None:
-    """Run-level checks of a ``RunConfig`` (``HeteroConfig`` fields plus ``checkpoint``):
-    the planner, the balancer and checkpoints do not handle tensor-parallel experts.
+    """Run-level checks of a ``RunConfig`` or ``HeteroConfig``: the planner and the balancer
+    do not handle tensor-parallel experts. Checkpoints do (checkpoint/moe.py gathers every tp
+    shard to its full shape and slices it again on load), so ``checkpoint.dir`` runs.
 
     Raises:
-        ConfigError: naming ``plan.mode``, ``balancer.mode`` or ``checkpoint.dir``.
+        ConfigError: naming ``plan.mode`` or ``balancer.mode``.
     """
     parallel = config.parallel
     if parallel.ep == 1 or parallel.tp == 1:
         return
-    checkpoint = getattr(config, "checkpoint", None)
     refused = (
         ("plan.mode", config.plan.mode == "file", "file"),
         ("balancer.mode", config.balancer.mode != "none", config.balancer.mode),
-        ("checkpoint.dir", checkpoint is not None and checkpoint.dir is not None, "set"),
     )
     for field, bad, got in refused:
         if bad:

@@ -58,7 +58,6 @@ def test_packing_and_pipelining_run_with_tp(moe: dict) -> None:
             "parallel.tp: 2 does not divide the MLP width 63",
         ),
         ({}, None, {"router_jitter_noise": 0.1}, {}, "model.hf.router_jitter_noise: 0.1"),
-        ({}, None, None, {"checkpoint": {"dir": "/tmp/ckpt"}}, "checkpoint.dir: expert"),
         ({}, None, None, {"balancer": {"mode": "resize"}}, "balancer.mode: expert parallelism"),
     ],
 )
@@ -69,10 +68,12 @@ def test_refused_with_tp_is_one_config_error(parallel, moe, hf, extra, fragment)
     assert fragment in str(error.value) and "\n" not in str(error.value)
 
 
-def test_checkpoint_runs_with_tp_1(tmp_path: Path) -> None:
-    """The checkpoint refusal is about tp > 1: at tp 1 the same ep run validates."""
-    checkpoint = {"checkpoint": {"dir": str(tmp_path / "ckpt")}}
-    assert validate_run(_run({"ep": 2}, **checkpoint), 4) == 4
+@pytest.mark.parametrize(("parallel", "dp"), [({"ep": 2}, 4), (EP2_TP2, 2)])
+def test_checkpoint_runs_with_and_without_tp(tmp_path: Path, parallel: dict, dp: int) -> None:
+    """checkpoint.dir validates with tp 1 and with tp 2 around ep (the EP x TP round trip is
+    checked in tests/distributed/test_moe_tp_checkpoint.py)."""
+    checkpoint = {"checkpoint": {"dir": str(tmp_path / "ckpt"), "every": 2}}
+    assert validate_run(_run(parallel, **checkpoint), 4) == dp
 
 
 def test_plugin_config_refuses_plan_file_and_balancer() -> None:
