@@ -39,7 +39,7 @@ from tests.tolerances import chain_atol, transformer_depth
 STEPS_BEFORE, STEPS_AFTER, TP, SHARDS = 2, 2, 2, 2  # SHARDS: data-parallel shards of a batch
 
 
-def _build(tp: int, seed: int = 0):  # type: ignore[no-untyped-def]
+def _build(tp: int, seed: int = 0, precision: str = "fp32"):  # type: ignore[no-untyped-def]
     from colossalai.booster import Booster
 
     from colossal_hetero.config.moe import MoeConfig
@@ -47,7 +47,8 @@ def _build(tp: int, seed: int = 0):  # type: ignore[no-untyped-def]
     from colossal_hetero.config.schema import HeteroConfig
     from colossal_hetero.plugin import HeteroParallelPlugin
 
-    config = HeteroConfig(parallel=ParallelConfig(ep=2, tp=tp), moe=MoeConfig(chunk_kib=1))
+    parallel = ParallelConfig(ep=2, tp=tp, precision=precision)  # type: ignore[arg-type]
+    config = HeteroConfig(parallel=parallel, moe=MoeConfig(chunk_kib=1))
     plugin = HeteroParallelPlugin(config)
     model = _model()
     if seed:  # other starting weights: a load that misses a tensor shows
@@ -185,6 +186,47 @@ def _check_files(  # type: ignore[no-untyped-def]
     assert abs(hf_loss - loss) <= tol, (hf_loss, loss)
 
 
+def _check_bf16(rank: int, world_size: int, device: torch.device, folder: str) -> None:
+    """bf16 (Colossal-AI's AMP wrapper keeps fp32 masters of each tp shard): a saves after 2
+    steps and trains 2 more; b (other weights) loads: everything, fp32 masters included, equals
+    a's at the save, then b's two losses and everything equal a's bit for bit; the optimizer
+    file holds every master as a full fp32 tensor."""
+    from colossal_hetero.checkpoint.moe import OPTIMIZER_FILE
+
+    batches, root = _batches(), Path(folder)
+    shapes = {n: p.shape for n, p in _model().named_parameters()}
+    a = _build(TP, precision="bf16")
+    _train(a, batches[:STEPS_BEFORE], rank)
+    a[1].save_model(a[2], str(root / "model"), shard=True)
+    a[1].save_optimizer(a[3], str(root / "optimizer"), shard=True)
+    saved = _everything(a, shapes)
+    assert sum(key.endswith("/master") for key in saved) == len(shapes)
+    after_a = _train(a, batches[STEPS_BEFORE:], rank)
+    final_a = _everything(a, shapes)
+    masters = torch.load(root / "optimizer" / OPTIMIZER_FILE, weights_only=False)["masters"]
+    _assert_equal({f"{n}/master": m for n, m in masters.items()}, _masters(saved), "masters")
+    b = _build(TP, seed=7, precision="bf16")
+    b[1].load_model(b[2], str(root / "model"))
+    b[1].load_optimizer(b[3], str(root / "optimizer"))
+    _assert_equal(_everything(b, shapes), saved, "bf16, loaded")
+    assert _train(b, batches[STEPS_BEFORE:], rank) == after_a
+    _assert_equal(_everything(b, shapes), final_a, "bf16, trained on")
+    for run in (a, b):
+        run[0].close()
+
+
+def _masters(saved: dict) -> dict:
+    found = {n: t for n, t in saved.items() if n.endswith("/master")}
+    assert all(t.dtype == torch.float32 for t in found.values())
+    return found
+
+
 @pytest.mark.timeout(300)
 def test_ep2_tp2_checkpoint_round_trips_through_tp1_and_hf(tmp_path: Path) -> None:
     run_distributed(_check, 4, force_cpu=True, folder=str(tmp_path))
+
+
+@pytest.mark.slow  # a second spawn of 4 ranks
+@pytest.mark.timeout(600)
+def test_ep2_tp2_checkpoint_round_trips_in_bf16_with_masters(tmp_path: Path) -> None:
+    run_distributed(_check_bf16, 4, force_cpu=True, folder=str(tmp_path))
