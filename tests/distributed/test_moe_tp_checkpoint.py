@@ -21,6 +21,8 @@ dim where they are shorter than the single-process model's tensor, merged over a
   at the save bit for bit, its next two losses and then everything equal ``a``'s bit for bit
   (same layout, same arithmetic); then it loads ``c``'s re-save (TP=1 back to TP=2): again
   everything equals ``a``'s at the save.
+Slow: the same round trip in bf16 (fp32 masters of each tp shard), and the trainer's
+``checkpoint.dir`` resume on EP=2 x TP=2 (losses and learning rates bit for bit).
 """
 
 from __future__ import annotations
@@ -230,3 +232,48 @@ def test_ep2_tp2_checkpoint_round_trips_through_tp1_and_hf(tmp_path: Path) -> No
 @pytest.mark.timeout(600)
 def test_ep2_tp2_checkpoint_round_trips_in_bf16_with_masters(tmp_path: Path) -> None:
     run_distributed(_check_bf16, 4, force_cpu=True, folder=str(tmp_path))
+
+
+def _trainer_config(root: Path, name: str, resume: bool) -> dict:
+    from tests.unit.test_moe_config import HF
+
+    return {
+        "model": {"arch": "mixtral", "hf": {**HF, "router_aux_loss_coef": 0.02}},
+        "data": {"dataset": "pydoc_topics", "seq_len": 16, "global_batch_size": 8},
+        "parallel": {"ep": 2, "tp": TP},
+        "moe": {"chunk_kib": 1},
+        "optimizer": {"name": "adamw", "lr": 0.01},
+        "train": {"steps": 4, "eval_every": 0},
+        "logging": {"dir": str(root / name), "progress": False, "plot": False},
+        "checkpoint": {"dir": str(root / "ckpt"), "every": 0 if resume else 2, "resume": resume},
+    }
+
+
+def _check_trainer(rank: int, world_size: int, device: torch.device, folder: str) -> None:
+    """The trainer with ``checkpoint.dir`` on EP=2 x TP=2 (validated, no longer refused): a
+    run of 4 steps checkpoints at step 2; a fresh run resumes there (the step-4 checkpoint
+    hidden) and its steps 3 and 4 have the uninterrupted run's losses and learning rates bit
+    for bit (every rank)."""
+    from colossal_hetero.config.loader import from_dict
+    from colossal_hetero.config.schema import RunConfig
+    from colossal_hetero.metrics import read_run
+    from colossal_hetero.training.trainer import run_training
+
+    root = Path(folder)
+    run_training(from_dict(RunConfig, _trainer_config(root, "full", False)), device)
+    if rank == 0:
+        (root / "ckpt" / "step_4" / "trainer.json").unlink()
+    dist.barrier()
+    run_training(from_dict(RunConfig, _trainer_config(root, "resumed", True)), device)
+    dist.barrier()
+    records = {(r.step, r.rank): r for r in read_run(root / "full")}
+    twins = {(r.step, r.rank): r for r in read_run(root / "resumed")}
+    assert sorted({step for step, _ in twins}) == [2, 3], sorted(twins)
+    for key, twin in twins.items():
+        assert (twin.loss, twin.lr) == (records[key].loss, records[key].lr), key
+
+
+@pytest.mark.slow  # the trainer twice on 4 ranks
+@pytest.mark.timeout(600)
+def test_trainer_resumes_an_ep2_tp2_run_exactly(tmp_path: Path) -> None:
+    run_distributed(_check_trainer, 4, force_cpu=True, folder=str(tmp_path))
