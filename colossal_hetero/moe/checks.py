@@ -44,13 +44,13 @@ def check_moe_layout(parallel: ParallelConfig, moe: MoeConfig, world_size: int) 
     dp = parallel.dp or world_size // (parallel.tp * parallel.pp)
     if dp % ep:
         raise ConfigError(f"parallel.ep={ep} does not divide the data-parallel size ({dp})")
-    if moe.replace_every and (parallel.zero_stage or parallel.precision != "fp32"):
-        # ZeRO and mixed precision keep master copies and flat buffers moe/replace.py does not
-        # move: a re-placement would train the moved experts from stale masters.
+    if moe.replace_every and parallel.zero_stage:
+        # ZeRO keeps flat, padded master shards over the data-parallel group, which
+        # moe/replace.py's whole-expert moves do not address (stale masters would train on).
         raise ConfigError(
-            f"moe.replace_every: re-placement moves fp32 weights and optimizer state, so it "
-            f"needs parallel.zero_stage 0 and precision fp32, got zero_stage="
-            f"{parallel.zero_stage} precision={parallel.precision}"
+            f"moe.replace_every: re-placement moves whole experts (weights, fp32 masters, "
+            f"optimizer state), so it needs parallel.zero_stage 0 (precision fp32, fp16 or "
+            f"bf16), got zero_stage={parallel.zero_stage}"
         )
     if moe.placement and len(moe.placement) != ep:
         raise ConfigError(

@@ -5,7 +5,7 @@ The runtime half of :mod:`.placement` (the decision, pure, lives in :mod:`.repla
 - :class:`ExpertLoadMeter` counts, per MoE layer, the (token, choice) pairs the router sends
   to each expert (forward hooks on the gates; training forwards only): the measured loads.
 - :func:`move_experts` moves the experts whose rank changes, weights *and* optimizer state,
-  bit for bit (fp32 tensors sent as they are, point to point inside the ep group), re-indexes
+  bit for bit (tensors sent as they are, point to point inside the ep group), re-indexes
   the block's routing tables and returns the parameters this rank now holds.
 - :class:`ExpertReplacer` is the seam controller (plugin/seam.py): every ``moe.replace_every``
   steps, after the optimizer step, it sums the loads over the world (one small all-reduce, the
@@ -16,8 +16,19 @@ The runtime half of :mod:`.placement` (the decision, pure, lives in :mod:`.repla
 Contract of a move: afterwards every rank's expert ``e`` of layer ``l`` (on the rank the new
 placement names) has the same parameter values and optimizer state as the old holder had, so
 training continues exactly as it would have (the same arithmetic on the same values; only
-where it runs changes). Works with the plain (fp32) optimizer of ``parallel.zero_stage`` 0;
-ZeRO and mixed precision keep master copies this module does not move (refused in checks).
+where it runs changes). ``parallel.zero_stage`` 0 with either of Colossal-AI's wrappers:
+
+- fp32 (``HybridParallelNaiveOptimizer``): the torch optimizer steps the parameters, its
+  state is keyed by them;
+- bf16 / fp16 (``HybridParallelAMPOptimizer``): the torch optimizer steps an fp32 master per
+  working parameter (its groups and state hold the masters; the wrapper maps working <->
+  master both ways; fp16's loss scaler also lists the working parameters it checks for
+  overflow). A move sends the working weight, the master and the master's state; the old
+  holder drops all three from the groups, the state, the maps and the overflow list, the new
+  one enters the received tensors there (the loss scale is one value for the whole world).
+
+ZeRO (``zero_stage`` > 0) keeps flat, padded master shards over the data-parallel group,
+which whole-expert moves cannot address: refused in moe/checks.py.
 """
 
 from __future__ import annotations
@@ -74,37 +85,94 @@ def _inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return getattr(optimizer, "optim", optimizer)
 
 
-def _describe(block: Any, layer: int, expert: int, optim: torch.optim.Optimizer) -> list[Meta]:
-    """What the holder sends for one expert: per parameter its name, optimizer group and state
-    (tensors by shape and dtype, other values as they are)."""
+class _Optimizer:
+    """An optimizer as a move sees it: the torch optimizer inside (param groups and state keyed
+    by the tensors it steps) and, under mixed precision (Colossal-AI's AMP wrapper at
+    ``zero_stage`` 0), the maps between each bf16/fp16 working parameter and the fp32 master
+    the torch optimizer steps instead, plus fp16's list of working parameters it checks for
+    overflow. Without the wrapper's maps a parameter is its own master (fp32)."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self.inner = _inner_optimizer(optimizer)
+        self.to_master: dict[Any, torch.Tensor] | None = getattr(
+            optimizer, "working_to_master_map", None
+        )
+        self.to_working: dict[Any, Any] | None = getattr(optimizer, "master_to_working_map", None)
+        self.mixed: Any = getattr(optimizer, "mixed_precision", None)
+
+    def master(self, param: nn.Parameter) -> torch.Tensor:
+        return param if self.to_master is None else self.to_master.get(param, param)
+
+    def state(self, param: nn.Parameter) -> dict[str, Any]:
+        return self.inner.state.get(self.master(param), {})
+
+    def release(self, param: nn.Parameter) -> None:
+        """Forget ``param``: its master leaves the groups, the state and the maps."""
+        master = self.master(param)
+        for group in self.inner.param_groups:
+            group["params"] = [p for p in group["params"] if p is not master]
+        self.inner.state.pop(master, None)
+        if master is not param and self.to_master is not None and self.to_working is not None:
+            del self.to_master[param], self.to_working[master]
+        if isinstance(getattr(self.mixed, "params", None), list):
+            self.mixed.params = [p for p in self.mixed.params if p is not param]
+
+    def adopt(
+        self, param: nn.Parameter, master: torch.Tensor, group: int | None, state: dict[str, Any]
+    ) -> None:
+        """Step ``param`` through ``master`` (``param`` itself without mixed precision)."""
+        if master is not param and self.to_master is not None and self.to_working is not None:
+            self.to_master[param], self.to_working[master] = master, param
+        if group is not None:
+            self.inner.param_groups[group]["params"].append(master)
+        if state:
+            self.inner.state[master] = state
+        if isinstance(getattr(self.mixed, "params", None), list):
+            self.mixed.params.append(param)
+
+
+def _dtype_name(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).split(".")[-1]
+
+
+def _describe(block: Any, expert: int, optim: _Optimizer) -> list[Meta]:
+    """What the holder sends for one expert: per parameter its name, shape and dtype, its fp32
+    master's (None when the parameter is its own master), optimizer group and state (tensors
+    by shape and dtype, other values as they are)."""
     described = []
-    group_of = {id(p): g for g, group in enumerate(optim.param_groups) for p in group["params"]}
+    group_of = {
+        id(p): g for g, group in enumerate(optim.inner.param_groups) for p in group["params"]
+    }
     for name, param in block.experts[expert].named_parameters():
+        master = optim.master(param)
         state: dict[str, tuple[Any, ...]] = {}
-        for key, value in optim.state.get(param, {}).items():
+        for key, value in optim.state(param).items():
             if isinstance(value, torch.Tensor):
-                state[key] = ("tensor", tuple(value.shape), str(value.dtype).split(".")[-1])
+                state[key] = ("tensor", tuple(value.shape), _dtype_name(value))
             else:
                 state[key] = ("value", value)
         described.append(
             {
                 "name": name,
                 "shape": tuple(param.shape),
-                "dtype": str(param.dtype).split(".")[-1],
-                "group": group_of.get(id(param), 0),
+                "dtype": _dtype_name(param),
+                "master": None if master is param else (tuple(master.shape), _dtype_name(master)),
+                "group": group_of.get(id(master)),
                 "state": state,
             }
         )
     return described
 
 
-def _tensors(block: Any, expert: int, optim: torch.optim.Optimizer) -> list[torch.Tensor]:
+def _tensors(block: Any, expert: int, optim: _Optimizer) -> list[torch.Tensor]:
     """The holder's tensors of one expert, in the order :func:`_describe` lists them."""
     out = []
     for _, param in block.experts[expert].named_parameters():
         out.append(param.data)
-        state = optim.state.get(param, {})
-        out += [v for v in state.values() if isinstance(v, torch.Tensor)]
+        master = optim.master(param)
+        if master is not param:
+            out.append(master.data)
+        out += [v for v in optim.state(param).values() if isinstance(v, torch.Tensor)]
     return out
 
 
@@ -117,12 +185,13 @@ def move_experts(
     blocks: Sequence[Any], new: Sequence[Placement], optimizer: Any
 ) -> list[nn.Parameter]:
     """Move every expert whose ep rank changes from ``block.placement`` to ``new[layer]``
-    (weights and optimizer state, exactly); returns the expert parameters held afterwards.
+    (weights, fp32 masters under mixed precision, and optimizer state, exactly); returns the
+    expert parameters held afterwards.
 
     Collective over each block's ep group (every ep rank calls it with the same ``new``);
     between steps only (no gradients pending).
     """
-    optim = _inner_optimizer(optimizer)
+    optim = _Optimizer(optimizer)
     group = blocks[0].ep_group
     me = dist.get_rank(group)
     moves = [
@@ -132,9 +201,7 @@ def move_experts(
         if old_d != new[layer].device_of[e]
     ]
     mine = {
-        (layer, e): _describe(blocks[layer], layer, e, optim)
-        for layer, e, src, _ in moves
-        if src == me
+        (layer, e): _describe(blocks[layer], e, optim) for layer, e, src, _ in moves if src == me
     }
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
@@ -166,40 +233,32 @@ def move_experts(
 def _receive_buffers(described: list[Meta]) -> list[torch.Tensor]:
     buffers = []
     for param in described:
-        buffers.append(torch.empty(param["shape"], dtype=getattr(torch, param["dtype"])))
-        for kind, *rest in param["state"].values():
-            if kind == "tensor":
-                shape, dtype = rest
-                buffers.append(torch.empty(shape, dtype=getattr(torch, dtype)))
+        shapes = [(param["shape"], param["dtype"])]
+        shapes += [] if param["master"] is None else [param["master"]]
+        shapes += [tuple(rest) for kind, *rest in param["state"].values() if kind == "tensor"]
+        buffers += [torch.empty(shape, dtype=getattr(torch, dtype)) for shape, dtype in shapes]
     return buffers
 
 
-def _release(block: Any, expert: int, optim: torch.optim.Optimizer) -> None:
+def _release(block: Any, expert: int, optim: _Optimizer) -> None:
     for name, param in list(block.experts[expert].named_parameters()):
-        for group in optim.param_groups:
-            group["params"] = [p for p in group["params"] if p is not param]
-        optim.state.pop(param, None)
+        optim.release(param)
         _set_param(block.experts[expert], name, None)
 
 
 def _adopt(
-    block: Any,
-    expert: int,
-    described: list[Meta],
-    buffers: list[torch.Tensor],
-    optim: torch.optim.Optimizer,
+    block: Any, expert: int, described: list[Meta], buffers: list[torch.Tensor], optim: _Optimizer
 ) -> None:
     values = iter(buffers)
     for param_meta in described:
         param = nn.Parameter(next(values))
+        master = param if param_meta["master"] is None else next(values)
         state: dict[str, Any] = {}
         for key, (kind, *rest) in param_meta["state"].items():
             state[key] = next(values) if kind == "tensor" else rest[0]
         _set_param(block.experts[expert], param_meta["name"], param)
         set_moe_tensor_ep_group(param, block.ep_group)
-        optim.param_groups[param_meta["group"]]["params"].append(param)
-        if state:
-            optim.state[param] = state
+        optim.adopt(param, master, param_meta["group"], state)
 
 
 class ExpertReplacer:
@@ -274,7 +333,7 @@ class ExpertReplacer:
 def build_replacer(
     config: Any, model: nn.Module, optimizer: Any, reducers: dict[str, Any], folder: Any, rank: int
 ) -> ExpertReplacer:
-    """The plugin's replacer for ``moe.replace_every > 0`` (checked: zero_stage 0, fp32)."""
+    """The plugin's replacer for ``moe.replace_every > 0`` (checked: zero_stage 0)."""
     from colossal_hetero.moe.block import HeteroEPMixtralSparseMoeBlock
 
     blocks = [m for m in model.modules() if isinstance(m, HeteroEPMixtralSparseMoeBlock)]
@@ -292,21 +351,27 @@ def build_replacer(
     )
 
 
+def _clone(value: Any) -> Any:
+    return value.detach().clone() if torch.is_tensor(value) else value
+
+
 def expert_state(blocks: Sequence[Any], optimizer: Any = None) -> dict[str, Any]:
     """Every expert of every layer, keyed by placement-free names ``"{layer}.{expert}.{param}"``
-    (``param`` e.g. ``w1.weight``), each ``{"value": tensor, "optim": {key: value}}``, gathered
-    from the ranks that hold them (collective over the ep group): an expert-parallel checkpoint
-    that loads under any placement (:func:`load_expert_state`)."""
-    optim = None if optimizer is None else _inner_optimizer(optimizer)
+    (``param`` e.g. ``w1.weight``), each ``{"value": tensor, "optim": {key: value}}`` plus,
+    under mixed precision, ``"master"``: the fp32 master the optimizer steps (its state is the
+    master's); gathered from the ranks that hold them (collective over the ep group): an
+    expert-parallel checkpoint that loads under any placement (:func:`load_expert_state`)."""
+    optim = None if optimizer is None else _Optimizer(optimizer)
     mine: dict[str, Any] = {}
     for layer, block in enumerate(blocks):
         for e in block.held:
             for name, param in block.experts[e].named_parameters():
-                state = {} if optim is None else optim.state.get(param, {})
-                mine[f"{layer}.{e}.{name}"] = {
-                    "value": param.detach().clone(),
-                    "optim": {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()},
-                }
+                entry: dict[str, Any] = {"value": param.detach().clone(), "optim": {}}
+                if optim is not None:
+                    entry["optim"] = {k: _clone(v) for k, v in optim.state(param).items()}
+                    if optim.master(param) is not param:
+                        entry["master"] = optim.master(param).detach().clone()
+                mine[f"{layer}.{e}.{name}"] = entry
     group = blocks[0].ep_group
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
@@ -315,18 +380,20 @@ def expert_state(blocks: Sequence[Any], optimizer: Any = None) -> dict[str, Any]
 
 def load_expert_state(blocks: Sequence[Any], state: dict[str, Any], optimizer: Any = None) -> None:
     """Load the experts this rank holds under its current placement from :func:`expert_state`
-    (saved under any placement); KeyError naming the first missing expert tensor."""
-    optim = None if optimizer is None else _inner_optimizer(optimizer)
+    (saved under any placement); under mixed precision the master is the saved one (or the
+    saved value in fp32). KeyError naming the first missing expert tensor."""
+    optim = None if optimizer is None else _Optimizer(optimizer)
     for layer, block in enumerate(blocks):
         for e in block.held:
             for name, param in block.experts[e].named_parameters():
                 key = f"{layer}.{e}.{name}"
                 if key not in state:
                     raise KeyError(f"expert checkpoint: no tensor for {key}")
+                saved = state[key]
                 with torch.no_grad():
-                    param.copy_(state[key]["value"])
-                if optim is not None and state[key]["optim"]:
-                    optim.state[param] = {
-                        k: v.clone() if torch.is_tensor(v) else v
-                        for k, v in state[key]["optim"].items()
-                    }
+                    param.copy_(saved["value"])
+                    master = param if optim is None else optim.master(param)
+                    if master is not param:
+                        master.copy_(saved.get("master", saved["value"]))
+                if optim is not None and saved["optim"]:
+                    optim.inner.state[master] = {k: _clone(v) for k, v in saved["optim"].items()}

@@ -119,3 +119,32 @@ def test_ep_run_checkpoints(parallel: dict) -> None:
     zero_stage 0, Colossal-AI's ZeRO MoE optimizer): checkpoint/moe.py saves either, checked
     in tests/distributed/test_moe_checkpoint.py."""
     assert validate_run(_checkpointed_run(parallel), 4) == 4
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_replacement_under_zero_is_refused_naming_the_field(precision: str, zero: int) -> None:
+    """moe.replace_every moves whole experts, masters included, at zero_stage 0 (any precision;
+    tests/distributed/test_moe_replace.py); ZeRO's flat master shards are refused, with the
+    same one-line error on both ranks' paths: preflight's validate_run and the plugin's
+    check_moe_model (from the model's config)."""
+    from transformers import MixtralConfig
+
+    from colossal_hetero.moe.checks import check_moe_model
+
+    config = _run({"ep": 2, "precision": precision, "zero_stage": zero}, {"replace_every": 2})
+    paths = (
+        lambda: validate_run(config, 4),
+        lambda: check_moe_model(config.parallel, config.moe, MixtralConfig(**HF), 4),
+    )
+    if zero == 0:
+        assert paths[0]() == 4 and paths[1]() is not None
+        return
+    messages = []
+    for path in paths:
+        with pytest.raises(ConfigError) as error:
+            path()
+        messages.append(str(error.value))
+    assert messages[0] == messages[1] and "\n" not in messages[0]
+    assert messages[0].startswith("moe.replace_every:") and "parallel.zero_stage 0" in messages[0]
+    assert f"got zero_stage={zero}" in messages[0]
