@@ -21,8 +21,9 @@ dim where they are shorter than the single-process model's tensor, merged over a
   at the save bit for bit, its next two losses and then everything equal ``a``'s bit for bit
   (same layout, same arithmetic); then it loads ``c``'s re-save (TP=1 back to TP=2): again
   everything equals ``a``'s at the save.
-Slow: the same round trip in bf16 (fp32 masters of each tp shard), and the trainer's
-``checkpoint.dir`` resume on EP=2 x TP=2 (losses and learning rates bit for bit).
+Slow: the same on 8 ranks (moe_dp 2, then dp 8), the round trip in bf16 (fp32 masters of
+each tp shard), and the trainer's ``checkpoint.dir`` resume on EP=2 x TP=2 (losses and
+learning rates bit for bit).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from tests.dist_utils import run_distributed
 from tests.distributed.test_moe_plugin import K_MAX, LAYERS, PER_RANK, SEQ, _model
 from tests.tolerances import chain_atol, transformer_depth
 
-STEPS_BEFORE, STEPS_AFTER, TP, SHARDS = 2, 2, 2, 2  # SHARDS: data-parallel shards of a batch
+STEPS_BEFORE, STEPS_AFTER, TP = 2, 2, 2
 
 
 def _build(tp: int, seed: int = 0, precision: str = "fp32"):  # type: ignore[no-untyped-def]
@@ -64,10 +65,11 @@ def _build(tp: int, seed: int = 0, precision: str = "fp32"):  # type: ignore[no-
     return plugin, booster, model, optimizer
 
 
-def _batches() -> list[torch.Tensor]:
+def _batches(world_size: int) -> list[torch.Tensor]:
+    """One batch per step: a shard of ``PER_RANK`` rows per EP x TP data-parallel rank."""
     generator = torch.Generator().manual_seed(5)
     return [
-        torch.randint(0, 256, (SHARDS * PER_RANK, SEQ), generator=generator)
+        torch.randint(0, 256, (world_size // TP * PER_RANK, SEQ), generator=generator)
         for _ in range(STEPS_BEFORE + STEPS_AFTER)
     ]
 
@@ -133,7 +135,7 @@ def _assert_equal(got: dict, want: dict, what: str) -> None:
 
 
 def _check(rank: int, world_size: int, device: torch.device, folder: str) -> None:
-    batches, root = _batches(), Path(folder)
+    batches, root = _batches(world_size), Path(folder)
     shapes = {n: p.shape for n, p in _model().named_parameters()}
     a = _build(TP)
     _train(a, batches[:STEPS_BEFORE], rank)
@@ -195,7 +197,7 @@ def _check_bf16(rank: int, world_size: int, device: torch.device, folder: str) -
     file holds every master as a full fp32 tensor."""
     from colossal_hetero.checkpoint.moe import OPTIMIZER_FILE
 
-    batches, root = _batches(), Path(folder)
+    batches, root = _batches(world_size), Path(folder)
     shapes = {n: p.shape for n, p in _model().named_parameters()}
     a = _build(TP, precision="bf16")
     _train(a, batches[:STEPS_BEFORE], rank)
@@ -226,6 +228,14 @@ def _masters(saved: dict) -> dict:
 @pytest.mark.timeout(300)
 def test_ep2_tp2_checkpoint_round_trips_through_tp1_and_hf(tmp_path: Path) -> None:
     run_distributed(_check, 4, force_cpu=True, folder=str(tmp_path))
+
+
+@pytest.mark.slow  # 8 ranks on the CI's cores
+@pytest.mark.timeout(900)
+def test_ep2_tp2_dp4_checkpoint_round_trips_through_tp1(tmp_path: Path) -> None:
+    """The same on 8 ranks: EP=2 x TP=2 with moe_dp 2 (only moe_dp rank 0 gathers and sends),
+    through EP=2 x TP=1 (dp 8, moe_dp 4)."""
+    run_distributed(_check, 8, force_cpu=True, folder=str(tmp_path))
 
 
 @pytest.mark.slow  # a second spawn of 4 ranks
