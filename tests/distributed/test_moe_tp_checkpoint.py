@@ -36,13 +36,26 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
-from tests.distributed.test_moe_plugin import K_MAX, LAYERS, PER_RANK, SEQ, _model
+from tests.distributed.test_moe_plugin import K_MAX, LAYERS, PER_RANK, SEQ
+from tests.distributed.test_moe_plugin import _model as _model_256
 from tests.tolerances import chain_atol, transformer_depth
 
 STEPS_BEFORE, STEPS_AFTER, TP = 2, 2, 2
 
 
-def _build(tp: int, seed: int = 0, precision: str = "fp32"):  # type: ignore[no-untyped-def]
+def _model(vocab: int = 256):  # type: ignore[no-untyped-def]
+    """test_moe_plugin's tiny Mixtral, with another vocabulary size if asked (same seed)."""
+    from transformers import MixtralForCausalLM
+
+    model = _model_256()
+    if vocab == 256:
+        return model
+    model.config.vocab_size = vocab
+    torch.manual_seed(0)
+    return MixtralForCausalLM(model.config)
+
+
+def _build(tp: int, seed: int = 0, precision: str = "fp32", vocab: int = 256):  # type: ignore[no-untyped-def]
     from colossalai.booster import Booster
 
     from colossal_hetero.config.moe import MoeConfig
@@ -53,7 +66,7 @@ def _build(tp: int, seed: int = 0, precision: str = "fp32"):  # type: ignore[no-
     parallel = ParallelConfig(ep=2, tp=tp, precision=precision)  # type: ignore[arg-type]
     config = HeteroConfig(parallel=parallel, moe=MoeConfig(chunk_kib=1))
     plugin = HeteroParallelPlugin(config)
-    model = _model()
+    model = _model(vocab)
     if seed:  # other starting weights: a load that misses a tensor shows
         torch.manual_seed(seed)
         with torch.no_grad():
@@ -65,11 +78,11 @@ def _build(tp: int, seed: int = 0, precision: str = "fp32"):  # type: ignore[no-
     return plugin, booster, model, optimizer
 
 
-def _batches(world_size: int) -> list[torch.Tensor]:
+def _batches(world_size: int, vocab: int = 256) -> list[torch.Tensor]:
     """One batch per step: a shard of ``PER_RANK`` rows per EP x TP data-parallel rank."""
     generator = torch.Generator().manual_seed(5)
     return [
-        torch.randint(0, 256, (world_size // TP * PER_RANK, SEQ), generator=generator)
+        torch.randint(0, vocab, (world_size // TP * PER_RANK, SEQ), generator=generator)
         for _ in range(STEPS_BEFORE + STEPS_AFTER)
     ]
 
@@ -88,17 +101,17 @@ def _train(run, batches: list[torch.Tensor], rank: int) -> list[float]:  # type:
 
 
 def _full(local: torch.Tensor, shape: torch.Size, group: Any) -> torch.Tensor:
-    """``local`` all-gathered over the tp ``group`` along the one dim where it is shorter than
-    ``shape`` (as it is when it has the full shape)."""
+    """``local`` all-gathered over the tp ``group`` along the one dim where it differs from
+    ``shape`` (as it is when it has the full shape); a padded vocabulary cut to ``shape``."""
     dims = [d for d in range(local.dim()) if local.shape[d] != shape[d]]
     if not dims:
         return local.detach().clone()
     assert len(dims) == 1, (local.shape, shape)
-    size = dist.get_world_size(group)
-    assert local.shape[dims[0]] * size == shape[dims[0]], (local.shape, shape)
+    size, dim = dist.get_world_size(group), dims[0]
+    assert 0 <= local.shape[dim] * size - shape[dim] < 64 * size, (local.shape, shape)
     parts = [torch.empty_like(local) for _ in range(size)]
     dist.all_gather(parts, local.detach().contiguous(), group=group)
-    return torch.cat(parts, dim=dims[0])
+    return torch.cat(parts, dim=dim).narrow(dim, 0, shape[dim])
 
 
 def _everything(run, shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
@@ -134,10 +147,16 @@ def _assert_equal(got: dict, want: dict, what: str) -> None:
         assert torch.equal(got[key], value), f"{what}: {key}"
 
 
-def _check(rank: int, world_size: int, device: torch.device, folder: str) -> None:
-    batches, root = _batches(world_size), Path(folder)
-    shapes = {n: p.shape for n, p in _model().named_parameters()}
-    a = _build(TP)
+def _check(  # type: ignore[no-untyped-def]
+    rank: int, world_size: int, device: torch.device, folder: str, vocab: int = 256
+) -> None:
+    batches, root = _batches(world_size, vocab), Path(folder)
+    shapes = {n: p.shape for n, p in _model(vocab).named_parameters()}
+    a = _build(TP, vocab=vocab)
+    if vocab % (64 * TP):  # the padded path is the one under test
+        from colossalai.tensor.padded_tensor import is_padded_tensor
+
+        assert is_padded_tensor(a[2].unwrap().model.embed_tokens.weight)
     _train(a, batches[:STEPS_BEFORE], rank)
     a[1].save_model(a[2], str(root / "model"), shard=True)
     a[1].save_optimizer(a[3], str(root / "optimizer"), shard=True)
@@ -147,7 +166,7 @@ def _check(rank: int, world_size: int, device: torch.device, folder: str) -> Non
     forward = chain_atol(transformer_depth(LAYERS, backward=False) + 4, K_MAX, torch.float32, 10.0)
     _check_files(root, saved, batches[STEPS_BEFORE], rank, after_a[0], forward)
 
-    c = _build(1, seed=11)  # EP=2 x TP=1: dp 4, moe_dp 2
+    c = _build(1, seed=11, vocab=vocab)  # EP=2 x TP=1: dp 4, moe_dp 2
     c[1].load_model(c[2], str(root / "model"))
     c[1].load_optimizer(c[3], str(root / "optimizer"))
     _assert_equal(_everything(c, shapes), saved, "TP=2 -> TP=1")
@@ -156,7 +175,7 @@ def _check(rank: int, world_size: int, device: torch.device, folder: str) -> Non
     (loss_c,) = _train(c, batches[STEPS_BEFORE : STEPS_BEFORE + 1], rank)
     assert abs(loss_c - after_a[0]) <= forward, (loss_c, after_a[0])
 
-    b = _build(TP, seed=7)
+    b = _build(TP, seed=7, vocab=vocab)
     b[1].load_model(b[2], str(root / "model"))
     b[1].load_optimizer(b[3], str(root / "optimizer"))
     _assert_equal(_everything(b, shapes), saved, "TP=2 -> TP=2")
@@ -236,6 +255,14 @@ def test_ep2_tp2_dp4_checkpoint_round_trips_through_tp1(tmp_path: Path) -> None:
     """The same on 8 ranks: EP=2 x TP=2 with moe_dp 2 (only moe_dp rank 0 gathers and sends),
     through EP=2 x TP=1 (dp 8, moe_dp 4)."""
     run_distributed(_check, 8, force_cpu=True, folder=str(tmp_path))
+
+
+@pytest.mark.slow  # a second spawn of 4 ranks
+@pytest.mark.timeout(600)
+def test_ep2_tp2_checkpoint_with_a_padded_vocabulary(tmp_path: Path) -> None:
+    """Vocabulary 250: Colossal-AI pads the embedding and LM head to 256 rows (a multiple of 64
+    x tp) before splitting them; the files hold the 250 HF rows, loading pads again."""
+    run_distributed(_check, 4, force_cpu=True, folder=str(tmp_path), vocab=250)
 
 
 @pytest.mark.slow  # a second spawn of 4 ranks
