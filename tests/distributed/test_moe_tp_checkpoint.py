@@ -21,9 +21,10 @@ dim where they are shorter than the single-process model's tensor, merged over a
   at the save bit for bit, its next two losses and then everything equal ``a``'s bit for bit
   (same layout, same arithmetic); then it loads ``c``'s re-save (TP=1 back to TP=2): again
   everything equals ``a``'s at the save.
-Slow: the same on 8 ranks (moe_dp 2, then dp 8), the round trip in bf16 (fp32 masters of
-each tp shard), and the trainer's ``checkpoint.dir`` resume on EP=2 x TP=2 (losses and
-learning rates bit for bit).
+Slow: the same on 8 ranks (moe_dp 2, then dp 8) and with vocabulary 250 (Colossal-AI pads
+the embedding to 256 rows before splitting it), the round trip in bf16 (fp32 masters of each
+tp shard), and the trainer's ``checkpoint.dir`` resume on EP=2 x TP=2 (losses and learning
+rates bit for bit).
 """
 
 from __future__ import annotations
