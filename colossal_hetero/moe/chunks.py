@@ -70,32 +70,41 @@ def plan_chunks(
     dtypes: Sequence[torch.dtype],
     chunk_bytes: int,
     order: Sequence[int] | None = None,
+    phases: Sequence[int] | None = None,
 ) -> tuple[Chunk, ...]:
     """Chunks over parameters ``numels[i]`` of ``dtypes[i]``, walked in ``order`` (parameter
     indices, a permutation; default: last parameter first).
 
     Every element of every parameter is in exactly one chunk; a chunk holds at most
-    ``chunk_bytes // itemsize`` elements. ValueError (naming ``moe.chunk_bytes``) when the size is
-    not positive or smaller than one element, or when ``order`` is not a permutation.
+    ``chunk_bytes // itemsize`` elements. Without ``phases`` chunks are filled to that size in
+    turn. With ``phases`` (one label per parameter: when backward makes its gradient ready,
+    e.g. between which two a2a's) see :func:`phase_runs`: no chunk spans a phase change but
+    for a small phase merged into the next, and each run is cut into the fewest even chunks.
+    ValueError (naming ``moe.chunk_bytes``) when the size is not positive or smaller than one
+    element, or when ``order`` is not a permutation.
     """
-    if len(numels) != len(dtypes):
-        raise ValueError("plan_chunks: need one dtype per parameter")
+    if len(numels) != len(dtypes) or (phases is not None and len(phases) != len(numels)):
+        raise ValueError("plan_chunks: need one dtype (and phase) per parameter")
     if chunk_bytes <= 0:
         raise ValueError(f"moe.chunk_bytes must be > 0, got {chunk_bytes}")
     walk = list(reversed(range(len(numels)))) if order is None else list(order)
     if sorted(walk) != list(range(len(numels))):
         raise ValueError(f"plan_chunks: order must be a permutation of 0..{len(numels) - 1}")
+    for dtype in set(dtypes):
+        if chunk_bytes // dtype.itemsize < 1:
+            raise ValueError(
+                f"moe.chunk_bytes={chunk_bytes} is smaller than one {dtype} element "
+                f"({dtype.itemsize} bytes)"
+            )
+    if phases is not None:
+        runs = phase_runs(numels, dtypes, chunk_bytes, walk, phases)
+        return tuple(_even_cuts(numels, dtypes, chunk_bytes, runs))
     chunks: list[Chunk] = []
     segments: list[Segment] = []
     room, current = 0, None
     for param in walk:
         dtype = dtypes[param]
         capacity = chunk_bytes // dtype.itemsize
-        if capacity < 1:
-            raise ValueError(
-                f"moe.chunk_bytes={chunk_bytes} is smaller than one {dtype} element "
-                f"({dtype.itemsize} bytes)"
-            )
         start = 0
         while start < numels[param]:
             if room == 0 or dtype != current:
@@ -109,6 +118,71 @@ def plan_chunks(
     if segments:
         chunks.append(Chunk(len(chunks), tuple(segments), current))  # type: ignore[arg-type]
     return tuple(chunks)
+
+
+SMALL_PHASE = 0.25
+"""A phase whose gradient is under this fraction of a chunk joins the next phase's chunks: a
+chunk of its own would pay a whole ``alpha`` for a few bytes (a router's weight, a norm)."""
+
+
+def phase_runs(
+    numels: Sequence[int],
+    dtypes: Sequence[torch.dtype],
+    chunk_bytes: int,
+    walk: Sequence[int],
+    phases: Sequence[int],
+) -> list[list[int]]:
+    """``walk`` (parameter indices) cut into runs of consecutive parameters of one dtype that
+    become ready together (pure). A run ends where the walk's phase label or dtype changes,
+    except that a run of fewer than ``SMALL_PHASE * chunk_bytes`` bytes continues into the next
+    phase (not across a dtype change). Why: a chunk launches only when all its gradients are
+    ready, so a chunk spanning two phases waits for the later one; at the end of backward that
+    wait is exposed (a 262 KiB expert chunk holding a third of the last layer's gradient and
+    two thirds of the layer before it went out only after the last layer's backward)."""
+    runs: list[list[int]] = []
+    run: list[int] = []
+    for param in walk:
+        if run:
+            last = run[-1]
+            changed = phases[param] != phases[last]
+            small = sum(numels[i] for i in run) * dtypes[last].itemsize < SMALL_PHASE * chunk_bytes
+            if dtypes[param] != dtypes[last] or (changed and not small):
+                runs.append(run)
+                run = []
+        run.append(param)
+    if run:
+        runs.append(run)
+    return runs
+
+
+def _even_cuts(
+    numels: Sequence[int],
+    dtypes: Sequence[torch.dtype],
+    chunk_bytes: int,
+    runs: Sequence[Sequence[int]],
+) -> list[Chunk]:
+    """Each run (one dtype) cut into the fewest chunks of at most ``chunk_bytes``, as even as
+    whole elements allow (sizes differ by at most one element), in walk order."""
+    chunks: list[Chunk] = []
+    for run in runs:
+        dtype = dtypes[run[0]]
+        total = sum(numels[i] for i in run)
+        if total == 0:
+            continue  # only empty parameters: nothing to reduce
+        count = -(-total // (chunk_bytes // dtype.itemsize))
+        sizes = [total // count + (1 if k < total % count else 0) for k in range(count)]
+        pieces = ((param, 0, numels[param]) for param in run)
+        param, start, stop = next(pieces)
+        for size in sizes:
+            segments: list[Segment] = []
+            while size > 0:
+                while start == stop:  # an empty parameter contributes no segment
+                    param, start, stop = next(pieces)
+                take = min(size, stop - start)
+                segments.append(Segment(param, start, start + take))
+                start, size = start + take, size - take
+            chunks.append(Chunk(len(chunks), tuple(segments), dtype))
+    return chunks
 
 
 def chunking_cost(total_bytes: int, count: int, alpha_s: float, beta: float, waits: float) -> float:

@@ -26,7 +26,10 @@ Contract, for one data-parallel ``group`` (the gradient group):
   in the order the gradients arrived on the group's first rank (broadcast to the group) and
   only then reduces them, so that early chunks hold only gradients backward produces early,
   and every reduction (a resumed run's first included) uses that one layout. Fixed from then
-  on, routing-independent.
+  on, routing-independent. It also learns each gradient's *phase*, how many a2a gates had
+  closed when it arrived, and cuts the chunks at phase changes (:func:`.chunks.phase_runs`):
+  a chunk then never waits for a gradient that comes only after a later a2a. ``phases``
+  gives such labels up front instead (the experts' MoE layer, moe/wiring.py).
 - Gradient accumulation: while ``syncing()`` is False (the model's ``no_sync``, see
   moe/wiring.py) hooks and :meth:`mark_idle` do nothing, so a backward only accumulates into
   ``.grad``; the first backward with ``syncing()`` True (the last micro-step) marks and
@@ -115,6 +118,7 @@ class ChunkedGradReducer:
         average: bool = False,
         divisor: int | None = None,
         learn_order: bool = False,
+        phases: Callable[[Sequence[nn.Parameter]], Sequence[int]] | None = None,
     ) -> None:
         if group is None:
             raise ValueError("ChunkedGradReducer: group is required (None means the world group)")
@@ -124,11 +128,11 @@ class ChunkedGradReducer:
         # Distinct trainable parameters, in the given order (a repeat would hook twice).
         self._params = list({id(p): p for p in params if p.requires_grad}.values())
         self._learn_order = self._learn = learn_order
-        self._arrivals: list[int] = []
+        self._arrivals: list[tuple[int, int]] = []  # (parameter, phase) as gradients arrive
+        self._closings = 0  # a2a gates closed since the last flush: the phase of an arrival
         self._order: list[int] | None = None
-        self.chunks = plan_chunks(
-            [p.numel() for p in self._params], [p.dtype for p in self._params], chunk_bytes
-        )
+        self._phase_of = phases
+        self.chunks = self._default_chunks()
         self._group = group
         self._max_inflight = max_inflight
         self._priority = priority
@@ -157,8 +161,19 @@ class ChunkedGradReducer:
             p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self._params)
         ]
 
+    def _default_chunks(self) -> tuple[Chunk, ...]:
+        """The chunks before any order is learnt: default walk, ``phases``' labels if given."""
+        labels = None if self._phase_of is None else list(self._phase_of(self._params))
+        return plan_chunks(
+            [p.numel() for p in self._params],
+            [p.dtype for p in self._params],
+            self._chunk_bytes,
+            phases=labels,
+        )
+
     def _reset(self) -> None:
         self._arrivals = []
+        self._closings = 0
         self._ready = [False] * len(self._params)
         self._missing = [len(c.params) for c in self.chunks]
         self._next = 0
@@ -175,7 +190,7 @@ class ChunkedGradReducer:
             if not self.syncing():  # no_sync: the gradient stays in .grad, reduced later
                 self._accumulated = True
                 return
-            self._arrivals.append(index)
+            self._arrivals.append((index, self._closings))
             self._mark_ready(index)
             self._pump()
 
@@ -344,6 +359,7 @@ class ChunkedGradReducer:
         if self._open_a2a <= 0:
             raise RuntimeError("close_a2a() without an open a2a")
         self._open_a2a -= 1
+        self._closings += 1
         self._pump()
 
     def clear_log(self) -> None:
@@ -416,28 +432,32 @@ class ChunkedGradReducer:
         self._reset()
 
     def _adopt_order(self) -> None:
-        """Re-plan the chunks in the order this backward's gradients arrived on the group's
-        first rank (``learn_order``, once, in the first flush, before any chunk of the group
-        was launched: one broadcast on the gradient group, on every rank alike). Parameters
-        that got no gradient from a hook there follow in the default order. Every chunk is
-        ready (the flush marked every parameter)."""
+        """Re-plan the chunks in the order and phases of this backward's gradients on the
+        group's first rank (``learn_order``, once, in the first flush, before any chunk of the
+        group was launched: one broadcast on the gradient group, on every rank alike).
+        Parameters that got no gradient from a hook there follow in the default order, in the
+        last phase seen. Every chunk is ready (the flush marked every parameter)."""
         self._learn = False
         count = len(self._params)
         if count == 0:
             return
-        seen = list(dict.fromkeys(self._arrivals))
-        arrived = set(seen)
-        order = torch.tensor(
-            seen + [i for i in reversed(range(count)) if i not in arrived], dtype=torch.int64
+        phase_of = dict(reversed(self._arrivals))  # a parameter's first arrival
+        seen = list(dict.fromkeys(index for index, _ in self._arrivals))
+        last = max(phase_of.values(), default=0)
+        walk = seen + [i for i in reversed(range(count)) if i not in phase_of]
+        learnt = torch.tensor(
+            [walk, [phase_of.get(i, last) for i in range(count)]], dtype=torch.int64
         )
-        dist.broadcast(order, src=dist.get_global_rank(self._group, 0), group=self._group)
+        dist.broadcast(learnt, src=dist.get_global_rank(self._group, 0), group=self._group)
+        order, phases = learnt.tolist()
         chunks = plan_chunks(
             [p.numel() for p in self._params],
             [p.dtype for p in self._params],
             self._chunk_bytes,
-            order.tolist(),
+            order,
+            phases,
         )
-        self._order = order.tolist()
+        self._order = order
         self._plan(chunks)
         self._missing = [0] * len(chunks)
 
@@ -472,13 +492,7 @@ class ChunkedGradReducer:
         self._params = list({id(p): p for p in params if p.requires_grad}.values())
         self._order = None  # new parameters: the default order (a learnt one is re-learnt)
         self._learn = self._learn_order
-        self._plan(
-            plan_chunks(
-                [p.numel() for p in self._params],
-                [p.dtype for p in self._params],
-                self._chunk_bytes,
-            )
-        )
+        self._plan(self._default_chunks())
         self._index = {id(p): i for i, p in enumerate(self._params)}
         self._reset()
         self._hooks = [

@@ -16,7 +16,8 @@ The reducers then run on the step seam:
   dense group without expert replicas at least ``MIN_CHUNKS``, each at least
   ``MIN_CHUNK_BYTES``; the dense chunks follow the order
   backward produced the gradients in, agreed in the first flush (``learn_order``,
-  moe/scheduler.py);
+  moe/scheduler.py), and break where an a2a came between two gradients; the expert chunks
+  break between MoE layers (:func:`expert_layers`), so no chunk waits for a later layer;
 - the boosted optimizer's ``step`` first flushes both reducers, so every gradient is reduced
   before the update (and before clipping); a group reduced while the other is still on the
   wire is stepped then, on its own, where that is the same update (moe/split_step.py);
@@ -33,7 +34,7 @@ The reducers then run on the step seam:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -163,8 +164,14 @@ def install_reducers(
             size = chosen_chunk_bytes(group_params, profile, moe.chunk_bytes, least)
         else:
             size = _evened(group_params, moe.chunk_bytes, least)
+        learn = name == "dense"  # experts: their layer is their phase, known up front
         reducers[name] = ChunkedGradReducer(
-            group_params, group, chunk_bytes=size, learn_order=name == "dense", **common
+            group_params,
+            group,
+            chunk_bytes=size,
+            learn_order=learn,
+            phases=None if learn else expert_layers(blocks),
+            **common,
         )
         reducers[name].set_profile(*profile)
     syncing = _sync_flag(model)
@@ -176,6 +183,19 @@ def install_reducers(
             install_ep_grad_norm(optimizer, reducers, *norm_groups(world, tp))
         optimizer.step = flush_then_step(optimizer, optimizer.step, comm)
     return reducers
+
+
+def expert_layers(blocks: list[Any]) -> Callable[[Sequence[nn.Parameter]], list[int]]:
+    """The experts' gradient phases for :class:`ChunkedGradReducer`: a parameter's MoE layer
+    (its block's index in ``blocks``), looked up when called, so that it also labels the
+    parameters a re-placement (moe/replace.py) creates; -1 for any other parameter. Backward
+    produces a layer's expert gradients between that layer's two backward a2a's."""
+
+    def layers(params: Sequence[nn.Parameter]) -> list[int]:
+        layer_of = {id(p): i for i, block in enumerate(blocks) for p in block.expert_parameters()}
+        return [layer_of.get(id(p), -1) for p in params]
+
+    return layers
 
 
 def _check_mesh(

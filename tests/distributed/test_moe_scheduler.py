@@ -190,21 +190,55 @@ class _Chain(nn.Module):
         torch.manual_seed(1)
         self.a, self.b, self.c = (nn.Linear(H, H, bias=False) for _ in range(3))
 
-    def forward(self, x, rank):  # type: ignore[no-untyped-def]
+    def forward(self, x, rank, gate=None):  # type: ignore[no-untyped-def]
         first, second = (self.c, self.b) if rank == 0 else (self.b, self.c)
-        return second(first(self.a(x))).pow(2).sum()
+        inner = first(self.a(x))
+        return second(inner if gate is None else gate(inner)).pow(2).sum()
+
+
+class _A2aInBackward(torch.autograd.Function):
+    """Identity whose backward opens and closes the reducer's a2a gate, as an expert block's
+    backward a2a does: the gradients after it arrive in the next phase."""
+
+    @staticmethod
+    def forward(ctx, x, reducer):  # type: ignore[no-untyped-def]
+        ctx.reducer = reducer
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        ctx.reducer.open_a2a()
+        ctx.reducer.close_a2a()
+        return grad, None
 
 
 def _learn_check(rank: int, group) -> None:
     """``learn_order``: the first backward launches nothing; its flush re-plans the chunks in
     rank 0's arrival order (by hand: 24-element chunks over b, c, a of 36 each, broadcast to
-    rank 1, whose own order is c, b, a) and reduces them; the next backward launches them as
-    they become ready; both steps' gradients equal a plain all-reduce."""
+    rank 1, whose own order is c, b, a; one phase, so 108 elements in five even chunks of
+    22, 22, 22, 21, 21) and reduces them; the next backward launches them as they become
+    ready; both steps' gradients equal a plain all-reduce. ``gated``: an a2a closes between
+    the first gradient and the others on every rank, so rank 0's phases are b | c a: b alone
+    in two chunks of 18, then c, a in three of 24."""
+    for gated in (False, True):
+        _learn_case(rank, group, gated)
+
+
+def _learn_case(rank: int, group, gated: bool) -> None:  # type: ignore[no-untyped-def]
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(rank + 5))
     model = _Chain()
     reducer = ChunkedGradReducer(list(model.parameters()), group, 96, None, False, learn_order=True)
     default = [(2, 0, 24)], [(2, 24, 36), (1, 0, 12)], [(1, 12, 36)], [(0, 0, 24)], [(0, 24, 36)]
-    learnt = [(1, 0, 24)], [(1, 24, 36), (2, 0, 12)], [(2, 12, 36)], [(0, 0, 24)], [(0, 24, 36)]
+    learnt = (
+        [(1, 0, 22)],
+        [(1, 22, 36), (2, 0, 8)],
+        [(2, 8, 30)],
+        [(2, 30, 36), (0, 0, 15)],
+        [(0, 15, 36)],
+    )
+    if gated:
+        learnt = [(1, 0, 18)], [(1, 18, 36)], [(2, 0, 24)], [(2, 24, 36), (0, 0, 12)], [(0, 12, 36)]
+    gate = (lambda y: _A2aInBackward.apply(y, reducer)) if gated else None
 
     def layout() -> list[list[tuple[int, int, int]]]:
         return [[(s.param, s.start, s.stop) for s in c.segments] for c in reducer.chunks]
@@ -214,7 +248,7 @@ def _learn_check(rank: int, group) -> None:
         reference = _Chain()
         reference(x, rank).backward()
         model.zero_grad(set_to_none=True)
-        model(x, rank).backward()
+        model(x, rank, gate).backward()
         launched = [e for e in reducer.events if e.kind == "chunk"]
         assert len(launched) == (0 if step == 0 else 5)  # learning: nothing before the flush
         reducer.flush()
