@@ -188,7 +188,7 @@ class MoeCheckpointIO(HeteroCheckpointIO):
         held = _held(model.unwrap())
         if self.ep_rank != 0:  # experts only: the dense tensors are the writer's too
             held = {n: p for n, p in held.items() if is_moe_tensor(p)}
-        mine = {n: _cpu(self._full(p, p.detach())) for n, p in held.items()}
+        mine = {n: self._full(p, p.detach()).cpu() for n, p in held.items()}
         if self.tp_rank != 0:  # its tp rank 0 holds the same full tensors now
             return None
         return self._to_writer(mine)
