@@ -355,8 +355,8 @@ class CheckpointConfig:
     dir: str | None = None
     """Checkpoint folder; null disables checkpointing. With `parallel.ep > 1` it holds every
     expert once under its Hugging Face name (docs/moe.md): it loads under any expert
-    placement, and its model folder into `MixtralForCausalLM.from_pretrained`; not yet with
-    `parallel.tp > 1` (refused)."""
+    placement and tensor-parallel width (`parallel.tp` shards are gathered on save and sliced
+    on load), and its model folder into `MixtralForCausalLM.from_pretrained`."""
 
     every: int = 0
     """Save every this many steps (and at the end); 0 saves only at the end."""

@@ -51,7 +51,7 @@ def validate_layout(config: HeteroConfig, world_size: int) -> int:
     _validate_emulation(config.emulation, world_size)
     check_pipeline_config(config)
     check_moe_layout(config.parallel, config.moe, world_size)
-    check_moe_run(config)  # ep with tp > 1: plan file, balancer (checkpoint: validate_run)
+    check_moe_run(config)  # ep with tp > 1: plan file and balancer refused
     _check_2d(config, None)
     return dp
 
