@@ -5,13 +5,19 @@ layer's measured expert loads and the ep ranks' speeds, :func:`.placement.place_
 gives the placement minimising the slowest rank's expected expert work. A layer moves only
 when that lowers its slowest rank's work by more than ``min_gain`` (relative): a move costs
 a transfer of weights and optimizer state, and equal-work reshuffles would churn.
+
+With ``moe.packing`` on, :func:`decide_packing_placements` decides with the packing-aware
+objective of :mod:`.packing` instead (compute of the slowest rank plus the packed a2a sends),
+from the routing histogram and measured costs of moe/replace_packing.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
+from colossal_hetero.moe.packing import Routing, packing_objective, packing_search
 from colossal_hetero.moe.placement import Placement, place_experts
 
 MIN_GAIN = 0.10
@@ -75,3 +81,105 @@ def decide_placements(
         "layers": layers,
     }
     return chosen, record
+
+
+def decide_packing_placements(
+    routings: Sequence[Routing],
+    speeds: Sequence[float],
+    capacity: int,
+    current: Sequence[Placement],
+    costs: PackingCosts,
+    min_gain: float = MIN_GAIN,
+) -> tuple[list[Placement], dict[str, Any]]:
+    """As :func:`decide_placements`, with the packing-aware objective (moe.packing on):
+
+        max_d (sum_{e on d} load_e * seconds_per_token / speed_d) + seconds_per_send * packed
+
+    ``routings[l]``: layer ``l``'s routing classes (top-k sets per source ep rank, summed over
+    the world); ``costs``: the measured, agreed per-token and per-send seconds. A layer moves
+    only when the objective drops by more than ``min_gain`` (relative). The record gives, per
+    layer, the objective's parts and the predicted packed a2a rows and bytes before and after.
+    """
+    if len(routings) != len(current):
+        raise ValueError(f"routing: {len(routings)} layers, {len(current)} placements")
+    spt, sps = costs.seconds_per_token, costs.seconds_per_send
+    chosen, layers = [], []
+    for layer, (routing, old) in enumerate(zip(routings, current, strict=True)):
+        choice = packing_search(speeds, capacity, routing, spt, sps)
+        before = packing_objective(old, speeds, routing, spt, sps)
+        after = packing_objective(choice.placement, speeds, routing, spt, sps)
+        move = after < before * (1 - min_gain)
+        new = choice.placement if move else old
+        chosen.append(new)
+        layers.append(
+            {
+                "layer": layer,
+                "loads": [float(x) for x in routing.loads()],
+                "search": choice.method,
+                "moved": move,
+                "placement": new.record()["devices"],
+                "before": _parts(old, speeds, routing, costs),
+                "after": _parts(new, speeds, routing, costs),
+                "best_found": _parts(choice.placement, speeds, routing, costs),
+            }
+        )
+    record = {
+        "controller": "moe_placement",
+        "objective": "packing",
+        "speeds": list(speeds),
+        "capacity": capacity,
+        "min_gain": min_gain,
+        "costs": asdict(costs),
+        "layers": layers,
+    }
+    return chosen, record
+
+
+def _parts(
+    placement: Placement, speeds: Sequence[float], routing: Routing, costs: PackingCosts
+) -> dict[str, float]:
+    """The objective's parts for ``placement``, and its predicted packed and unpacked rows and
+    packed bytes (forward and backward a2a's) over the measured interval."""
+    sends = routing.sends(placement)
+    compute = placement.max_work((routing.loads() * costs.seconds_per_token).tolist(), list(speeds))
+    width = max(len(placement.experts_on(d)) for d in range(placement.num_devices))
+    return {
+        "compute_s": compute,
+        "sends_s": costs.seconds_per_send * sends.packed,
+        "objective_s": compute + costs.seconds_per_send * sends.packed,
+        "packed_rows": sends.packed,
+        "unpacked_rows": sends.unpacked,
+        "packed_bytes": sends.packed * costs.row_bytes(width),
+        "unpacked_bytes": sends.unpacked * 2 * costs.hidden * costs.itemsize,
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class PackingCosts:
+    """Measured costs of the packing objective, agreed over the world (moe/replace_packing.py).
+
+    ``seconds_per_token``: one (token, expert) row's expert compute, forward and backward, at
+    speed 1; ``seconds_per_byte``: the a2a's per-byte time beyond its latency; ``hidden`` and
+    ``itemsize``: the rows' hidden size and element size; ``ep``: ranks of the ep group;
+    ``width``: weight and mark columns per packed row at the even placement.
+    """
+
+    seconds_per_token: float
+    seconds_per_byte: float
+    hidden: int
+    itemsize: int
+    ep: int
+    width: int
+
+    def row_bytes(self, width: int) -> int:
+        """Bytes one packed send moves forward (dispatch row and combine row), as
+        ``PackingStats`` counts them: ``(2 hidden + 2 width) * itemsize``."""
+        return (2 * self.hidden + 2 * width) * self.itemsize
+
+    @property
+    def seconds_per_send(self) -> float:
+        """One packed send's a2a seconds: its forward bytes twice (the backward a2a's mirror
+        them) at the measured per-byte time, at the even width, over ``ep``: the a2a ends when
+        every rank's rows are through, about the total rows over the ranks (the objective
+        counts the rows of all ranks)."""
+        return 2 * self.row_bytes(self.width) * self.seconds_per_byte / self.ep
