@@ -44,14 +44,8 @@ def check_moe_layout(parallel: ParallelConfig, moe: MoeConfig, world_size: int) 
     dp = parallel.dp or world_size // (parallel.tp * parallel.pp)
     if dp % ep:
         raise ConfigError(f"parallel.ep={ep} does not divide the data-parallel size ({dp})")
-    if moe.replace_every and parallel.zero_stage:
-        # ZeRO keeps flat, padded master shards over the data-parallel group, which
-        # moe/replace.py's whole-expert moves do not address (stale masters would train on).
-        raise ConfigError(
-            f"moe.replace_every: re-placement moves whole experts (weights, fp32 masters, "
-            f"optimizer state), so it needs parallel.zero_stage 0 (precision fp32, fp16 or "
-            f"bf16), got zero_stage={parallel.zero_stage}"
-        )
+    # moe.replace_every runs at every zero_stage: whole experts at 0, ZeRO's master slices at
+    # 1 and 2 (Colossal-AI's MoE plugin runs 2 as 1); moe/replace.py, moe/replace_zero.py.
     if moe.placement and len(moe.placement) != ep:
         raise ConfigError(
             f"moe.placement: lists {len(moe.placement)} expert-parallel ranks, parallel.ep is {ep}"

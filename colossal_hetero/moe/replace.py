@@ -11,9 +11,7 @@ The runtime half of :mod:`.placement` (the decision, pure, lives in :mod:`.repla
   steps, after the optimizer step, it sums the loads over the world (one small all-reduce, the
   only agreement needed: the decision is a pure function of identical inputs), decides, acts
   if any layer's placement changes, re-binds the expert gradient reducer to the held
-  parameters, and writes a DecisionWriter record (``moe_placement``). With ``moe.packing``
-  on it decides with the packing-aware objective from the routing histogram and costs that
-  :class:`.replace_packing.PackingMeter` measures (one more all-reduce and all-gather).
+  parameters, and writes a DecisionWriter record (``moe_placement``).
 
 Contract of a move: afterwards every rank's expert ``e`` of layer ``l`` (on the rank the new
 placement names) has the same parameter values and optimizer state as the old holder had, so
@@ -29,12 +27,16 @@ where it runs changes). ``parallel.zero_stage`` 0 with either of Colossal-AI's w
   holder drops all three from the groups, the state, the maps and the overflow list, the new
   one enters the received tensors there (the loss scale is one value for the whole world).
 
-ZeRO (``zero_stage`` > 0) keeps flat, padded master shards over the data-parallel group,
-which whole-expert moves cannot address: refused in moe/checks.py.
+- ZeRO (``zero_stage`` 1, and 2 which Colossal-AI's MoE plugin runs as 1): the working
+  weight is whole, the fp32 master and its state are this rank's flat slice over the
+  expert's ``moe_dp`` group; old and new holder have the same ``moe_dp`` rank and group size,
+  so the slices travel as they are (moe/replace_zero.py keeps the ZeRO optimizer's
+  bookkeeping).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,13 +47,8 @@ from torch import nn
 
 from colossal_hetero.metrics.decisions import DecisionWriter
 from colossal_hetero.moe.placement import Placement
-from colossal_hetero.moe.replace_packing import PackingMeter
-from colossal_hetero.moe.replace_policy import (
-    MIN_GAIN,
-    decide_placements,
-    ep_capacity,
-    ep_speeds,
-)
+from colossal_hetero.moe.replace_policy import decide_placements, ep_capacity, ep_speeds
+from colossal_hetero.moe.replace_zero import ZeroExperts, is_zero
 
 Meta = dict[str, Any]
 
@@ -108,6 +105,15 @@ class _Optimizer:
         self.to_working: dict[Any, Any] | None = getattr(optimizer, "master_to_working_map", None)
         self.mixed: Any = getattr(optimizer, "mixed_precision", None)
 
+    def check_between_steps(self) -> None:
+        """Nothing to refuse without ZeRO (the reducers are re-bound by the caller)."""
+
+    def layout(self, numel: int) -> None:
+        """Parameters are whole: no shard layout to agree on."""
+
+    def finish(self) -> None:
+        """Nothing to reorder: the wrapper steps its groups in any order."""
+
     def master(self, param: nn.Parameter) -> torch.Tensor:
         return param if self.to_master is None else self.to_master.get(param, param)
 
@@ -143,7 +149,7 @@ def _dtype_name(tensor: torch.Tensor) -> str:
     return str(tensor.dtype).split(".")[-1]
 
 
-def _describe(block: Any, expert: int, optim: _Optimizer) -> list[Meta]:
+def _describe(block: Any, expert: int, optim: _View) -> list[Meta]:
     """What the holder sends for one expert: per parameter its name, shape and dtype, its fp32
     master's (None when the parameter is its own master), optimizer group and state (tensors
     by shape and dtype, other values as they are)."""
@@ -167,12 +173,13 @@ def _describe(block: Any, expert: int, optim: _Optimizer) -> list[Meta]:
                 "master": None if master is param else (tuple(master.shape), _dtype_name(master)),
                 "group": group_of.get(id(master)),
                 "state": state,
+                "layout": optim.layout(param.numel()),
             }
         )
     return described
 
 
-def _tensors(block: Any, expert: int, optim: _Optimizer) -> list[torch.Tensor]:
+def _tensors(block: Any, expert: int, optim: _View) -> list[torch.Tensor]:
     """The holder's tensors of one expert, in the order :func:`_describe` lists them."""
     out = []
     for _, param in block.experts[expert].named_parameters():
@@ -199,7 +206,8 @@ def move_experts(
     Collective over each block's ep group (every ep rank calls it with the same ``new``);
     between steps only (no gradients pending).
     """
-    optim = _Optimizer(optimizer)
+    optim = _view(optimizer)
+    optim.check_between_steps()
     group = blocks[0].ep_group
     me = dist.get_rank(group)
     moves = [
@@ -233,9 +241,18 @@ def move_experts(
             _release(blocks[layer], e, optim)
     for layer, e, buffers in arriving:
         _adopt(blocks[layer], e, meta[(layer, e)], buffers, optim)
+    optim.finish()
     for layer, block in enumerate(blocks):
         block.index_placement(new[layer])
     return [p for block in blocks for p in block.expert_parameters()]
+
+
+_View = _Optimizer | ZeroExperts
+
+
+def _view(optimizer: Any) -> _View:
+    """How a move reaches ``optimizer``'s tensors: ZeRO's slices or whole parameters."""
+    return ZeroExperts(optimizer) if is_zero(optimizer) else _Optimizer(optimizer)
 
 
 def _receive_buffers(described: list[Meta]) -> list[torch.Tensor]:
@@ -248,17 +265,28 @@ def _receive_buffers(described: list[Meta]) -> list[torch.Tensor]:
     return buffers
 
 
-def _release(block: Any, expert: int, optim: _Optimizer) -> None:
+def _release(block: Any, expert: int, optim: _View) -> None:
     for name, param in list(block.experts[expert].named_parameters()):
         optim.release(param)
         _set_param(block.experts[expert], name, None)
 
 
 def _adopt(
-    block: Any, expert: int, described: list[Meta], buffers: list[torch.Tensor], optim: _Optimizer
+    block: Any,
+    expert: int,
+    described: list[Meta],
+    buffers: list[torch.Tensor],
+    optim: _View,
 ) -> None:
     values = iter(buffers)
     for param_meta in described:
+        here = optim.layout(math.prod(param_meta["shape"]))
+        if param_meta["layout"] != here:
+            raise RuntimeError(
+                f"expert re-placement: {param_meta['name']} of expert {expert} is sliced as "
+                f"{param_meta['layout']} on the old holder, {here} here: the ranks "
+                "of one ep group must share their moe_dp rank and group size"
+            )
         param = nn.Parameter(next(values))
         master = param if param_meta["master"] is None else next(values)
         state: dict[str, Any] = {}
@@ -282,31 +310,22 @@ class ExpertReplacer:
         capacity: int,
         folder: Any,
         rank: int,
-        packing: bool = False,
     ) -> None:
         self.blocks, self.optimizer, self.reducer = list(blocks), optimizer, reducer
         ep = blocks[0].ep_size
         self.speeds = ep_speeds(speeds, ep)
         self.capacity = ep_capacity(capacity, blocks[0].num_experts, ep)
         self.every = every
-        self.min_gain = MIN_GAIN
         self.meter = ExpertLoadMeter(blocks)
-        self.packing = PackingMeter(blocks, speeds) if packing else None
         self.writer = DecisionWriter(folder, "moe_placement", rank)
 
     def on_step_end(self, step: int, timing: Any) -> None:
-        if self.packing is not None:
-            self.packing.observe_step()
         if self.every < 1 or (step + 1) % self.every:
             return
         loads = self.meter.take().to(torch.float64)
         dist.all_reduce(loads)  # the one agreement: identical loads, so identical decisions
         current = [block.placement for block in self.blocks]
-        args = (self.speeds, self.capacity, current, self.min_gain)
-        if self.packing is not None:  # identical histogram and agreed costs: same decision
-            new, record = self.packing.decide(loads, *args)
-        else:
-            new, record = decide_placements(loads.tolist(), *args)
+        new, record = decide_placements(loads.tolist(), self.speeds, self.capacity, current)
         record["step"] = step
         if new != current:
             params = move_experts(self.blocks, new, self.optimizer)
@@ -320,10 +339,7 @@ class ExpertReplacer:
         integer counts, so the sum is exact in any order)."""
         loads = self.meter.counts.clone()
         dist.all_reduce(loads)
-        state = {"placements": [list(b.placement.device_of) for b in self.blocks], "loads": loads}
-        if self.packing is not None:  # the routing histogram too (moe.packing)
-            state["routing"] = self.packing.state()
-        return state
+        return {"placements": [list(b.placement.device_of) for b in self.blocks], "loads": loads}
 
     def restore(self, state: dict[str, Any]) -> None:
         """Adopt :meth:`state` after a checkpoint's weights and optimizer state are loaded:
@@ -344,13 +360,9 @@ class ExpertReplacer:
                 self.reducer.rebind(params)
         loads = state["loads"].to(torch.long)
         self.meter.counts = loads if dist.get_rank() == 0 else torch.zeros_like(loads)
-        if self.packing is not None and "routing" in state:
-            self.packing.restore(state["routing"])
 
     def close(self) -> None:
         self.meter.remove()
-        if self.packing is not None:
-            self.packing.remove()
         self.writer.close()
 
 
@@ -372,7 +384,6 @@ def build_replacer(
         moe.max_experts_per_rank,
         folder,
         rank,
-        packing=moe.packing,
     )
 
 
