@@ -17,6 +17,7 @@ Checks:
   accounted over the same steps (summed over the world), before the move (steps 0-1) and
   after it (steps 2-3, the next decision's "before"); the accounted rows and bytes per step
   drop after the move (by half: an even token from rank 0 now stays there);
+- the replacer's checkpoint state carries the routing histogram (one more step's tokens);
 - the move is exact (every expert's weights and AdamW state right after it equal the old
   holder's before it, bit for bit), and training continues as the fixed run does: equal
   losses (steps 0-1 exactly, later within the fp32 chain tolerance: packing sums an expert's
@@ -127,8 +128,24 @@ def _check(rank: int, world_size: int, device: torch.device) -> None:
     for got, want in zip(losses[1][2:], losses[0][2:], strict=True):
         assert abs(got - want) <= tol, (losses, tol)
     _compare_state(fixed, moving, tol)
+    _check_resume_state(moving, ids, world_size)
     for plugin, *_ in (fixed, moving):
         plugin.close()
+
+
+def _check_resume_state(moving, ids, world_size: int) -> None:  # type: ignore[no-untyped-def]
+    """One more step (no decision): the replacer's checkpoint state holds the world's routing
+    histogram of that step (every token of every layer, once); restoring it and asking again
+    gives the same counts (kept once, on rank 0)."""
+    _, model, optimizer, _ = moving
+    optimizer.backward(model(input_ids=ids, labels=ids).loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    replacer = moving[0].moe_replacer
+    state = replacer.state()
+    assert int(state["routing"].sum()) == LAYERS * world_size * PER_RANK * SEQ
+    replacer.restore(state)
+    assert torch.equal(replacer.state()["routing"], state["routing"])
 
 
 def _same(got: dict, want: dict) -> None:
