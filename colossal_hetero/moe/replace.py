@@ -11,7 +11,9 @@ The runtime half of :mod:`.placement` (the decision, pure, lives in :mod:`.repla
   steps, after the optimizer step, it sums the loads over the world (one small all-reduce, the
   only agreement needed: the decision is a pure function of identical inputs), decides, acts
   if any layer's placement changes, re-binds the expert gradient reducer to the held
-  parameters, and writes a DecisionWriter record (``moe_placement``).
+  parameters, and writes a DecisionWriter record (``moe_placement``). With ``moe.packing``
+  on it decides with the packing-aware objective from the routing histogram and costs that
+  :class:`.replace_packing.PackingMeter` measures (one more all-reduce and all-gather).
 
 Contract of a move: afterwards every rank's expert ``e`` of layer ``l`` (on the rank the new
 placement names) has the same parameter values and optimizer state as the old holder had, so
@@ -47,7 +49,13 @@ from torch import nn
 
 from colossal_hetero.metrics.decisions import DecisionWriter
 from colossal_hetero.moe.placement import Placement
-from colossal_hetero.moe.replace_policy import decide_placements, ep_capacity, ep_speeds
+from colossal_hetero.moe.replace_packing import PackingMeter
+from colossal_hetero.moe.replace_policy import (
+    MIN_GAIN,
+    decide_placements,
+    ep_capacity,
+    ep_speeds,
+)
 from colossal_hetero.moe.replace_zero import ZeroExperts, is_zero
 
 Meta = dict[str, Any]
@@ -310,22 +318,31 @@ class ExpertReplacer:
         capacity: int,
         folder: Any,
         rank: int,
+        packing: bool = False,
     ) -> None:
         self.blocks, self.optimizer, self.reducer = list(blocks), optimizer, reducer
         ep = blocks[0].ep_size
         self.speeds = ep_speeds(speeds, ep)
         self.capacity = ep_capacity(capacity, blocks[0].num_experts, ep)
         self.every = every
+        self.min_gain = MIN_GAIN
         self.meter = ExpertLoadMeter(blocks)
+        self.packing = PackingMeter(blocks, speeds) if packing else None
         self.writer = DecisionWriter(folder, "moe_placement", rank)
 
     def on_step_end(self, step: int, timing: Any) -> None:
+        if self.packing is not None:
+            self.packing.observe_step()
         if self.every < 1 or (step + 1) % self.every:
             return
         loads = self.meter.take().to(torch.float64)
         dist.all_reduce(loads)  # the one agreement: identical loads, so identical decisions
         current = [block.placement for block in self.blocks]
-        new, record = decide_placements(loads.tolist(), self.speeds, self.capacity, current)
+        args = (self.speeds, self.capacity, current, self.min_gain)
+        if self.packing is not None:  # identical histogram and agreed costs: same decision
+            new, record = self.packing.decide(loads, *args)
+        else:
+            new, record = decide_placements(loads.tolist(), *args)
         record["step"] = step
         if new != current:
             params = move_experts(self.blocks, new, self.optimizer)
@@ -339,7 +356,10 @@ class ExpertReplacer:
         integer counts, so the sum is exact in any order)."""
         loads = self.meter.counts.clone()
         dist.all_reduce(loads)
-        return {"placements": [list(b.placement.device_of) for b in self.blocks], "loads": loads}
+        state = {"placements": [list(b.placement.device_of) for b in self.blocks], "loads": loads}
+        if self.packing is not None:  # the routing histogram too (moe.packing)
+            state["routing"] = self.packing.state()
+        return state
 
     def restore(self, state: dict[str, Any]) -> None:
         """Adopt :meth:`state` after a checkpoint's weights and optimizer state are loaded:
@@ -360,9 +380,13 @@ class ExpertReplacer:
                 self.reducer.rebind(params)
         loads = state["loads"].to(torch.long)
         self.meter.counts = loads if dist.get_rank() == 0 else torch.zeros_like(loads)
+        if self.packing is not None and "routing" in state:
+            self.packing.restore(state["routing"])
 
     def close(self) -> None:
         self.meter.remove()
+        if self.packing is not None:
+            self.packing.remove()
         self.writer.close()
 
 
@@ -384,6 +408,7 @@ def build_replacer(
         moe.max_experts_per_rank,
         folder,
         rank,
+        packing=moe.packing,
     )
 
 
