@@ -70,8 +70,9 @@ def test_speeds_capacity_and_bad_input() -> None:
 
 def test_config_errors_name_the_field() -> None:
     zero = ParallelConfig(ep=2, precision="bf16", zero_stage=1)
-    with pytest.raises(ConfigError, match="moe.replace_every"):
-        check_moe_layout(zero, MoeConfig(replace_every=2), 4)
+    check_moe_layout(zero, MoeConfig(replace_every=2), 4)  # ZeRO's slices move (replace_zero.py)
+    with pytest.raises(ConfigError, match="moe.replace_every"):  # whole experts only, no tp
+        check_moe_layout(ParallelConfig(ep=2, tp=2), MoeConfig(replace_every=2), 4)
     with pytest.raises(ConfigError, match="moe.packing"):
         check_moe_layout(ParallelConfig(ep=1), MoeConfig(packing=True), 4)
     with pytest.raises(ValueError, match="replace_every"):  # the loader adds "moe."
