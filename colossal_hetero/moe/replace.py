@@ -416,13 +416,27 @@ def _clone(value: Any) -> Any:
     return value.detach().clone() if torch.is_tensor(value) else value
 
 
+def _whole(optimizer: Any) -> _Optimizer | None:
+    """The optimizer of :func:`expert_state` and :func:`load_expert_state`: whole parameters
+    only (ZeRO's master slices need gathering over each expert's group, which the plugin's
+    checkpoint IO does, checkpoint/moe.py)."""
+    if optimizer is None:
+        return None
+    if is_zero(optimizer):
+        raise ValueError(
+            "parallel.zero_stage: expert_state / load_expert_state take whole parameters "
+            "(zero_stage 0); under ZeRO save and load through the plugin's checkpoint IO"
+        )
+    return _Optimizer(optimizer)
+
+
 def expert_state(blocks: Sequence[Any], optimizer: Any = None) -> dict[str, Any]:
     """Every expert of every layer, keyed by placement-free names ``"{layer}.{expert}.{param}"``
     (``param`` e.g. ``w1.weight``), each ``{"value": tensor, "optim": {key: value}}`` plus,
     under mixed precision, ``"master"``: the fp32 master the optimizer steps (its state is the
     master's); gathered from the ranks that hold them (collective over the ep group): an
     expert-parallel checkpoint that loads under any placement (:func:`load_expert_state`)."""
-    optim = None if optimizer is None else _Optimizer(optimizer)
+    optim = _whole(optimizer)
     mine: dict[str, Any] = {}
     for layer, block in enumerate(blocks):
         for e in block.held:
@@ -443,7 +457,7 @@ def load_expert_state(blocks: Sequence[Any], state: dict[str, Any], optimizer: A
     """Load the experts this rank holds under its current placement from :func:`expert_state`
     (saved under any placement); under mixed precision the master is the saved one (or the
     saved value in fp32). KeyError naming the first missing expert tensor."""
-    optim = None if optimizer is None else _Optimizer(optimizer)
+    optim = _whole(optimizer)
     for layer, block in enumerate(blocks):
         for e in block.held:
             for name, param in block.experts[e].named_parameters():
