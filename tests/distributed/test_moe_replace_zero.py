@@ -20,8 +20,10 @@ placement puts both on ep rank 0, the slow one), ``moe.replace_every: 2``. One s
   weight, master and state, equal the moved run's exactly (the same arithmetic on the same
   values: a move under ZeRO leaves nothing stale and loses nothing).
 
-Expert tensors here have an even element count, so the moe_dp group of 2 pads nothing (an odd
-count needs an odd hidden size, which rotary attention cannot take).
+Expert tensors here have 512 elements, which a moe_dp group of 2 splits without padding (an
+odd count needs an odd hidden size, which rotary attention cannot take); the slow EP=2 x DP=3
+variant (6 ranks) pads each by 1, so a moved expert's padded buffer is rebuilt there. A slow
+fp16 variant runs ``zero_stage: 2`` (which Colossal-AI's MoE plugin runs as ZeRO-1).
 """
 
 from __future__ import annotations
@@ -202,6 +204,9 @@ def _check(  # type: ignore[no-untyped-def]
     assert placements[0].device_of != (0, 0, 1, 1), placements
     assert all(p == placements[0] for p in placements), "the reference needs one placement"
     order = _check_bookkeeping(moving)
+    zero = moving[3]
+    for p in (p for block in moving[4] for p in block.expert_parameters()):
+        assert zero._padding_map[id(p)] == -p.numel() % (world_size // 2)  # moe_dp size
     with pytest.raises(ValueError, match="parallel.zero_stage"):  # slices: not whole
         expert_state(moving[4], moving[3])
     moving[1].save_model(moving[2], str(Path(folder) / "model"), shard=True)
@@ -233,3 +238,12 @@ def test_replacement_under_zero2_fp16(tmp_path: Path) -> None:
     """fp16 with ``zero_stage: 2`` (which Colossal-AI's MoE plugin runs as ZeRO-1; its loss
     scaler is one value for the world, untouched by a move): the same checks."""
     run_distributed(_check, 4, force_cpu=True, folder=str(tmp_path), run=("fp16", 2))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_replacement_under_zero1_padded_slices(tmp_path: Path) -> None:
+    """EP=2 x DP=3 on 6 ranks: each expert tensor's 512 elements split over a ZeRO group of 3
+    with 1 element of padding, so a moved expert's padded working buffer is rebuilt on the new
+    holder; the same checks."""
+    run_distributed(_check, 6, force_cpu=True, folder=str(tmp_path))
