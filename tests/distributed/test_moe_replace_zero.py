@@ -23,7 +23,9 @@ placement puts both on ep rank 0, the slow one), ``moe.replace_every: 2``. One s
 Expert tensors here have 512 elements, which a moe_dp group of 2 splits without padding (an
 odd count needs an odd hidden size, which rotary attention cannot take); the slow EP=2 x DP=3
 variant (6 ranks) pads each by 1, so a moved expert's padded buffer is rebuilt there. A slow
-fp16 variant runs ``zero_stage: 2`` (which Colossal-AI's MoE plugin runs as ZeRO-1).
+fp16 variant runs ``zero_stage: 2`` (which Colossal-AI's MoE plugin runs as ZeRO-1), and a
+slow one runs test_moe_resume's trainer resume under bf16 ZeRO-1 (the restore moves the experts
+back to the checkpoint's placement through moe/replace_zero.py).
 """
 
 from __future__ import annotations
@@ -247,3 +249,27 @@ def test_replacement_under_zero1_padded_slices(tmp_path: Path) -> None:
     with 1 element of padding, so a moved expert's padded working buffer is rebuilt on the new
     holder; the same checks."""
     run_distributed(_check, 6, force_cpu=True, folder=str(tmp_path))
+
+
+def _check_resume(rank: int, world_size: int, device: torch.device, folder: str) -> None:
+    """test_moe_resume's check (the trainer resumes a re-placing run exactly: losses, learning
+    rates and later decisions bit for bit) with both runs under bf16 ZeRO-1: the restore moves
+    the experts back to the saved placement through moe/replace_zero.py."""
+    from tests.distributed import test_moe_resume as resume
+
+    plain = resume._config
+
+    def zero_config(folder: Path, name: str, resume: bool) -> dict:
+        return {**plain(folder, name, resume), "parallel": ZERO_PARALLEL}
+
+    resume._config = zero_config  # this spawned process only
+    resume._check(rank, world_size, device, folder)
+
+
+ZERO_PARALLEL = {"ep": 2, "zero_stage": 1, "precision": "bf16"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_trainer_resumes_a_zero_run_with_replacement_exactly(tmp_path: Path) -> None:
+    run_distributed(_check_resume, 4, force_cpu=True, folder=str(tmp_path))
