@@ -182,21 +182,35 @@ def _describe(block: Any, expert: int, optim: _View) -> list[Meta]:
                 "group": group_of.get(id(master)),
                 "state": state,
                 "layout": optim.layout(param.numel()),
+                "on_host": [t.device.type == "cpu" for t in _param_tensors(param, optim)],
             }
         )
     return described
 
 
+def _param_tensors(param: nn.Parameter, optim: _View) -> list[torch.Tensor]:
+    """One parameter's tensors as a move sends them: weight, master (if its own), state."""
+    out = [param.data]
+    master = optim.master(param)
+    if master is not param:
+        out.append(master.data)
+    out += [v for v in optim.state(param).values() if isinstance(v, torch.Tensor)]
+    return out
+
+
 def _tensors(block: Any, expert: int, optim: _View) -> list[torch.Tensor]:
-    """The holder's tensors of one expert, in the order :func:`_describe` lists them."""
+    """The holder's tensors of one expert, in the order :func:`_describe` lists them, each on
+    the weight's device: the wire's (an optimizer keeps some state elsewhere, e.g. Adam's
+    ``step`` on the host, which NCCL cannot send)."""
     out = []
     for _, param in block.experts[expert].named_parameters():
-        out.append(param.data)
-        master = optim.master(param)
-        if master is not param:
-            out.append(master.data)
-        out += [v for v in optim.state(param).values() if isinstance(v, torch.Tensor)]
+        out += [t.to(param.device) for t in _param_tensors(param, optim)]
     return out
+
+
+def _wire_device(block: Any) -> torch.device:
+    """This rank's device for a move's transfers: the one its dense router weight lives on."""
+    return block.gate.weight.device
 
 
 def _set_param(module: nn.Module, name: str, value: nn.Parameter | None) -> None:
@@ -238,7 +252,7 @@ def move_experts(
             for tensor in _tensors(blocks[layer], e, optim):
                 pending.append(dist.isend(tensor.contiguous(), peer, group=group, tag=tag))
         elif dst == me:
-            buffers = _receive_buffers(meta[(layer, e)])
+            buffers = _receive_buffers(meta[(layer, e)], _wire_device(blocks[layer]))
             peer = dist.get_global_rank(group, src)
             pending += [dist.irecv(b, peer, group=group, tag=tag) for b in buffers]
             arriving.append((layer, e, buffers))
@@ -248,7 +262,7 @@ def move_experts(
         if src == me:
             _release(blocks[layer], e, optim)
     for layer, e, buffers in arriving:
-        _adopt(blocks[layer], e, meta[(layer, e)], buffers, optim)
+        _adopt(blocks[layer], e, meta[(layer, e)], _settle(meta[(layer, e)], buffers), optim)
     optim.finish()
     for layer, block in enumerate(blocks):
         block.index_placement(new[layer])
@@ -263,14 +277,22 @@ def _view(optimizer: Any) -> _View:
     return ZeroExperts(optimizer) if is_zero(optimizer) else _Optimizer(optimizer)
 
 
-def _receive_buffers(described: list[Meta]) -> list[torch.Tensor]:
+def _receive_buffers(described: list[Meta], wire: torch.device) -> list[torch.Tensor]:
+    """Empty tensors for one expert's arriving tensors, on ``wire`` (the sender sends them
+    from its weight's device); :func:`_settle` moves host-kept ones back after the wait."""
     buffers = []
     for param in described:
         shapes = [(param["shape"], param["dtype"])]
         shapes += [] if param["master"] is None else [param["master"]]
         shapes += [tuple(rest) for kind, *rest in param["state"].values() if kind == "tensor"]
-        buffers += [torch.empty(shape, dtype=getattr(torch, dtype)) for shape, dtype in shapes]
+        buffers += [torch.empty(shape, dtype=getattr(torch, d), device=wire) for shape, d in shapes]
     return buffers
+
+
+def _settle(described: list[Meta], buffers: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Arrived tensors on the device kind the old holder kept each on (host or the wire's)."""
+    on_host = [flag for param in described for flag in param["on_host"]]
+    return [b.cpu() if host else b for b, host in zip(buffers, on_host, strict=True)]
 
 
 def _release(block: Any, expert: int, optim: _View) -> None:
