@@ -67,8 +67,10 @@ class MoeConfig:
     replace_every: int = 0
     """Speed-aware re-placement: every this many steps, place the experts again from the
     router's measured loads and the ranks' speeds (cluster.devices), moving expert weights and
-    optimizer state between steps. 0: never (the placement stays fixed). Needs
-    parallel.zero_stage 0 (any precision: fp32, or bf16/fp16 with their fp32 masters)."""
+    optimizer state between steps. 0: never (the placement stays fixed). Runs at every
+    parallel.zero_stage (0: fp32, bf16 or fp16; 1 and 2: bf16 or fp16, ZeRO's master slices
+    move too); not with parallel.tp > 1. With moe.packing the decision also counts the packed
+    a2a sends (measured routing and costs)."""
 
     max_experts_per_rank: int = 0
     """Most experts one expert-parallel rank may hold after a re-placement; 0: twice the even

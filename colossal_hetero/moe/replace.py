@@ -415,7 +415,7 @@ class ExpertReplacer:
 def build_replacer(
     config: Any, model: nn.Module, optimizer: Any, reducers: dict[str, Any], folder: Any, rank: int
 ) -> ExpertReplacer:
-    """The plugin's replacer for ``moe.replace_every > 0`` (checked: zero_stage 0)."""
+    """The plugin's replacer for ``moe.replace_every > 0`` (any zero_stage; tp 1: checked)."""
     from colossal_hetero.moe.block import HeteroEPMixtralSparseMoeBlock
 
     blocks = [m for m in model.modules() if isinstance(m, HeteroEPMixtralSparseMoeBlock)]
