@@ -6,6 +6,7 @@ import types
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from colossal_hetero.config.schema import DeviceKind
 
@@ -40,6 +41,25 @@ def backend_for_kind(kind: DeviceKind) -> str | None:
     """The backend a configured ``cluster.device`` kind will use (see ``backend_for``), or
     None for auto (known only at run time, from the devices found)."""
     return {"cuda": "nccl", "cpu": "gloo"}.get(kind)
+
+
+def accelerator_device() -> torch.device:
+    """This process's current CUDA device (the one :func:`bind_device` made current)."""
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def backend_needs_accelerator(backend: str) -> bool:
+    """Whether a group of ``backend`` (``dist.get_backend``'s string) takes device tensors only:
+    NCCL alone does; gloo and a mixed ``cpu:gloo,cuda:nccl`` group take host tensors."""
+    return str(backend).lower() == "nccl"
+
+
+def collective_device(group: Any = None) -> torch.device:
+    """The device a collective on ``group`` (None: the world) needs its tensors on: the
+    current accelerator for an NCCL group, the host otherwise."""
+    if backend_needs_accelerator(dist.get_backend(group)):
+        return accelerator_device()
+    return torch.device("cpu")
 
 
 def no_accelerator_env() -> dict[str, str]:
