@@ -64,6 +64,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from colossal_hetero.checkpoint.io import HeteroCheckpointIO
+from colossal_hetero.utils.collectives import all_gather_anywhere
 
 FORMAT = "colossal_hetero.moe_optimizer.v1"
 OPTIMIZER_FILE = "moe_optimizer.pt"
@@ -250,8 +251,7 @@ class MoeCheckpointIO(HeteroCheckpointIO):
             return value
         _require_1d(working)
         if is_distributed_tensor(working):
-            parts = [torch.empty_like(value) for _ in range(self.tp_size)]
-            dist.all_gather(parts, value.contiguous(), group=self.tp_group)
+            parts = all_gather_anywhere(value, self.tp_group)
             value = torch.cat(parts, dim=get_shard_dim_1d(working))
         if is_padded_tensor(working):  # a padded vocabulary: the HF rows only
             dim, length, _ = _padding(working)
@@ -411,8 +411,7 @@ def _zero_full(optimizer: Any, param: Any, value: Any) -> Any:
         return value
     working = optimizer.get_master_to_working_map()[id(param)]
     group = optimizer.param_to_pg[working]
-    parts = [torch.empty_like(value) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, value.contiguous(), group=group)
+    parts = all_gather_anywhere(value, group)
     return torch.cat(parts)[: working.numel()].view(working.shape)
 
 

@@ -37,6 +37,7 @@ from colossalai.tensor.d_tensor import is_distributed_tensor
 from torch.distributed import ProcessGroup
 
 from colossal_hetero.moe.scheduler import ChunkedGradReducer
+from colossal_hetero.utils.collectives import all_reduce_anywhere
 
 Pairs = Sequence[tuple[torch.Tensor, torch.Tensor]]
 """(working parameter, gradient) pairs, as the wrappers pass them to ``_compute_grad_norm``."""
@@ -71,11 +72,11 @@ def ep_grad_norm(
     if math.isinf(norm_type):
         local = max((float(g.detach().abs().max()) for g in kept if g.numel()), default=0.0)
         total = torch.tensor([local], dtype=torch.float64, device=device)
-        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+        all_reduce_anywhere(total, dist.ReduceOp.MAX, group)
         return float(total)
     local = sum(float(g.detach().double().norm(norm_type) ** norm_type) for g in kept)
     total = torch.tensor([local], dtype=torch.float64, device=device)
-    dist.all_reduce(total, group=group)
+    all_reduce_anywhere(total, group=group)
     return float(total) ** (1.0 / norm_type)
 
 

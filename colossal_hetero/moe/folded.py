@@ -74,9 +74,9 @@ def header_fits(row_bytes: int, device_sizes: Sequence[int]) -> bool:
     return 4 * max(device_sizes) <= row_bytes
 
 
-def _header(counts: torch.Tensor, row_bytes: int) -> torch.Tensor:
-    row = torch.zeros(1, row_bytes, dtype=torch.uint8)
-    raw = counts.to(torch.int32).contiguous().view(torch.uint8)
+def _header(counts: torch.Tensor, row_bytes: int, device: torch.device) -> torch.Tensor:
+    row = torch.zeros(1, row_bytes, dtype=torch.uint8, device=device)  # the payload's device
+    raw = counts.to(device=device, dtype=torch.int32).contiguous().view(torch.uint8)
     row[0, : raw.numel()] = raw
     return row
 
@@ -88,7 +88,7 @@ def _pack(
     send = [int(c.sum()) for c in counts]
     parts, start = [], 0
     for c, n, cap in zip(counts, send, caps, strict=True):
-        parts.append(_header(c, rows.shape[1]))
+        parts.append(_header(c, rows.shape[1], rows.device))
         kept = rows[start : start + min(n, cap)]
         parts.append(kept)
         if cap > kept.shape[0]:

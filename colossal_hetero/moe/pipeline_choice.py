@@ -50,6 +50,7 @@ from colossal_hetero.moe.pipeline_model import (
     choose_ranges,
     step_measurements,
 )
+from colossal_hetero.utils.collectives import all_reduce_anywhere
 
 DECIDE_AFTER = 2
 """The step after which the choice is made (steps 1..DECIDE_AFTER are measured)."""
@@ -106,7 +107,7 @@ class PipelineChooser:
         rows = max(getattr(b, "dispatched_rows", 0) for b in self.blocks)
         values = [*(mine or [0.0] * 4), float(rows), float(bool(mine))]
         agreed = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        all_reduce_anywhere(agreed, dist.ReduceOp.MAX)
         alpha, per_byte, fwd, bwd, rows_max, any_sample = agreed.tolist()
         if not any_sample or rows_max == 0:
             if step < GIVE_UP_AFTER:
@@ -136,7 +137,7 @@ class PipelineChooser:
         proposed = self.proposal["ranges"]
         medians = [statistics.median(self.trial_s[proposed]), statistics.median(self.trial_s[1])]
         agreed = torch.tensor(medians, dtype=torch.float64)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+        all_reduce_anywhere(agreed, dist.ReduceOp.MAX)  # the slowest rank sets the pace
         proposed_s, one_s = agreed.tolist()
         kept = proposed_s < (1.0 - MIN_GAIN) * one_s  # the model's own margin, measured
         trial = {"steps": TRIAL_STEPS, "proposed_s": proposed_s, "one_range_s": one_s}

@@ -37,6 +37,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from colossal_hetero.utils.collectives import all_gather_anywhere
+from colossal_hetero.utils.device import collective_device, synchronize
+
 SIZES = (16384, 262144, 1048576)
 """Probe sizes (bytes): the smallest chunk (fixed cost), two bandwidth-bound ones (slope)."""
 SMALL_REPEATS = 3
@@ -57,7 +60,8 @@ def _sample_all_reduce(
 ) -> list[list[float]]:
     """Per size, timings (s) of one all-reduce on ``group``, interleaved: ``repeats`` rounds,
     each timing the smallest size :data:`SMALL_REPEATS` times and every other size once."""
-    bufs = [torch.zeros(max(1, n // 4), dtype=torch.float32) for n in sizes]
+    device = collective_device(group)
+    bufs = [torch.zeros(max(1, n // 4), dtype=torch.float32, device=device) for n in sizes]
     for buf in bufs:
         dist.all_reduce(buf, group=group)  # warm the connections
     times: list[list[float]] = [[] for _ in sizes]
@@ -67,6 +71,7 @@ def _sample_all_reduce(
                 dist.barrier(group=group)
                 start = time.perf_counter()
                 dist.all_reduce(buf, group=group)
+                synchronize(device)  # an accelerator's collective ends after its launch
                 row.append(time.perf_counter() - start)
     return times
 
@@ -105,9 +110,7 @@ def profile_groups(groups: Sequence[ProcessGroup], repeats: int = 7) -> list[tup
     measured = [
         lower_quartile(row) for g in groups for row in _sample_all_reduce(g, SIZES, repeats)
     ]
-    mine = torch.tensor(measured, dtype=torch.float64)
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, mine)
+    gathered = all_gather_anywhere(torch.tensor(measured, dtype=torch.float64))
     values = agree_times([t.tolist() for t in gathered])
     n = len(SIZES)
     return [fit_alpha_beta(SIZES, values[n * i : n * i + n]) for i in range(len(groups))]

@@ -57,6 +57,7 @@ from colossal_hetero.moe.replace_policy import (
     ep_speeds,
 )
 from colossal_hetero.moe.replace_zero import ZeroExperts, is_zero
+from colossal_hetero.utils.collectives import all_reduce_anywhere
 
 Meta = dict[str, Any]
 
@@ -358,7 +359,7 @@ class ExpertReplacer:
         if self.every < 1 or (step + 1) % self.every:
             return
         loads = self.meter.take().to(torch.float64)
-        dist.all_reduce(loads)  # the one agreement: identical loads, so identical decisions
+        all_reduce_anywhere(loads)  # the one agreement: identical loads, so identical decisions
         current = [block.placement for block in self.blocks]
         args = (self.speeds, self.capacity, current, self.min_gain)
         if self.packing is not None:  # identical histogram and agreed costs: same decision
@@ -377,7 +378,7 @@ class ExpertReplacer:
         the loads counted since the last decision, summed over the world (one all-reduce;
         integer counts, so the sum is exact in any order)."""
         loads = self.meter.counts.clone()
-        dist.all_reduce(loads)
+        all_reduce_anywhere(loads)
         state = {"placements": [list(b.placement.device_of) for b in self.blocks], "loads": loads}
         if self.packing is not None:  # the routing histogram too (moe.packing)
             state["routing"] = self.packing.state()

@@ -53,6 +53,7 @@ from colossal_hetero.moe.replace_policy import (
     decide_packing_placements,
     decide_placements,
 )
+from colossal_hetero.utils.collectives import all_gather_anywhere, all_reduce_anywhere
 
 MAX_SUBSETS = 4096
 """Most top-k sets per layer (C(E, k)) the routing histogram keeps; beyond: compute objective."""
@@ -137,11 +138,10 @@ class PackingMeter:
         """The decision (collective: one all-reduce and one all-gather); ``loads`` the world's
         loads for the compute-objective fallback. Resets the histogram and the measurements."""
         counts, self.counts = self.counts, torch.zeros_like(self.counts)
-        dist.all_reduce(counts)
+        all_reduce_anywhere(counts)
         mine = torch.tensor(self.measured, dtype=torch.float64)
         self.measured = [0.0, 0.0, 0.0]
-        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, mine)
+        gathered = all_gather_anywhere(mine)
         block = self.blocks[0]
         itemsize = next(block.gate.parameters()).element_size()
         width = -(-self.experts // self.ep)
@@ -163,7 +163,7 @@ class PackingMeter:
     def state(self) -> torch.Tensor:
         """The histogram counted since the last decision, summed over the world (collective)."""
         counts = self.counts.clone()
-        dist.all_reduce(counts)
+        all_reduce_anywhere(counts)
         return counts
 
     def restore(self, counts: torch.Tensor) -> None:

@@ -62,6 +62,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from colossal_hetero.moe.chunks import Chunk, plan_chunks
+from colossal_hetero.utils.collectives import broadcast_anywhere
 
 
 @dataclass(slots=True)
@@ -448,7 +449,7 @@ class ChunkedGradReducer:
         learnt = torch.tensor(
             [walk, [phase_of.get(i, last) for i in range(count)]], dtype=torch.int64
         )
-        dist.broadcast(learnt, src=dist.get_global_rank(self._group, 0), group=self._group)
+        broadcast_anywhere(learnt, dist.get_global_rank(self._group, 0), self._group)
         order, phases = learnt.tolist()
         chunks = plan_chunks(
             [p.numel() for p in self._params],

@@ -36,6 +36,7 @@ from colossal_hetero.pipeline.profile import (
 )
 from colossal_hetero.pipeline.schedule import KFKBSchedule
 from colossal_hetero.pipeline.tuner import PipelineProfile, choose_k_over_window
+from colossal_hetero.utils.device import collective_device
 
 
 class AdaKController:
@@ -130,7 +131,8 @@ class AdaKController:
             return record
         m = self.schedule.num_microbatches
         assert m is not None
-        mine = torch.tensor(self.local_row(m), dtype=torch.float64)
+        wire = collective_device(self.group)
+        mine = torch.tensor(self.local_row(m), dtype=torch.float64, device=wire)
         rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
         work = dist.all_gather(rows, mine, group=self.group, async_op=True)
         assert work is not None

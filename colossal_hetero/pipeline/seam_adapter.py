@@ -32,6 +32,7 @@ from colossal_hetero.pipeline.measured import MeasuredGuard
 from colossal_hetero.pipeline.schedule import KFKBSchedule
 from colossal_hetero.pipeline.tuner import stage_of_rank
 from colossal_hetero.pipeline.validate import budget_bytes, check_budget
+from colossal_hetero.utils.collectives import all_reduce_anywhere
 from colossal_hetero.utils.device import available_memory_bytes
 
 DETECTED_BUDGET_SHARE = 0.5
@@ -78,7 +79,7 @@ class AdaKSeamController:
             return
         if not self._checked:
             largest = torch.tensor([float(stats.activation_bytes)], dtype=torch.float64)
-            dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.controller.group)
+            all_reduce_anywhere(largest, dist.ReduceOp.MAX, self.controller.group)
             self._checked = True
             check_budget(self.config, float(largest.item()))
         record = self.controller.after_step(step)
