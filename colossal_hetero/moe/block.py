@@ -33,6 +33,7 @@ from colossalai.tensor.moe_tensor.api import set_moe_tensor_ep_group
 from torch.distributed import ProcessGroup
 
 from colossal_hetero.moe.comm import MoeComm, Span
+from colossal_hetero.moe.expert_ffn import PendingA2a, fusable, run_experts
 from colossal_hetero.moe.folded import PairHistory, folded_dispatch, header_fits
 from colossal_hetero.moe.packed import packed_exchange
 from colossal_hetero.moe.pipelined import pipelined_exchange
@@ -60,13 +61,18 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, send: list[int], recv: list[int], block: Any) -> Any:
         ctx.send, ctx.recv, ctx.block = send, recv, block
+        block.dispatch_counts = (send, recv)
         return _all_to_all(x, send, recv, block.ep_group, block.comm)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         block = ctx.block
-        try:
-            out = _all_to_all(grad, ctx.recv, ctx.send, block.ep_group, block.comm)
+        pending, block.pending_reverse = block.pending_reverse, None
+        try:  # the experts' node may have launched this a2a already (moe/expert_ffn.py)
+            if pending is not None:
+                out = pending.wait()
+            else:
+                out = _all_to_all(grad, ctx.recv, ctx.send, block.ep_group, block.comm)
         finally:
             span = block.backward_spans.pop() if block.backward_spans else None
             if span is not None:
@@ -82,6 +88,7 @@ class _FoldedDispatch(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, counts: torch.Tensor, block: Any) -> Any:
         received, peer_counts, send, recv = folded_dispatch(block, x, counts, block.fold_history)
         ctx.send, ctx.recv, ctx.block = send, recv, block
+        block.dispatch_counts = (send, recv)
         ctx.mark_non_differentiable(peer_counts)
         return received, peer_counts
 
@@ -117,6 +124,9 @@ class HeteroEPMixtralSparseMoeBlock(EPMixtralSparseMoeBlock):
     dispatched_rows: int = 0  # rows the last training forward dispatched (pipeline_choice.py)
     fold_counts: bool = True  # the routing counts inside the dispatch a2a (folded.py)
     fold_history: PairHistory | None = None
+    fuse_experts: bool = True  # the experts' node overlapping the dispatch's backward a2a
+    pending_reverse: PendingA2a | None = None  # the dispatch's backward a2a, launched early
+    dispatch_counts: tuple[list[int], list[int]] = ([], [])  # the last dispatch's (send, recv)
 
     @staticmethod
     def from_native_module(  # type: ignore[override]
@@ -276,19 +286,28 @@ class HeteroEPMixtralSparseMoeBlock(EPMixtralSparseMoeBlock):
             received = _Dispatch.apply(dispatch, send, recv, self)
         if history is not None:
             history.record(send, recv)
-        pieces = received.split(peer_counts.tolist())
+        if self.fuse_experts and fusable(self):  # weight grads overlap the reverse dispatch
+            sizes = peer_counts.tolist()
+            expert_out = run_experts(self, received, sizes, *self.dispatch_counts)
+        else:
+            expert_out = self._plain_experts(received, peer_counts.tolist())
+        back = _Combine.apply(expert_out, recv, send, self)
+        restore = torch.empty_like(order)
+        restore[order] = torch.arange(order.numel(), device=order.device)
+        return back[restore]
+
+    def _plain_experts(self, received: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """The held experts' outputs piece by piece through their own modules (tensor-parallel
+        experts; :func:`.expert_ffn.fusable` says when the fused node applies instead)."""
+        local = len(self.held)
         outputs = []
-        for index, piece in enumerate(pieces):
+        for index, piece in enumerate(received.split(sizes)):
             if piece.shape[0] == 0:
                 continue
             expert = self.experts[self.held[index % local]]
             outputs.append(expert.w2(expert.act_fn(expert.w1(piece)) * expert.w3(piece)))
         # No rows here: the empty received tensor stands in, so both backward a2a's still run.
-        expert_out = torch.cat(outputs) if outputs else received
-        back = _Combine.apply(expert_out, recv, send, self)
-        restore = torch.empty_like(order)
-        restore[order] = torch.arange(order.numel(), device=order.device)
-        return back[restore]
+        return torch.cat(outputs) if outputs else received
 
 
 def _all_to_all_counts(

@@ -82,6 +82,12 @@ class CommEvent:
         issue, and the call starts on the wire only then (the gate opened before)."""
         self.t_launch = time.perf_counter()
 
+    def finished(self) -> None:
+        """Stamp the end now, if not stamped yet: called when an asynchronous call's transfer
+        completes (its future's callback, moe/expert_ffn.py), which can be before it is waited."""
+        if self.t_done is None:
+            self.t_done = time.perf_counter()
+
 
 @dataclass(slots=True)
 class Span:
@@ -171,7 +177,8 @@ class MoeComm:
         try:
             yield event
         finally:
-            event.t_done = time.perf_counter()
+            event.finished()
+            assert event.t_done is not None
             self._calls.append((event.t_launch, event.t_done))
             if self.fit:
                 gap = self.gaps.gap_after(len(self._calls) - 1)
