@@ -49,7 +49,7 @@ from torch import nn
 
 from colossal_hetero.metrics.decisions import DecisionWriter
 from colossal_hetero.moe.placement import Placement
-from colossal_hetero.moe.replace_packing import PackingMeter
+from colossal_hetero.moe.replace_packing import PackingMeter, routed_choices
 from colossal_hetero.moe.replace_policy import (
     MIN_GAIN,
     decide_placements,
@@ -75,11 +75,10 @@ class ExpertLoadMeter:
     def _hook(self, layer: int) -> Any:
         def count(module: nn.Module, inputs: Any, logits: torch.Tensor) -> None:
             block = self.blocks[layer]
-            if not (block.training and torch.is_grad_enabled()):
-                return  # validation does not steer placement
-            with torch.no_grad():
-                chosen = logits.topk(block.top_k, dim=-1).indices.reshape(-1).cpu()
-                self.counts[layer] += torch.bincount(chosen, minlength=block.num_experts)
+            chosen = routed_choices(block, logits)
+            if chosen is not None:
+                loads = torch.bincount(chosen.reshape(-1), minlength=block.num_experts)
+                self.counts[layer] += loads
 
         return count
 

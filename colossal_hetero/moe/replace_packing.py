@@ -89,6 +89,16 @@ def agree_costs(
     return PackingCosts(expert / rows, min(per_byte), hidden, itemsize, ep, width)
 
 
+def routed_choices(block: Any, logits: torch.Tensor) -> torch.Tensor | None:
+    """The experts each token of a training forward chose, ``[tokens, top_k]`` on the host,
+    from the gate's ``logits``; None in validation or under no_grad (neither steers placement).
+    The routing both re-placement meters count (here and moe/replace.py)."""
+    if not (block.training and torch.is_grad_enabled()):
+        return None
+    with torch.no_grad():
+        return logits.topk(block.top_k, dim=-1).indices.cpu()
+
+
 class PackingMeter:
     """Routing histogram and measured costs for the packing-aware decision (see the module)."""
 
@@ -110,11 +120,10 @@ class PackingMeter:
     def _hook(self, layer: int) -> Any:
         def count(module: nn.Module, inputs: Any, logits: torch.Tensor) -> None:
             block = self.blocks[layer]
-            if not (block.training and torch.is_grad_enabled()):
-                return  # validation does not steer placement
-            with torch.no_grad():
-                chosen = logits.topk(self.k, dim=-1).indices.cpu().numpy()
-            index = torch.from_numpy(subset_index(chosen, self.experts))
+            chosen = routed_choices(block, logits)
+            if chosen is None:
+                return
+            index = torch.from_numpy(subset_index(chosen.numpy(), self.experts))
             row = self.counts[layer, block.ep_rank]
             row += torch.bincount(index, minlength=self.sets)
 

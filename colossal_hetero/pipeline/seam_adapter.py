@@ -11,7 +11,7 @@ Link time is measured online (``KFKBSchedule.last_record``'s per-message timesta
 
 Memory budget: ``parallel.pp_memory_budget_mib`` when set; otherwise detected on each rank as
 ``DETECTED_BUDGET_SHARE`` of what it could still allocate after the model and optimizer were
-built (``utils.device.available_memory_bytes``: free device memory on CUDA, this rank's share
+built (``utils.device.available_memory_bytes``: free accelerator memory, this rank's share
 of the host's available memory on CPU). Ranks may detect different budgets; the controller's
 gather takes each stage's smallest, so the decision is still the same everywhere.
 """

@@ -40,8 +40,6 @@ STEPS_BEFORE, STEPS_AFTER = 2, 2
 def _build(  # type: ignore[no-untyped-def]
     placement: list | None = None, seed: int = 0, zero: int = 0, precision: str = "fp32"
 ):
-    from colossalai.booster import Booster
-
     from colossal_hetero.config.moe import MoeConfig
     from colossal_hetero.config.parallel import ParallelConfig
     from colossal_hetero.config.schema import HeteroConfig, PlanConfig
@@ -55,8 +53,18 @@ def _build(  # type: ignore[no-untyped-def]
         plan=PlanConfig(mode="even"),
     )
     plugin = HeteroParallelPlugin(config)
-    model = _model()
-    if seed:  # other starting weights: a load that misses a tensor shows
+    booster, model, optimizer = boost_perturbed(plugin, _model(), seed)
+    blocks = [m for m in model.modules() if isinstance(m, HeteroEPMixtralSparseMoeBlock)]
+    return plugin, booster, model, optimizer, blocks
+
+
+def boost_perturbed(plugin, model, seed: int):  # type: ignore[no-untyped-def]
+    """(booster, model, optimizer): ``model`` with AdamW at lr 1e-2 boosted by ``plugin``; with
+    a ``seed``, other starting weights first (noise added), so that a load missing a tensor
+    shows."""
+    from colossalai.booster import Booster
+
+    if seed:
         torch.manual_seed(seed)
         with torch.no_grad():
             for p in model.parameters():
@@ -64,8 +72,7 @@ def _build(  # type: ignore[no-untyped-def]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     booster = Booster(plugin=plugin)
     model, optimizer, *_ = booster.boost(model, optimizer)
-    blocks = [m for m in model.modules() if isinstance(m, HeteroEPMixtralSparseMoeBlock)]
-    return plugin, booster, model, optimizer, blocks
+    return booster, model, optimizer
 
 
 def _batches(world_size: int) -> list[torch.Tensor]:

@@ -159,13 +159,7 @@ def _check_precision(rank: int, world_size: int, precision: str) -> None:
     losses: list[list[float]] = [[], []]
     for _ in range(4):
         batch = torch.randint(0, 256, (world_size * PER_RANK, SEQ), generator=generator)
-        ids = batch.split(PER_RANK)[rank]
-        for run, out in zip((fixed, moving), losses, strict=True):
-            loss = run[1](input_ids=ids, labels=ids).loss
-            run[2].backward(loss)
-            run[2].step()
-            run[2].zero_grad()
-            out.append(float(loss))
+        step_both(fixed, moving, batch.split(PER_RANK)[rank], losses)
     assert len(moves) == 1, len(moves)  # after step 1; step 3's decision keeps the placement
     before, reference, after = moves[0]
     _assert_same(before, reference, "up to the move the two runs are one computation")
@@ -184,6 +178,17 @@ def _check_precision(rank: int, world_size: int, precision: str) -> None:
         assert abs(got - want) <= tol, (precision, losses, tol)
     for plugin, *_ in (fixed, moving):
         plugin.close()
+
+
+def step_both(fixed, moving, ids: torch.Tensor, losses: list[list[float]]) -> None:  # type: ignore[no-untyped-def]
+    """One training step of each run (``(plugin, model, optimizer, ...)``) on ``ids``; each
+    run's loss appended to its list in ``losses``."""
+    for run, out in zip((fixed, moving), losses, strict=True):
+        loss = run[1](input_ids=ids, labels=ids).loss
+        run[2].backward(loss)
+        run[2].step()
+        run[2].zero_grad()
+        out.append(float(loss))
 
 
 def _watch(moving, fixed, moves: list) -> None:  # type: ignore[no-untyped-def]

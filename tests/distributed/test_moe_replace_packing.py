@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
 from tests.distributed.test_moe_plugin import K_MAX, LAYERS, PER_RANK, SEQ, _gates, _model
-from tests.distributed.test_moe_replace import _compare_state, _watch
+from tests.distributed.test_moe_replace import _compare_state, _watch, step_both
 from tests.tolerances import chain_atol, transformer_depth
 
 PAIRS = torch.tensor([[8.0, 0.0, 8.0, 0.0], [0.0, 8.0, 0.0, 8.0]])  # even / odd tokens
@@ -94,12 +94,7 @@ def _check(rank: int, world_size: int, device: torch.device) -> None:
     for _ in range(4):
         batch = torch.randint(0, 256, (world_size * PER_RANK, SEQ), generator=generator)
         ids = batch.split(PER_RANK)[rank]
-        for run, out in zip((fixed, moving), losses, strict=True):
-            loss = run[1](input_ids=ids, labels=ids).loss
-            run[2].backward(loss)
-            run[2].step()
-            run[2].zero_grad()
-            out.append(float(loss))
+        step_both(fixed, moving, ids, losses)
         counters.append(_counters(moving[3]))
     records = moving[0].moe_replacer.writer.records
     everyone: list = [None] * world_size

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
+from tests.distributed.test_moe_checkpoint import _train
 from tests.distributed.test_moe_plugin import EXPERTS, LAYERS, PER_RANK, SEQ, _gates, _model
 
 SPEEDS = [0.5, 1.0]
@@ -128,19 +129,6 @@ def _watch(run, moves: list) -> None:  # type: ignore[no-untyped-def]
             moves.append((before, _snapshot(run)))
 
     replacer.on_step_end = watched
-
-
-def _train(run, batches: list[torch.Tensor], rank: int) -> list[float]:  # type: ignore[no-untyped-def]
-    _, booster, model, optimizer, _ = run
-    losses = []
-    for batch in batches:
-        ids = batch.split(PER_RANK)[rank]
-        loss = model(input_ids=ids, labels=ids).loss
-        booster.backward(loss, optimizer)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(float(loss))
-    return losses
 
 
 def _check_bookkeeping(run) -> list[list[str]]:  # type: ignore[no-untyped-def]

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
+from tests.distributed.test_moe_checkpoint import boost_perturbed
 from tests.distributed.test_moe_plugin import K_MAX, LAYERS, PER_RANK, SEQ
 from tests.distributed.test_moe_plugin import _model as _model_256
 from tests.tolerances import chain_atol, transformer_depth
@@ -57,8 +58,6 @@ def _model(vocab: int = 256):  # type: ignore[no-untyped-def]
 
 
 def _build(tp: int, seed: int = 0, precision: str = "fp32", vocab: int = 256):  # type: ignore[no-untyped-def]
-    from colossalai.booster import Booster
-
     from colossal_hetero.config.moe import MoeConfig
     from colossal_hetero.config.parallel import ParallelConfig
     from colossal_hetero.config.schema import HeteroConfig
@@ -67,15 +66,7 @@ def _build(tp: int, seed: int = 0, precision: str = "fp32", vocab: int = 256):  
     parallel = ParallelConfig(ep=2, tp=tp, precision=precision)  # type: ignore[arg-type]
     config = HeteroConfig(parallel=parallel, moe=MoeConfig(chunk_kib=1))
     plugin = HeteroParallelPlugin(config)
-    model = _model(vocab)
-    if seed:  # other starting weights: a load that misses a tensor shows
-        torch.manual_seed(seed)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn_like(p))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    booster = Booster(plugin=plugin)
-    model, optimizer, *_ = booster.boost(model, optimizer)
+    booster, model, optimizer = boost_perturbed(plugin, _model(vocab), seed)
     return plugin, booster, model, optimizer
 
 
