@@ -66,6 +66,13 @@ class AdaKController:
         guard: checks the simulator's choice against the step times measured at each ``k``
             (:class:`~colossal_hetero.pipeline.measured.MeasuredGuard`: refuted switches,
             exploration of neighbours); None follows the simulator alone.
+        start_free: the first retuning takes the fastest predicted ``k`` (ties within float
+            rounding to the smaller), without ``min_gain`` or ``sticky``: both are hysteresis
+            against flapping between the tuner's own choices, and the ``k`` the first measured
+            step ran is the configured start (``parallel.pp_k``), not one. With them, the bench's
+            idle PP=2 x TP=2 (a) kept its start ``k = 1`` where the simulator put ``k = 2``
+            0.2-1.6% ahead (sessions 11-12); static ``k = 2`` ran faster than ``k = 1`` in 4
+            of 6 such runs (sessions 9-12, median of the runs' medians 1.04x).
     """
 
     def __init__(
@@ -82,6 +89,7 @@ class AdaKController:
         overlap: bool = False,
         early: bool = False,
         guard: MeasuredGuard | None = None,
+        start_free: bool = False,
     ) -> None:
         if period < 1:
             raise ValueError(f"period: retune every >= 1 steps, got {period}")
@@ -96,6 +104,7 @@ class AdaKController:
         self.memory_budget_bytes = memory_budget_bytes
         self.latency_s, self.group, self.min_gain = latency_s, group, min_gain
         self.sticky, self.overlap, self.guard = sticky, overlap, guard
+        self.start_free = start_free
         self._retunings = 0
         self._pending: tuple[dist.Work, list[torch.Tensor], torch.Tensor, int, int] | None = None
         """With ``overlap``: the gather in flight, its rows, its row (kept alive until the
@@ -174,9 +183,11 @@ class AdaKController:
         profile = agreed_profile(gathered, self.stage_of_rank, num_stages, m, records)
         self._profiles.append(profile)  # identical on every rank: so is the window
         window = list(self._profiles)
-        current = self.schedule.k if self.sticky else None
+        free = self.start_free and self._retunings == 0  # the running k is the start k
+        current = self.schedule.k if self.sticky and not free else None
+        min_gain = 1e-9 if free else self.min_gain
         decision = choose_k_over_window(
-            window, m, min_gain=self.min_gain, cache=self._cache, current_k=current
+            window, m, min_gain=min_gain, cache=self._cache, current_k=current
         )
         self._cache = {key: t for key, t in self._cache.items() if key[0] in window}
         previous = self.schedule.k

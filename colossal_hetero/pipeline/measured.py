@@ -26,7 +26,17 @@ retuning, in this order:
    the memory budget, has no recent measurement and is predicted within ``explore`` of the
    running ``k`` (the simulator cannot tell them apart) runs for one period (the one predicted
    faster; the smaller on a tie). It costs at most one period per neighbour every ``memory``
-   retunings, at a ``k`` predicted at most ``explore`` slower.
+   retunings, at a ``k`` predicted at most ``explore`` slower. It waits until the running ``k``
+   has run ``settle`` retunings in a row under comparable conditions (its *streak*).
+
+**A settled time per k** (``settle``): what the guard keeps of the running ``k`` is the median of
+its streak's last ``settle`` step times, not its last step. Rule 1 judged an exploration from
+one step against one step, each with 5-10% of noise, under a 10% margin: sessions 10-12 explored
+20 times and kept none, while each exploration cost a period at a ``k`` predicted up to
+``explore`` slower; 7 of them ran at an engine's first or second retuning, against a base
+measured once (the first step of a fresh engine, or one under other conditions, which rule 1
+can never find comparable). With ``settle = 3`` the base is the median of three steps (one
+stray step of the host does not set it) and no exploration runs before it exists.
 
 **Conditions the simulator saw** (``latest``, optional: each ``k``'s predicted seconds from the
 newest step's profile alone): a measurement also keeps, as it is taken, the prediction of its
@@ -44,6 +54,7 @@ running one (tried: on PP=2 x TP=2 a tenant costs 15-30%, within any ratio that 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -68,10 +79,20 @@ class MeasuredGuard:
     profile or None) of its last measurement."""
     explored_from: int | None = None
     """The ``k`` an exploration left, until rule 1 has judged it."""
+    settle: int = 1
+    """Retunings in a row the running ``k`` runs before rule 3 explores; its kept time is the
+    median of its last ``settle`` comparable ones (1: the last step alone)."""
+    streak: list[tuple[float, float | None]] = field(default_factory=list)
+    """The running ``k``'s consecutive comparable measurements (seconds, prediction of it from
+    its own step's profile), oldest first, at most ``settle``."""
+    streak_k: int | None = None
+    """The ``k`` of ``streak``."""
 
     def __post_init__(self) -> None:
         if self.margin < 0 or self.explore < 0:
             raise ValueError("margin, explore: fractions must be >= 0")
+        if self.settle < 1:
+            raise ValueError(f"settle: must be >= 1 retunings, got {self.settle}")
         if self.memory < 2:  # rule 1 compares with the retuning before
             raise ValueError(f"memory: must be >= 2 retunings, got {self.memory}")
         if self.comparable < 1 or self.conditions < 1:
@@ -90,39 +111,39 @@ class MeasuredGuard:
     ) -> tuple[int, str]:
         """The ``k`` for the next period and the rule that chose it.
 
-        ``running`` ran the step measured (``measured_s`` seconds), ``proposed`` is the
-        simulator's choice and ``predicted`` its time for every candidate that fits memory
-        (summed over the window). ``latest``: each ``k``'s predicted seconds from the measured
-        step's profile alone (conditions, see the module doc); None skips that check.
+        ``running`` ran the step measured (``measured_s`` seconds; the rules use its settled
+        time, the median of its streak), ``proposed`` is the simulator's choice and
+        ``predicted`` its time for every candidate that fits memory (summed over the window).
+        ``latest``: each ``k``'s predicted seconds from the measured step's profile alone
+        (conditions, see the module doc); None skips that check.
         Reasons: ``"explored-kept"``, ``"explored-back"`` (rule 1), ``"refuted"`` (rule 2),
         ``"explore"`` (rule 3), ``"model"`` (the simulator's switch), ``"kept"``.
         """
         latest = latest or {}
-        self.times[running] = (index, measured_s, latest.get(running))
+        steady = self._settled(running, measured_s, latest.get(running))
+        self.times[running] = (index, steady, latest.get(running))
         recent = {k: s for k, (i, s, _) in self.times.items() if index - i < self.memory}
         comparable = {
             k: s
             for k, s in recent.items()
             if k in predicted
-            and _within(s, measured_s, self.comparable)
+            and _within(s, steady, self.comparable)
             and self._same_conditions(k, latest)
         }
         if self.explored_from is not None:
             base, self.explored_from = self.explored_from, None
-            if base in predicted and measured_s >= comparable.get(base, 0.0) * (1 - self.margin):
+            if base in predicted and steady >= comparable.get(base, 0.0) * (1 - self.margin):
                 return base, "explored-back"
-            return self._refute(
-                running, measured_s, proposed, comparable, predicted, "explored-kept"
-            )
+            return self._refute(running, steady, proposed, comparable, predicted, "explored-kept")
         if proposed != running:
-            return self._refute(running, measured_s, proposed, comparable, predicted, "model")
+            return self._refute(running, steady, proposed, comparable, predicted, "model")
         limit = predicted[running] * (1 + self.explore)
         options = [
             k
             for k in (running - 1, running + 1)
             if k in predicted and k not in recent and predicted[k] <= limit
         ]
-        if not options:
+        if not options or len(self.streak) < self.settle:
             return running, "kept"
         k = min(options, key=lambda c: (predicted[c], c))
         self.explored_from = running
@@ -149,6 +170,21 @@ class MeasuredGuard:
         if slower and running in predicted:
             return running, "explored-kept" if reason == "explored-kept" else "refuted"
         return proposed, "model"
+
+    def _settled(self, running: int, measured_s: float, own: float | None) -> float:
+        """Add this measurement to the running ``k``'s streak (a new streak when ``k`` changed
+        or the step is not comparable with the streak's last: ratio ``comparable``, own
+        predictions ``conditions``); the median of the streak."""
+        if self.streak_k == running and self.streak:
+            last_s, last_own = self.streak[-1]
+            same = _within(last_s, measured_s, self.comparable) and (
+                last_own is None or own is None or _within(last_own, own, self.conditions)
+            )
+        else:
+            same = False
+        kept = self.streak[1 - self.settle :] if same and self.settle > 1 else []
+        self.streak, self.streak_k = [*kept, (measured_s, own)], running
+        return statistics.median(s for s, _ in self.streak)
 
     def _same_conditions(self, k: int, latest: Mapping[int, float]) -> bool:
         """Whether ``k``'s measurement was taken under the conditions of the newest profile:

@@ -48,6 +48,9 @@ period (``MeasuredGuard.explore``): predicted from a profile measured at another
 at k = 3 put k = 2 within 12% of it, where k = 2 ran 10-15% faster."""
 MEMORY = 8
 """Retunings a measured step time stays recent (``MeasuredGuard.memory``)."""
+SETTLE = 3
+"""Retunings in a row at the running k before a neighbour is explored, and how many of its step
+times the guard's median takes (``MeasuredGuard.settle``)."""
 MEASURED_MARGIN = 0.10
 """Measured step times closer than this do not overrule the simulator (``MeasuredGuard.margin``):
 on the shared 2-core host one k's steps moved 5-10% round to round."""
@@ -132,7 +135,9 @@ def install_schedule(engine: Any, config: HeteroConfig, rank: int) -> AdaKSeamCo
         # Decided before the next step's first pass: k changes one step after the step it
         # was measured on, not two (that step waits for the gather's rest, if any).
         early=True,
-        guard=MeasuredGuard(margin=MEASURED_MARGIN, explore=EXPLORE, memory=MEMORY),
+        guard=MeasuredGuard(margin=MEASURED_MARGIN, explore=EXPLORE, memory=MEMORY, settle=SETTLE),
+        # The first retuning picks the fastest prediction: the start k was not chosen.
+        start_free=True,
     )
     return AdaKSeamController(controller, config)
 

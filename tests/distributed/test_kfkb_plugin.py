@@ -32,8 +32,8 @@ M = 4  # micro-batches per step, of 2 samples each
 STEPS = 3
 MESSAGE_BYTES = 2 * 16 * 32 * 4  # one activation message: [2, 16, 32] fp32 hidden states
 # A modelled link that takes 0.2 s per activation message (emulation model mode): the link
-# sets the pace, and the tuner's 1F1B (about 1 s predicted) beats k=4 (about 1.6 s) by far more
-# than any compute jitter of milliseconds on a busy machine.
+# sets the pace, and the tuner's 1F1B and k=2 (about 1.5 s predicted) beat k=4 (about 1.9 s) by
+# far more than any compute jitter of milliseconds on a busy machine.
 LINK_S = 0.2
 SLOW_GBPS = MESSAGE_BYTES * 8 / LINK_S / 1e9
 
@@ -76,9 +76,14 @@ def _check_ada_records(plugin: HeteroParallelPlugin, rank: int, folder: Path) ->
     records = control.log.records
     assert [r["step"] for r in records] == [1]  # period 2 over 3 steps: after step 1 only
     record = records[0]
-    assert record["decision"] == {"k": 1, "previous_k": 4}, record
+    # The first retuning takes the fastest prediction (start_free): k = 1 or 2 (within ~2% of
+    # each other here, so which one follows the measured compute), far ahead of the start 4.
+    by_k = {int(k): t for k, t in record["predicted_s_by_k"].items()}
+    chosen = record["decision"]["k"]
+    assert chosen == min(by_k, key=lambda k: (by_k[k], k)) and chosen < 4, record
+    assert record["decision"]["previous_k"] == 4 and by_k[chosen] < 0.9 * by_k[4], record
     schedule = plugin.engine.scheduler
-    assert schedule.k == 1
+    assert schedule.k == chosen
     inputs = record["inputs"]
     assert all(t > 0 for t in (*inputs["forward_s"], *inputs["backward_s"]))  # measured
     # The link time measured from both ends' timestamps is the modelled one: later by sleep
@@ -87,7 +92,7 @@ def _check_ada_records(plugin: HeteroParallelPlugin, rank: int, folder: Path) ->
     assert inputs["activation_bytes"][rank] >= schedule.last_stats.activation_bytes
     seen = [torch.zeros(1) for _ in range(2)]
     dist.all_gather(seen, torch.tensor([float(schedule.k)]))
-    assert [int(x) for x in seen] == [1, 1]
+    assert [int(x) for x in seen] == [chosen, chosen]
     lines = (folder / f"pipeline_rank{rank}.jsonl").read_text().splitlines()
     assert [json.loads(line) for line in lines] == records
 
@@ -124,7 +129,7 @@ def _two_ranks(rank, world_size, device, folder: str):
         _check_ada_records(plugin, rank, Path(folder))
     finally:
         plugin.close()
-    _assert_equal_run(got, reference, f"ada_kfkb rank {rank}")  # k went 4, 4, 1
+    _assert_equal_run(got, reference, f"ada_kfkb rank {rank}")  # k went 4, 4, then 1 or 2
 
     tiny = ParallelConfig(
         pp=2, num_microbatches=M, pp_schedule="ada_kfkb", pp_memory_budget_mib=1e-6

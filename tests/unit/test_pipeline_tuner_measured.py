@@ -146,3 +146,47 @@ def test_a_measurement_under_conditions_the_profile_saw_change_is_not_compared()
     assert guard.choose(1, 2, 1.122, 2, window, first) == (3, "explore")
     near = {1: 1.06, 2: 1.05, 3: 1.04}
     assert guard.choose(2, 3, 0.902, 3, window, near) == (3, "explored-kept")
+
+
+def _settling() -> MeasuredGuard:
+    return MeasuredGuard(margin=0.10, explore=0.15, memory=8, settle=3)
+
+
+def test_no_exploration_before_the_running_k_has_settled():
+    # settle 1 (the old guard): k = 2 is explored at the first retuning, from one step.
+    assert _guard().choose(0, 3, 300.0, 3, AT_K3) == (2, "explore")
+    guard = _settling()
+    assert guard.choose(0, 3, 300.0, 3, AT_K3) == (3, "kept")
+    assert guard.choose(1, 3, 310.0, 3, AT_K3) == (3, "kept")
+    # Third step at k = 3 in a row, comparable: k = 2 runs one period.
+    assert guard.choose(2, 3, 290.0, 3, AT_K3) == (2, "explore")
+    assert guard.times[3] == (2, 300.0, None)  # the median of 300, 310, 290
+
+
+def test_a_change_of_conditions_restarts_the_streak():
+    guard = _settling()
+    assert guard.choose(0, 3, 300.0, 3, AT_K3) == (3, "kept")
+    assert guard.choose(1, 3, 300.0, 3, AT_K3) == (3, "kept")
+    # A tenant: 600 / 300 = 2 >= 1.25, a new streak of one step (its own time, not a median).
+    assert guard.choose(2, 3, 600.0, 3, AT_K3) == (3, "kept")
+    assert guard.times[3] == (2, 600.0, None)
+    assert guard.choose(3, 3, 620.0, 3, AT_K3) == (3, "kept")
+    assert guard.choose(4, 3, 610.0, 3, AT_K3) == (2, "explore")
+    # Its own prediction moving beyond ``conditions`` (1.15) restarts it too.
+    guard = _settling()
+    for index in range(2):
+        assert guard.choose(index, 3, 300.0, 3, AT_K3, {3: 267.0}) == (3, "kept")
+    assert guard.choose(2, 3, 300.0, 3, AT_K3, {3: 320.0}) == (3, "kept")  # 320 / 267 = 1.2
+
+
+def test_an_exploration_is_judged_against_the_settled_median():
+    # k = 3 ran 300, 300 and one stray 250 (the host let it run alone): the median is 300.
+    # The explored k = 2 at 265 is 11.7% faster than 300, beyond the margin: kept. Judged
+    # against the last step alone (250) it would go back: 265 >= 0.9 * 250.
+    guard = _settling()
+    for index, seconds in enumerate((300.0, 300.0)):
+        assert guard.choose(index, 3, seconds, 3, AT_K3) == (3, "kept")
+    assert guard.choose(2, 3, 250.0, 3, AT_K3) == (2, "explore")
+    assert guard.choose(3, 2, 265.0, 3, AT_K2) == (2, "explored-kept")
+    with pytest.raises(ValueError, match="^settle:"):
+        MeasuredGuard(0.1, 0.15, settle=0)
