@@ -33,6 +33,7 @@ from colossalai.tensor.moe_tensor.api import set_moe_tensor_ep_group
 from torch.distributed import ProcessGroup
 
 from colossal_hetero.moe.comm import MoeComm, Span
+from colossal_hetero.moe.exchange import Route, held_exchange
 from colossal_hetero.moe.expert_ffn import PendingA2a, fusable, run_experts
 from colossal_hetero.moe.folded import PairHistory, folded_dispatch, header_fits
 from colossal_hetero.moe.packed import packed_exchange
@@ -125,6 +126,7 @@ class HeteroEPMixtralSparseMoeBlock(EPMixtralSparseMoeBlock):
     fold_counts: bool = True  # the routing counts inside the dispatch a2a (folded.py)
     fold_history: PairHistory | None = None
     fuse_experts: bool = True  # the experts' node overlapping the dispatch's backward a2a
+    overlap_own_rows: bool = True  # with fuse_experts: one node for the exchange (exchange.py)
     pending_reverse: PendingA2a | None = None  # the dispatch's backward a2a, launched early
     dispatch_counts: tuple[list[int], list[int]] = ([], [])  # the last dispatch's (send, recv)
 
@@ -215,12 +217,15 @@ class HeteroEPMixtralSparseMoeBlock(EPMixtralSparseMoeBlock):
             return False
         return header_fits(dispatch.shape[1] * dispatch.element_size(), self.device_sizes)
 
-    def mark_idle(self, reached: list[int]) -> None:
+    def mark_idle(self, reached: list[int], learning: bool | None = None) -> None:
         """Tell the reducers which held experts no token reached in this training forward
         (``reached[j]``: rows for held slot ``j``): they get no gradient in the coming
         backward, so their chunks may go before the flush (``MoeComm.idle``). Local; nothing
-        in eval or under no_grad."""
-        if not (self.training and torch.is_grad_enabled()):
+        in eval or under no_grad (``learning``: whether the forward is a training one with
+        gradients, for callers inside an autograd Function's forward, where grad is off)."""
+        if learning is None:
+            learning = self.training and torch.is_grad_enabled()
+        if not learning:
             return
         idle = [
             p
@@ -276,6 +281,27 @@ class HeteroEPMixtralSparseMoeBlock(EPMixtralSparseMoeBlock):
         # dispatch itself once the block has a history (moe/folded.py), else by an a2a first.
         history = self._fold_history()
         folded = history is not None and history.ready and self._may_fold(dispatch)
+        if self.fuse_experts and self.overlap_own_rows and fusable(self):
+            peer = None if folded else _all_to_all_counts(counts, self.device_sizes, local, self)
+            learning = self.training and torch.is_grad_enabled()
+            back = held_exchange(self, dispatch, Route(counts, send, peer, history, learning))
+        else:
+            back = self._exchange_nodes(dispatch, counts, send, folded, history)
+        restore = torch.empty_like(order)
+        restore[order] = torch.arange(order.numel(), device=order.device)
+        return back[restore]
+
+    def _exchange_nodes(
+        self,
+        dispatch: torch.Tensor,
+        counts: torch.Tensor,
+        send: list[int],
+        folded: bool,
+        history: PairHistory | None,
+    ) -> torch.Tensor:
+        """The exchange as separate nodes (dispatch, experts, combine): the rows back in
+        ``dispatch``'s order. Tensor-parallel experts take it, and ``overlap_own_rows`` off."""
+        local = len(self.held)
         if folded:
             received, peer_counts = _FoldedDispatch.apply(dispatch, counts, self)
         else:
@@ -291,10 +317,7 @@ class HeteroEPMixtralSparseMoeBlock(EPMixtralSparseMoeBlock):
             expert_out = run_experts(self, received, sizes, *self.dispatch_counts)
         else:
             expert_out = self._plain_experts(received, peer_counts.tolist())
-        back = _Combine.apply(expert_out, recv, send, self)
-        restore = torch.empty_like(order)
-        restore[order] = torch.arange(order.numel(), device=order.device)
-        return back[restore]
+        return _Combine.apply(expert_out, recv, send, self)
 
     def _plain_experts(self, received: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """The held experts' outputs piece by piece through their own modules (tensor-parallel

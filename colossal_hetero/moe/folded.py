@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,42 +98,92 @@ def _pack(
     return torch.cat(parts), send
 
 
-def folded_dispatch(
+@dataclass
+class FoldedLaunch:
+    """A folded dispatch on the wire (:func:`launch_folded`); :func:`finish_folded` ends it.
+    ``stack`` holds the a2a's gate open until then."""
+
+    block: Any
+    rows: torch.Tensor  # this rank's rows as bytes (kept alive until the transfer ends)
+    payload: torch.Tensor
+    out: torch.Tensor
+    work: Any
+    stack: ExitStack
+    dtype: torch.dtype
+    send: list[int]
+    caps_send: list[int]
+    caps_recv: list[int]
+
+
+def launch_folded(
     block: Any, dispatch: torch.Tensor, counts: torch.Tensor, history: PairHistory
-) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
-    """(received rows, counts per (peer, held expert), send, recv) of one folded dispatch.
+) -> FoldedLaunch:
+    """Issue one folded dispatch a2a asynchronously (inside its gate; see the module).
 
     ``dispatch`` holds this rank's rows sorted by destination slot and ``counts`` the rows
-    per expert slot (``block.device_sizes`` experts per rank, in rank order). No autograd
-    here: the block's :class:`.block._Dispatch`-like function wraps it.
+    per expert slot (``block.device_sizes`` experts per rank, in rank order). Collective on
+    ``block.ep_group`` (one ``all_to_all_single``); no autograd here.
     """
-    ep, local = block.ep_size, len(block.held)
     row_bytes = dispatch.shape[1] * dispatch.element_size()
     rows = dispatch.contiguous().view(torch.uint8)
-    per_peer = list(counts.split(block.device_sizes))
     caps_send = [capacity(h) for h in history.sent]
     caps_recv = [capacity(h) for h in history.got]
-    payload, send = _pack(rows, per_peer, caps_send)
-    out = rows.new_empty(sum(caps_recv) + ep, row_bytes)
+    payload, send = _pack(rows, list(counts.split(block.device_sizes)), caps_send)
+    out = rows.new_empty(sum(caps_recv) + block.ep_size, row_bytes)
     splits_in, splits_out = [c + 1 for c in caps_send], [c + 1 for c in caps_recv]
-    with block.comm.a2a_call(block.ep_group, payload.numel()) as event:
+    stack = ExitStack()
+    event = stack.enter_context(block.comm.a2a_call(block.ep_group, payload.numel()))
+    try:
         work = dist.all_to_all_single(
             out, payload, splits_out, splits_in, group=block.ep_group, async_op=True
         )
-        event.issued()
         assert work is not None
-        work.wait()
-    blocks = out.split(splits_out)
+        event.issued()
+    except BaseException:
+        stack.close()
+        raise
+    try:
+        work.get_future().then(lambda _: event.finished())  # the log holds the transfer alone
+    except RuntimeError:  # a backend without futures: the end as waited
+        pass
+    dtype = dispatch.dtype
+    return FoldedLaunch(block, rows, payload, out, work, stack, dtype, send, caps_send, caps_recv)
+
+
+def finish_folded(
+    launched: FoldedLaunch,
+) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+    """(received rows, counts per (peer, held expert), send, recv) of a launched dispatch:
+    waits for its a2a (closing the gate), then moves the rows beyond the capacities point to
+    point (:func:`_overflow`, collective on the pairs concerned)."""
+    block = launched.block
+    try:
+        launched.work.wait()
+    finally:
+        launched.stack.close()
+    ep, local = block.ep_size, len(block.held)
+    splits_out = [c + 1 for c in launched.caps_recv]
+    blocks = launched.out.split(splits_out)
     got = [b[0, : 4 * local].clone().view(torch.int32).to(torch.long) for b in blocks]
     recv = [int(g.sum()) for g in got]
-    extra = _overflow(block, rows, send, recv, caps_send, caps_recv)
+    send, caps_send, caps_recv = launched.send, launched.caps_send, launched.caps_recv
+    extra = _overflow(block, launched.rows, send, recv, caps_send, caps_recv)
     pieces = []
     for s in range(ep):
         pieces.append(blocks[s][1 : 1 + min(recv[s], caps_recv[s])])
         if s in extra:
             pieces.append(extra[s])
-    received = torch.cat(pieces) if pieces else out[:0]
-    return received.view(dispatch.dtype), torch.cat(got), send, recv
+    received = torch.cat(pieces) if pieces else launched.out[:0]
+    return received.view(launched.dtype), torch.cat(got), send, recv
+
+
+def folded_dispatch(
+    block: Any, dispatch: torch.Tensor, counts: torch.Tensor, history: PairHistory
+) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+    """(received rows, counts per (peer, held expert), send, recv) of one folded dispatch,
+    launched and waited (:func:`launch_folded`, :func:`finish_folded`). No autograd here:
+    the block's :class:`.block._Dispatch`-like function wraps it."""
+    return finish_folded(launch_folded(block, dispatch, counts, history))
 
 
 def _overflow(
