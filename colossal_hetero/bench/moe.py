@@ -61,7 +61,6 @@ RATE_MBIT = {"dedicated": 300.0, "none": 900.0}
 """Link rate per emulation (``bench/moe_devices.py``), for a stock comm fraction of 0.40-0.60:
 ``dedicated`` 0.44-0.49 at 300 Mbit/s (0.31 at 900), ``none`` 0.40-0.44 at 900 (1200: 0.39)."""
 CHUNK_KIB, MAX_INFLIGHT = 512, 2
-CHUNK_SLACK = 0.1  # choose_chunk_bytes: the fewest chunks within 10% of the least cost
 UNLIMITED = 1024  # priority off: every ready chunk goes at once (plain bucketed overlap, DDP-like)
 PIPELINE = 2  # token ranges of the forced a2a/expert pipelining (ours_pipe)
 PIPELINE_MOST = 4  # all on: the cost model picks 1..this many ranges (moe.pipeline_auto)
@@ -128,6 +127,7 @@ def _build_ours(
     emulation: Any,
     stretch: str,
     ep: int = EP,
+    sizing: tuple[float, float] | None = None,
 ) -> tuple[Any, Any, Any, Any]:
     from colossalai.booster import Booster
 
@@ -156,6 +156,11 @@ def _build_ours(
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     booster = Booster(plugin=plugin)
     model, optimizer, *_ = booster.boost(model, optimizer)
+    if sizing is not None:  # chunks of at most chunk_kib, sized over the phase runs
+        from colossal_hetero.moe.wiring import MIN_CHUNK_BYTES
+
+        for reducer in plugin.moe_reducers.values():
+            reducer.size_over_runs(*sizing, MIN_CHUNK_BYTES)
     return booster, model, optimizer, plugin
 
 
@@ -251,9 +256,11 @@ def _measure(
 
     emulation, stretch, clock = devices.emulation, devices.stretch, devices.clock
     counter, timer = devices.counter, devices.timer
-    chunk_kib, profiles = _profiled_chunk_kib()
+    profiles = _profiles()
+    chunk_kib = CHUNK_KIB  # the largest; each group's size is chosen over its phase runs
     # ours first: our plugin installs Colossal-AI's CPU fixes (compat/)
-    ours = _build_variants(chunk_kib, emulation, stretch, skip=QUICK_SKIPS if quick else ())
+    skip = QUICK_SKIPS if quick else ()
+    ours = _build_variants(chunk_kib, emulation, stretch, skip, sizing=profiles[0])
     logs: dict[str, list[tuple[float, list]]] = {name: [] for name in ours}
     stocks = {"stock": _build_stock(device), "stock_ep4": _build_stock(device, EP4)}
     batches = _Batches(rank, world_size)
@@ -353,20 +360,27 @@ def _ours_variant(
 
 
 def _build_variants(
-    chunk_kib: int, emulation: Any, stretch: str, skip: tuple[str, ...]
+    chunk_kib: int,
+    emulation: Any,
+    stretch: str,
+    skip: tuple[str, ...],
+    sizing: tuple[float, float] | None = None,
 ) -> dict[str, tuple[Any, Any, Any, Any]]:
     """Every variant of ours (``VARIANTS`` but ``skip``, then ``EP4_VARIANTS``); those of
-    ``SESSION7`` without session 8's split optimizer step and folded routing counts."""
+    ``SESSION7`` without session 8's split optimizer step and folded routing counts;
+    ``sizing``: the profile every variant's reducers size their chunks from (``_build_ours``)."""
     from colossal_hetero.moe.block import HeteroEPMixtralSparseMoeBlock
 
     ours = {
-        name: _build_ours(chunk_kib, *setting, emulation=emulation, stretch=stretch)
+        name: _build_ours(chunk_kib, *setting, emulation=emulation, stretch=stretch, sizing=sizing)
         for name, setting in VARIANTS.items()
         if name not in skip
     }
     for name, like in EP4_VARIANTS.items():
         setting = VARIANTS[like]
-        ours[name] = _build_ours(chunk_kib, *setting, emulation=emulation, stretch=stretch, ep=EP4)
+        ours[name] = _build_ours(
+            chunk_kib, *setting, emulation=emulation, stretch=stretch, ep=EP4, sizing=sizing
+        )
     for name in set(SESSION7) & set(ours):
         ours[name][3].moe_log.comm.split_step = False
         for block in ours[name][1].modules():
@@ -423,29 +437,17 @@ def _ratios(ran: list[str]) -> dict[str, Callable[[Mapping[str, float]], float]]
     return {name: f for name, f in ratios.items() if needs.get(name, "stock") in ran}
 
 
-def _profiled_chunk_kib() -> tuple[int, list[tuple[float, float]]]:
-    """One chunk size for every variant (so their chunks are the same), from the alpha-beta
-    profile of the world group and an expert group (moe/profile.py, agreed over the world):
-    ``choose_chunk_bytes`` (moe/chunks.py) over the dense bf16 gradient with the world group's
-    profile, 16 KiB to ``CHUNK_KIB``; each gradient group then evens it out. Collective."""
-    from colossal_hetero.moe.chunks import choose_chunk_bytes
+def _profiles() -> list[tuple[float, float]]:
+    """The alpha-beta profiles (moe/profile.py, agreed over the world) of the world group and
+    an expert group. Every variant of ours sizes both its gradient groups' chunks from the
+    world group's (``ChunkedGradReducer.size_over_runs``: the size whose plan over the group's
+    phase runs costs least, judged by the chunks that plan makes, 16 KiB to ``CHUNK_KIB``), so
+    their chunks are the same; the expert group's is reported. Collective."""
     from colossal_hetero.moe.profile import profile_groups
-    from colossal_hetero.moe.wiring import MIN_CHUNK_BYTES, gradient_groups
+    from colossal_hetero.moe.wiring import gradient_groups
 
     dense, expert = gradient_groups(dist.get_world_size(), EP)
-    profiles = profile_groups([dense, expert])
-    with torch.random.fork_rng():  # _model() seeds the global generator
-        model = _model()
-    dense_bytes = 2 * sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n)
-    size = choose_chunk_bytes(
-        dense_bytes,
-        *profiles[0],
-        itemsize=2,
-        slack=CHUNK_SLACK,
-        min_bytes=MIN_CHUNK_BYTES,
-        max_bytes=CHUNK_KIB * 1024,
-    )
-    return size // 1024, profiles
+    return profile_groups([dense, expert])
 
 
 def _chunking(plugin: Any) -> dict[str, Any]:

@@ -28,8 +28,10 @@ class MoeConfig:
     chunk_auto: bool = False
     """false: chunks of chunk_kib. true: each gradient group's chunk size comes from the
     alpha-beta profile of its all-reduce, measured at boost time (agreed over the world): the
-    fewest equal chunks whose predicted cost, the a2a's wait for one chunk included, is within
-    10% of the least, from 16 KiB to chunk_kib (docs/moe.md, "Chunk size")."""
+    fewest chunks whose predicted cost, the a2a's wait for the largest chunk included, is
+    within 10% of the least, from 16 KiB to chunk_kib, counted as the plan over the group's
+    phase runs really cuts them (re-chosen when the dense order is learnt; docs/moe.md, "Chunk
+    size")."""
 
     pipeline_chunks: int = 1
     """a2a/expert pipelining: each MoE block's dispatch and combine all-to-alls are cut into

@@ -259,3 +259,98 @@ def even_chunk_bytes(total_bytes: int, size: int, itemsize: int, min_count: int 
     elements = max(1, -(-total_bytes // itemsize))
     count = min(elements, max(min_count, total_bytes // size))
     return -(-elements // count) * itemsize
+
+
+def choose_run_chunk_bytes(
+    numels: Sequence[int],
+    dtypes: Sequence[torch.dtype],
+    alpha_s: float,
+    beta_bytes_per_s: float,
+    *,
+    order: Sequence[int] | None = None,
+    phases: Sequence[int] | None = None,
+    waits: float = 1.0,
+    slack: float = 0.1,
+    min_bytes: int = 1,
+    max_bytes: int,
+) -> int:
+    """Chunk size for :func:`plan_chunks` over these parameters, ``order`` and ``phases``,
+    judged by the chunks that plan really makes (pure).
+
+    :func:`choose_chunk_bytes` prices ``count`` even chunks of the whole gradient; a plan with
+    phases cuts each phase run apart and may join a small one to the next, so a size makes
+    other counts and chunk sizes than it priced (``bench moe``: 2 chunks priced, 3 made). Here
+    each candidate size is planned and priced as :func:`chunking_cost` prices a plan: every
+    chunk pays ``alpha``, the bytes ``1 / beta``, and ``waits`` a2a's per step wait for the
+    largest chunk. Of the sizes within ``slack`` of the least cost, the plan with the fewest
+    chunks wins, then the larger size. Candidates, within ``[min_bytes, max_bytes]``: ``max_bytes``,
+    every even cut ``ceil(bytes / n)`` of each phase run and of the whole gradient, and the
+    sizes past which consecutive runs count as small (:data:`SMALL_PHASE`) and join the next.
+    ValueError for a non-positive profile or bounds.
+    """
+    if alpha_s < 0 or beta_bytes_per_s <= 0 or waits < 0 or slack < 0:
+        raise ValueError("choose_run_chunk_bytes: need alpha, waits, slack >= 0 and beta > 0")
+    if min_bytes <= 0 or max_bytes < min_bytes:
+        raise ValueError(f"choose_run_chunk_bytes: bounds [{min_bytes}, {max_bytes}]")
+    total = sum(n * d.itemsize for n, d in zip(numels, dtypes, strict=True))
+    if total == 0:
+        return max_bytes
+    walk = list(reversed(range(len(numels)))) if order is None else list(order)
+    labels = list(phases) if phases is not None else [0] * len(numels)
+    sizes = _candidate_sizes(numels, dtypes, walk, labels, min_bytes, max_bytes)
+    priced = [
+        (_plan_cost(numels, dtypes, size, walk, labels, alpha_s, beta_bytes_per_s, waits), size)
+        for size in sorted(sizes)
+    ]
+    least = min(cost for (cost, _), _ in priced)
+    fits = [(count, -size) for (cost, count), size in priced if cost <= (1 + slack) * least]
+    return -min(fits)[1]
+
+
+def _candidate_sizes(
+    numels: Sequence[int],
+    dtypes: Sequence[torch.dtype],
+    walk: Sequence[int],
+    labels: Sequence[int],
+    min_bytes: int,
+    max_bytes: int,
+) -> set[int]:
+    """The sizes :func:`choose_run_chunk_bytes` prices (see there), in whole elements."""
+    unit = max(d.itemsize for d in dtypes)
+    total = sum(n * d.itemsize for n, d in zip(numels, dtypes, strict=True))
+    runs = [
+        sum(numels[i] * dtypes[i].itemsize for i in run)
+        for run in phase_runs(numels, dtypes, 1, walk, labels)
+    ]
+    # Where a plan can change: even cuts of a run or of everything, and the sizes above which
+    # consecutive runs together count as small (they then join the next phase).
+    cuts = [-(-whole // n) for whole in [total, *runs] for n in range(1, whole // min_bytes + 1)]
+    joins = [
+        int(sum(runs[i : j + 1]) / SMALL_PHASE) + 1
+        for i in range(len(runs))
+        for j in range(i, len(runs))
+    ]
+    sizes = {max_bytes}
+    for size in cuts + joins:
+        size = -(-size // unit) * unit  # whole elements
+        if min_bytes <= size <= max_bytes:
+            sizes.add(size)
+    return sizes
+
+
+def _plan_cost(
+    numels: Sequence[int],
+    dtypes: Sequence[torch.dtype],
+    size: int,
+    walk: Sequence[int],
+    labels: Sequence[int],
+    alpha_s: float,
+    beta: float,
+    waits: float,
+) -> tuple[float, int]:
+    """(cost, chunk count) of :func:`plan_chunks` at ``size`` (see
+    :func:`choose_run_chunk_bytes`)."""
+    chunks = plan_chunks(numels, dtypes, size, walk, labels)
+    sizes = [c.numel * c.dtype.itemsize for c in chunks]
+    cost = len(sizes) * alpha_s + sum(sizes) / beta + waits * (alpha_s + max(sizes) / beta)
+    return cost, len(sizes)

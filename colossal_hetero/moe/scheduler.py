@@ -61,7 +61,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from colossal_hetero.moe.chunks import Chunk, plan_chunks
+from colossal_hetero.moe.chunks import Chunk, choose_run_chunk_bytes, plan_chunks
 from colossal_hetero.utils.collectives import broadcast_anywhere
 
 
@@ -125,7 +125,8 @@ class ChunkedGradReducer:
             raise ValueError("ChunkedGradReducer: group is required (None means the world group)")
         if max_inflight is not None and max_inflight < 1:
             raise ValueError(f"moe.max_inflight must be >= 1 or None, got {max_inflight}")
-        self._chunk_bytes = chunk_bytes  # kept for rebind
+        self._chunk_bytes = chunk_bytes  # kept for rebind; the largest with size_over_runs
+        self._runs_profile: tuple[float, float, int] | None = None  # size_over_runs
         # Distinct trainable parameters, in the given order (a repeat would hook twice).
         self._params = list({id(p): p for p in params if p.requires_grad}.values())
         self._learn_order = self._learn = learn_order
@@ -165,11 +166,45 @@ class ChunkedGradReducer:
     def _default_chunks(self) -> tuple[Chunk, ...]:
         """The chunks before any order is learnt: default walk, ``phases``' labels if given."""
         labels = None if self._phase_of is None else list(self._phase_of(self._params))
-        return plan_chunks(
-            [p.numel() for p in self._params],
-            [p.dtype for p in self._params],
-            self._chunk_bytes,
-            phases=labels,
+        numels, dtypes = [p.numel() for p in self._params], [p.dtype for p in self._params]
+        size = self._size_for(numels, dtypes, None, labels)
+        return plan_chunks(numels, dtypes, size, phases=labels)
+
+    def size_over_runs(self, alpha_s: float, beta_bytes_per_s: float, min_bytes: int) -> None:
+        """From now on, size the chunks by :func:`.chunks.choose_run_chunk_bytes` with this
+        profile (the sizes its plans over the phase runs really make; at most the reducer's
+        ``chunk_bytes``, at least ``min_bytes``): now for the default plan, again when the
+        order is learnt. Between steps, before the first backward or after a flush."""
+        if self._inflight or self.touched:
+            raise RuntimeError("ChunkedGradReducer.size_over_runs: between steps only")
+        if alpha_s < 0 or beta_bytes_per_s <= 0:
+            raise ValueError("ChunkedGradReducer.size_over_runs: need alpha >= 0 and beta > 0")
+        self._runs_profile = (alpha_s, beta_bytes_per_s, min(min_bytes, self._chunk_bytes))
+        if self._order is None:
+            self._plan(self._default_chunks())
+            self._reset()
+
+    def _size_for(
+        self,
+        numels: list[int],
+        dtypes: list[torch.dtype],
+        order: list[int] | None,
+        phases: list[int] | None,
+    ) -> int:
+        """The chunk size for a plan: ``chunk_bytes``, or chosen over the runs
+        (:meth:`size_over_runs`)."""
+        if self._runs_profile is None or not numels:
+            return self._chunk_bytes
+        alpha, beta, least = self._runs_profile
+        return choose_run_chunk_bytes(
+            numels,
+            dtypes,
+            alpha,
+            beta,
+            order=order,
+            phases=phases,
+            min_bytes=least,
+            max_bytes=self._chunk_bytes,
         )
 
     def _reset(self) -> None:
@@ -451,13 +486,9 @@ class ChunkedGradReducer:
         )
         broadcast_anywhere(learnt, dist.get_global_rank(self._group, 0), self._group)
         order, phases = learnt.tolist()
-        chunks = plan_chunks(
-            [p.numel() for p in self._params],
-            [p.dtype for p in self._params],
-            self._chunk_bytes,
-            order,
-            phases,
-        )
+        numels, dtypes = [p.numel() for p in self._params], [p.dtype for p in self._params]
+        size = self._size_for(numels, dtypes, order, phases)
+        chunks = plan_chunks(numels, dtypes, size, order, phases)
         self._order = order
         self._plan(chunks)
         self._missing = [0] * len(chunks)

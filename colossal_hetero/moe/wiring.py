@@ -9,13 +9,15 @@ The reducers then run on the step seam:
   data-parallel ranks (with ``parallel.tp > 1``: per tp index, each tp shard over the ranks
   holding the same shard), in fixed chunks, on process groups of their own (never the a2a's);
   each group's all-reduce cost is profiled once (moe/profile.py) to predict chunk times and,
-  with ``moe.chunk_auto``, to size the chunks (:func:`chosen_chunk_bytes`: the rule
-  of moe/chunks.py's ``choose_chunk_bytes`` per group, at most ``moe.chunk_kib``, the one
-  ``bench moe`` uses); a given size is evened out over the group's gradient (``max(1, total
-  // size)`` equal chunks, so no small tail chunk pays a whole all-reduce latency); for the
-  dense group without expert replicas at least ``MIN_CHUNKS``, each at least
-  ``MIN_CHUNK_BYTES``; the dense chunks follow the order
-  backward produced the gradients in, agreed in the first flush (``learn_order``,
+  with ``moe.chunk_auto``, to size the chunks (``ChunkedGradReducer.size_over_runs``, as
+  ``bench moe`` does: the size, at most ``moe.chunk_kib``, judged by the chunks its plan over
+  the group's phase runs makes, re-chosen once the dense order is learnt; for the dense group
+  without expert replicas :func:`chosen_chunk_bytes`, the rule of moe/chunks.py's
+  ``choose_chunk_bytes`` over the whole gradient, with at least ``MIN_CHUNKS``); a given
+  size is evened out over the group's gradient (``max(1, total // size)`` equal chunks, so no
+  small tail chunk pays a whole all-reduce latency); for the dense group without expert
+  replicas at least ``MIN_CHUNKS``, each at least ``MIN_CHUNK_BYTES``; the dense chunks follow
+  the order backward produced the gradients in, agreed in the first flush (``learn_order``,
   moe/scheduler.py), and break where an a2a came between two gradients; the expert chunks
   break between MoE layers (:func:`expert_layers`), so no chunk waits for a later layer;
 - the boosted optimizer's ``step`` first flushes both reducers, so every gradient is reduced
@@ -159,11 +161,7 @@ def install_reducers(
         strict=True,
     ):
         alone = name == "dense" and dist.get_world_size(expert_group) == 1  # no expert traffic
-        least = MIN_CHUNKS if alone else 1
-        if moe.chunk_auto:  # the same rule as bench moe's one size
-            size = chosen_chunk_bytes(group_params, profile, moe.chunk_bytes, least)
-        else:
-            size = _evened(group_params, moe.chunk_bytes, least)
+        size = _group_chunk_bytes(moe, group_params, profile, alone)
         learn = name == "dense"  # experts: their layer is their phase, known up front
         reducers[name] = ChunkedGradReducer(
             group_params,
@@ -174,6 +172,8 @@ def install_reducers(
             **common,
         )
         reducers[name].set_profile(*profile)
+        if moe.chunk_auto and not alone:  # judged by the chunks the phase runs make
+            reducers[name].size_over_runs(*profile, min(MIN_CHUNK_BYTES, moe.chunk_bytes))
     syncing = _sync_flag(model)
     for reducer in reducers.values():
         reducer.syncing = syncing
@@ -183,6 +183,20 @@ def install_reducers(
             install_ep_grad_norm(optimizer, reducers, *norm_groups(world, tp))
         optimizer.step = flush_then_step(optimizer, optimizer.step, comm)
     return reducers
+
+
+def _group_chunk_bytes(
+    moe: Any, params: list[nn.Parameter], profile: tuple[float, float], alone: bool
+) -> int:
+    """A gradient group's chunk size: ``moe.chunk_bytes`` evened out; with ``chunk_auto`` the
+    largest, for ``size_over_runs`` to choose below, or (the dense group without expert
+    traffic, ``alone``) :func:`chosen_chunk_bytes` in at least ``MIN_CHUNKS`` chunks."""
+    least = MIN_CHUNKS if alone else 1
+    if moe.chunk_auto and not alone:
+        return int(moe.chunk_bytes)
+    if moe.chunk_auto:
+        return chosen_chunk_bytes(params, profile, moe.chunk_bytes, least)
+    return _evened(params, moe.chunk_bytes, least)
 
 
 def expert_layers(blocks: list[Any]) -> Callable[[Sequence[nn.Parameter]], list[int]]:

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from colossal_hetero.moe.chunks import choose_run_chunk_bytes, plan_chunks
 from colossal_hetero.moe.scheduler import ChunkedGradReducer, Event
 from tests.dist_utils import run_distributed
 
@@ -262,6 +263,43 @@ def _learn_case(rank: int, group, gated: bool) -> None:  # type: ignore[no-untyp
     reducer.remove()
 
 
+def _sized_case(rank: int, group) -> None:  # type: ignore[no-untyped-def]
+    """``size_over_runs``: the default plan and the plan learnt at the first flush (the gated
+    case's phases, b | c a) take ``choose_run_chunk_bytes``' size for this profile, at most the
+    reducer's 96 bytes (here 6 chunks of 72 bytes after learning, where 96 makes 5); the
+    gradients still equal a plain all-reduce."""
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(rank + 5))
+    model = _Chain()
+    params = list(model.parameters())
+    numels, dtypes = [p.numel() for p in params], [p.dtype for p in params]
+    reducer = ChunkedGradReducer(params, group, 96, None, False, learn_order=True)
+    profile = (1e-6, 1e6)
+    reducer.size_over_runs(*profile, 16)
+
+    def layout() -> list[list[tuple[int, int, int]]]:
+        return [[(s.param, s.start, s.stop) for s in c.segments] for c in reducer.chunks]
+
+    def planned(order, phases):  # type: ignore[no-untyped-def]
+        size = choose_run_chunk_bytes(
+            numels, dtypes, *profile, order=order, phases=phases, min_bytes=16, max_bytes=96
+        )
+        chunks = plan_chunks(numels, dtypes, size, order, phases)
+        return [[(s.param, s.start, s.stop) for s in c.segments] for c in chunks]
+
+    assert layout() == planned(None, None)
+    reference = _Chain()
+    reference(x, rank).backward()
+    model(x, rank, lambda y: _A2aInBackward.apply(y, reducer)).backward()
+    reducer.flush()
+    for p, ref in zip(model.parameters(), reference.parameters(), strict=True):
+        dist.all_reduce(ref.grad, group=group)
+        assert torch.equal(p.grad, ref.grad)
+    learnt = planned([1, 2, 0], [1, 0, 1])
+    assert layout() == learnt and len(learnt) == 6
+    assert len(plan_chunks(numels, dtypes, 96, [1, 2, 0], [1, 0, 1])) == 5
+    reducer.remove()
+
+
 def _check(rank: int, world_size: int, device: torch.device) -> None:
     timeout = timedelta(seconds=60)
     group = dist.new_group([0, 1], timeout=timeout)
@@ -270,6 +308,7 @@ def _check(rank: int, world_size: int, device: torch.device) -> None:
     _gate_check(rank, group, a2a_group)
     _window_check(rank, group, a2a_group)
     _learn_check(rank, group)
+    _sized_case(rank, group)
     with pytest.raises(ValueError, match="different process group"):
         ChunkedGradReducer(list(_ToyMoE().parameters()), group, 40).a2a(group).__enter__()
 
