@@ -157,42 +157,23 @@ def _budget_from(runner: Runner, spec: dict[str, Any]) -> float:
 
 
 def _build_set(
-    spec: dict[str, Any],
-    split: str,
-    device: torch.device,
-    shared: dict[str, Runner],
-    stretch: Stretch | None = None,
+    spec: dict[str, Any], split: str, device: torch.device, shared: dict[str, Runner]
 ) -> dict[str, Runner]:
     """The variants of one split (those in ``shared`` as they are); ada last, with a budget from
-    the k=1 variant's measurement. Each new variant runs one unrecorded warm step (lazy
-    initialisation, first allocations); with ``stretch`` (phase (c)'s set) its blocks are
-    stretched first and the warm step runs on the phase's devices: ada's first retuning
-    decides from that step, as a user's slow device is slow from the first step (it ran at
-    full speed before: the first decision saw equal devices)."""
+    the k=1 variant's measurement."""
     model_cfg, configs = build_configs(spec, split, device)
     runners = dict(shared)
     ada_config = configs.pop("ada")
     configs = {name: config for name, config in configs.items() if name not in shared}
-
-    def warm(runner: Runner) -> Runner:
-        if stretch is not None:
-            stretch.attach(runner.blocks)
-            runner.stretch = stretch
-            stretch.enabled = True
-        try:
-            runner.step(seed=WARM_SEED)
-        finally:
-            if stretch is not None:
-                stretch.enabled = False
-        return runner
-
     for name, plugin in build_plugins(configs, device, workload_of(spec)).items():
-        runners[name] = warm(Runner(name, plugin, model_cfg, spec))
+        runners[name] = Runner(name, plugin, model_cfg, spec)
+        runners[name].step(seed=WARM_SEED)  # warm: lazy initialisation, first allocations
     budget = _budget_from(runners["k1"], spec)
     assert isinstance(ada_config, HeteroConfig)
     ada_config = build_configs(spec, split, device, ada_budget_mib=budget)[1]["ada"]
     plugin = build_plugins({"ada": ada_config}, device, workload_of(spec))["ada"]
-    runners["ada"] = warm(Runner("ada", plugin, model_cfg, spec))
+    runners["ada"] = Runner("ada", plugin, model_cfg, spec)
+    runners["ada"].step(seed=WARM_SEED)
     runners["ada"].budget_mib = budget  # type: ignore[attr-defined]
     return runners
 
@@ -312,9 +293,9 @@ def _slow_set(
     shared = {"stock": stock, "planned_1f1b": tried[trial.best]}
     if spec.get("even_k1", True):
         shared["k1_even"] = equal["k1"]
-    slow = _build_set(slow_spec, "slow", device, shared, stretch)
+    slow = _build_set(slow_spec, "slow", device, shared)
     for runner in slow.values():
-        if runner.stretch is None:  # k1_even (the equal set's); the others have theirs
+        if runner.stretch is None:  # stock and the tried splits have theirs
             stretch.attach(runner.blocks)
             runner.stretch = stretch
     measured["stage_widths"] = stage_widths(slow["planned_1f1b"])
