@@ -297,7 +297,7 @@ def choose_run_chunk_bytes(
         return max_bytes
     walk = list(reversed(range(len(numels)))) if order is None else list(order)
     labels = list(phases) if phases is not None else [0] * len(numels)
-    sizes = _candidate_sizes(numels, dtypes, walk, labels, min_bytes, max_bytes)
+    sizes = _candidate_sizes(numels, dtypes, walk, labels, total, (min_bytes, max_bytes))
     priced = [
         (_plan_cost(numels, dtypes, size, walk, labels, alpha_s, beta_bytes_per_s, waits), size)
         for size in sorted(sizes)
@@ -312,12 +312,13 @@ def _candidate_sizes(
     dtypes: Sequence[torch.dtype],
     walk: Sequence[int],
     labels: Sequence[int],
-    min_bytes: int,
-    max_bytes: int,
+    total: int,
+    bounds: tuple[int, int],
 ) -> set[int]:
-    """The sizes :func:`choose_run_chunk_bytes` prices (see there), in whole elements."""
+    """The sizes :func:`choose_run_chunk_bytes` prices (see there), in whole elements, within
+    ``bounds`` (least, most bytes); ``total``: the gradient's bytes."""
+    min_bytes, max_bytes = bounds
     unit = max(d.itemsize for d in dtypes)
-    total = sum(n * d.itemsize for n, d in zip(numels, dtypes, strict=True))
     runs = [
         sum(numels[i] * dtypes[i].itemsize for i in run)
         for run in phase_runs(numels, dtypes, 1, walk, labels)

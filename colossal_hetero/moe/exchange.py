@@ -37,9 +37,9 @@ import torch
 
 from colossal_hetero.moe.expert_ffn import (
     PendingA2a,
-    _piece_forward,
-    _piece_input_grad,
     launch,
+    piece_forward,
+    piece_input_grad,
 )
 from colossal_hetero.moe.folded import FoldedLaunch, finish_folded, launch_folded
 
@@ -89,19 +89,23 @@ def _own_rows(block: Any, dispatch: torch.Tensor, route: Route) -> tuple[torch.T
 def _run_pieces(
     rows: torch.Tensor, sizes: Sequence[int], weights: Sequence[torch.Tensor]
 ) -> list[tuple[torch.Tensor, ...] | None]:
-    """Per held expert ``j``, ``_piece_forward`` of its ``sizes[j]`` rows (None: no rows)."""
+    """Per held expert ``j``, ``piece_forward`` of its ``sizes[j]`` rows (None: no rows)."""
     out: list[tuple[torch.Tensor, ...] | None] = []
     for j, piece in enumerate(rows.split(list(sizes))):
-        out.append(_piece_forward(piece, *weights[3 * j : 3 * j + 3]) if piece.shape[0] else None)
+        out.append(piece_forward(piece, *weights[3 * j : 3 * j + 3]) if piece.shape[0] else None)
     return out
 
 
 def _launch_dispatch(block: Any, dispatch: torch.Tensor, route: Route) -> PendingA2a | FoldedLaunch:
     if route.peer_counts is None:
         return launch_folded(block, dispatch, route.counts, route.history)
-    local = len(block.held)
-    recv = route.peer_counts.view(block.ep_size, local).sum(dim=1).tolist()
-    return launch(dispatch, route.send, recv, block)
+    return launch(dispatch, route.send, _exchanged_recv(route, block), block)
+
+
+def _exchanged_recv(route: Route, block: Any) -> list[int]:
+    """Rows each ep rank sends this one, from the counts exchanged before the dispatch."""
+    assert route.peer_counts is not None
+    return route.peer_counts.view(block.ep_size, len(block.held)).sum(dim=1).tolist()
 
 
 def _finish_dispatch(
@@ -111,9 +115,7 @@ def _finish_dispatch(
     if isinstance(pending, FoldedLaunch):
         return finish_folded(pending)
     assert route.peer_counts is not None
-    local = len(block.held)
-    recv = route.peer_counts.view(block.ep_size, local).sum(dim=1).tolist()
-    return pending.wait(), route.peer_counts, route.send, recv
+    return pending.wait(), route.peer_counts, route.send, _exchanged_recv(route, block)
 
 
 @dataclass
@@ -197,7 +199,7 @@ def _piece_grads(
     j = index % ctx.pieces.local
     weights = ctx.weights[3 * j : 3 * j + 3]
     state.dy[index] = dy
-    state.inner[index] = _piece_input_grad(dy, weights, *saved)
+    state.inner[index] = piece_input_grad(dy, weights, *saved)
 
 
 def _weight_parts(ctx: Any, state: _Grads, index: int, rows: torch.Tensor, h: torch.Tensor) -> None:

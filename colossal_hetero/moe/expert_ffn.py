@@ -91,7 +91,7 @@ def launch(x: torch.Tensor, send: list[int], recv: list[int], block: Any) -> Pen
     return PendingA2a(stack, work, out, x)
 
 
-def _piece_forward(
+def piece_forward(
     piece: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
 ) -> tuple[torch.Tensor, ...]:
     """``(y, a, b, s, h)`` of ``y = w2(silu(w1 x) * w3 x)``: the output and what backward needs."""
@@ -125,7 +125,7 @@ class ExpertsFFN(torch.autograd.Function):
         for piece, owner in zip(received.split(list(sizes)), owners, strict=True):
             if piece.shape[0] == 0:
                 continue
-            y, *kept = _piece_forward(piece, *weights[3 * owner : 3 * owner + 3])
+            y, *kept = piece_forward(piece, *weights[3 * owner : 3 * owner + 3])
             outputs.append(y)
             saved += kept
         ctx.sizes, ctx.owners, ctx.block = list(sizes), list(owners), block
@@ -148,7 +148,7 @@ class ExpertsFFN(torch.autograd.Function):
         grads = grad.split([piece.shape[0] for piece, _ in pieces]) if pieces else []
         kept = [tuple(saved[4 * i : 4 * i + 4]) for i in range(len(pieces))]
         inner = [
-            _piece_input_grad(dy, weights[3 * owner : 3 * owner + 3], *k)
+            piece_input_grad(dy, weights[3 * owner : 3 * owner + 3], *k)
             for dy, (_, owner), k in zip(grads, pieces, kept, strict=True)
         ]
         dx = torch.cat([g for g, *_ in inner]) if inner else torch.zeros_like(received)
@@ -164,7 +164,7 @@ class ExpertsFFN(torch.autograd.Function):
         return (dx, None, None, None, None, None, *weight_grads)
 
 
-def _piece_input_grad(
+def piece_input_grad(
     dy: torch.Tensor,
     weights: Sequence[torch.Tensor],
     a: torch.Tensor,
