@@ -47,11 +47,22 @@ class _Message:
     sent: float
     index: int
     """Its place in its direction's messages of the step (0: the first, which carries the
-    step's metadata and moves only once its receiver asks for it)."""
+    step's header)."""
+    on_ask: bool
+    """Whether it could move only once its receiver asked for it: a first message whose
+    receives were posted after its metadata was read (not early: :func:`first_posted_early`)."""
+
+
+def first_posted_early(records: Sequence[RankRecord]) -> bool:
+    """Whether the step's first messages had their receives posted as the step started (the
+    receivers kept the last step's metadata, ``pipeline/p2p.py``): then they moved when sent,
+    not once asked for (``RankRecord.first_early``)."""
+    return any(r.first_early > 0 for r in records)
 
 
 def _messages(records: Sequence[RankRecord]) -> list[_Message]:
     """Every message between pipeline neighbours, in the order they could move."""
+    early = first_posted_early(records)
     by_rank = {r.rank: r for r in records}
     out = []
     for r in records:
@@ -69,9 +80,11 @@ def _messages(records: Sequence[RankRecord]) -> list[_Message]:
                 when = asked[j] if j < len(asked) else NOT_BLOCKED
                 kind = (op, r.stage, r.rank)
                 release = max(sent[j], posted[j])
-                out.append(
-                    _Message(release, src.rank, dst.rank, kind, arrived[j], when, sent[j], j)
+                on_ask = j == 0 and not early
+                msg = _Message(
+                    release, src.rank, dst.rank, kind, arrived[j], when, sent[j], j, on_ask
                 )
+                out.append(msg)
     return sorted(out, key=lambda m: (m.release, m.src, m.dst, m.kind))
 
 
@@ -196,7 +209,7 @@ def link_seconds(
         earlier = history.setdefault(msg.kind, [])
         op, boundary, column = msg.kind
         landed = NOT_BLOCKED
-        if msg.index == 0:  # it landed before it was asked for if its wait did not block
+        if msg.on_ask:  # it landed before it was asked for if its wait did not block
             landed = msg.arrived
             begin = max(msg.sent, msg.asked, _ports_free(port_landings, ports, msg))
             first = 0.0 if landed == NOT_BLOCKED else max(0.0, landed - begin)

@@ -8,9 +8,21 @@ send meant for it.
 
 Wire format of one message (an object: a pytree of tensors, e.g. ``{"hidden_states": x}``):
 ``[header int64[1]: payload length] [payload uint8: pickled P2PMetadata] [tensor_0 ...]``, where
-the header and payload travel only with a step's first message on the link (shapes do not change
-within a step: micro-batches have equal size) or with every message whose object carries
-non-tensor leaves. Metadata is not cached across steps, so a new batch size is always safe.
+the header travels only with a step's first message on the link (shapes do not change within a
+step: micro-batches have equal size) or with every message whose object carries non-tensor
+leaves.
+
+**The first message without rendezvous.** gloo moves a message only once the receiver's "ready"
+for it has reached the sender, so a receive posted late costs a trip across the link before the
+data moves. Reading the metadata first cost the step's first message two such trips in a row
+(payload, then tensors), through whatever queue sits on the receiver-to-sender path (a tenant's
+20-57 ms on a preempted download: 80-146 ms per step's first gradient, PP=2 x TP=2). So both
+ends remember the last step's first metadata (when its object had tensors only): the receiver
+posts the header and that metadata's tensor receives together as a step starts, and a sender
+whose metadata is unchanged sends a header of 0 and the tensors, which then move as soon as they
+are sent. When the metadata changed (a new batch size), the sender fills the receives posted on
+the old metadata with zeros of those shapes, then sends the length and the payload: the
+receiver drops the zeros and reads the new metadata, so any change stays safe.
 
 Accounting (per step, for the Ada tuner and the benchmark): each box keeps a :class:`LinkLog`
 of its direction: the bytes it moved, the seconds it was blocked in ``wait()``, and a clock time
@@ -115,6 +127,9 @@ class Outbox:
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
         self._sent = 0
         self._every_message_has_header = False
+        self._known: tuple[P2PMetadata, bytes] | None = None
+        """The last step's first metadata (tensors only) and its pickle: what the receiver
+        posts the next step's first receives on (:class:`Inbox`), None when it posts none."""
         self.log = LinkLog()
         """This step's traffic (:meth:`take_log` hands it over and starts a fresh one)."""
 
@@ -127,11 +142,10 @@ class Outbox:
             self._every_message_has_header = has_objects
         # The receiver decides from the step's first message whether headers keep coming.
         assert has_objects == self._every_message_has_header, "message structure changed"
-        if self._sent == 0 or has_objects:
-            raw = torch.frombuffer(bytearray(pickle.dumps(metadata)), dtype=torch.uint8)
-            payload = raw.to(self.device)
-            self._isend(torch.tensor([payload.numel()], dtype=torch.int64, device=self.device))
-            self._isend(payload)
+        if self._sent == 0:
+            self._send_first_header(metadata, has_objects)
+        elif has_objects:
+            self._send_metadata(pickle.dumps(metadata))
         sent = 0
         for tensor in tensors:
             piece = tensor.detach().contiguous()
@@ -143,6 +157,30 @@ class Outbox:
         # the first of them, so this is when the output really went onto the link.
         self.log.times.append(time.time())
         return sent
+
+    def _send_first_header(self, metadata: P2PMetadata, has_objects: bool) -> None:
+        """The step's first header: 0 when the receiver's early receives fit ``metadata``,
+        else zeros for those receives (if any), then the new length and payload."""
+        raw = pickle.dumps(metadata)
+        known, self._known = self._known, None if has_objects else (metadata, raw)
+        if known is not None and known[1] == raw:
+            self._isend(torch.zeros(1, dtype=torch.int64, device=self.device))
+            return
+        self._isend(torch.tensor([len(raw)], dtype=torch.int64, device=self.device))
+        if known is not None:  # the receiver posted these on the old metadata: fill them
+            for meta in known[0].tensor_metadata:
+                filler = torch.zeros(meta.shape, dtype=meta.dtype, device=self.device)
+                self._isend(filler if self.tp is None else self.tp.piece(filler))
+        self._send_payload(raw)
+
+    def _send_metadata(self, raw: bytes) -> None:
+        """A header and payload of a message with non-tensor leaves (one each)."""
+        self._isend(torch.tensor([len(raw)], dtype=torch.int64, device=self.device))
+        self._send_payload(raw)
+
+    def _send_payload(self, raw: bytes) -> None:
+        payload = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        self._isend(payload.to(self.device))
 
     def _isend(self, tensor: torch.Tensor) -> None:
         work = dist.isend(tensor, dst=self.dst, group=self.group)
@@ -193,14 +231,28 @@ class Inbox:
         self._metadata: P2PMetadata | None = None
         self._header: tuple[dist.Work, torch.Tensor] | None = None
         self._queue: deque[_Posted] = deque()
+        self._known: P2PMetadata | None = None
+        """The last step's first metadata when its object had tensors only (the sender's
+        ``Outbox._known`` mirrors it): the next step's first receives are posted on it."""
+        self._early = False
+        """Whether this step's first message's receives were posted on ``_known`` at start."""
+        self.first_early = False
+        """Whether this step's first message used its early receives (metadata unchanged): it
+        moved when sent (the step's record says so for the simulator)."""
         self.log = LinkLog()
         """This step's traffic (:meth:`take_log` hands it over and starts a fresh one)."""
 
     def start(self, count: int) -> None:
-        """Begin a step that will receive ``count`` messages: post the first receive now."""
+        """Begin a step that will receive ``count`` messages: post the first receive now (the
+        header, and the tensors of the first message when the last step's metadata is known)."""
         assert self._header is None and not self._queue, "previous step left receives"
         self._count, self._taken, self._posted, self._metadata = count, 0, 0, None
+        self.first_early = False
         self._post_header()
+        self._early = self._known is not None and count > 0
+        if self._early:
+            self._metadata = self._known
+            self._post_tensors()
 
     def get(self) -> Any:
         """The next object, waiting only for what has not landed yet."""
@@ -208,11 +260,13 @@ class Inbox:
         asked = time.time()
         start = time.perf_counter()
         if self._header is not None:
+            if self._early:  # the data behind the header: wait for it first, so that an
+                # emulated link (booked from the post) sees this wait block for the sender
+                self._queue[0].wait()
             self._read_metadata()
         assert self._queue and self._metadata is not None
         posted = self._queue.popleft()
-        for work in posted.works:
-            work.wait()
+        posted.wait()
         for buffer, needs_grad in zip(posted.buffers, posted.requires_grad, strict=True):
             if self.tp is not None:
                 self.tp.gather(buffer)
@@ -244,15 +298,30 @@ class Inbox:
         self._header = (work, header)
 
     def _read_metadata(self) -> None:
-        """Wait for the posted header, read the metadata, post the tensors' receives."""
+        """Wait for the posted header, read the metadata (unchanged: a header of 0 after the
+        early receives), post the tensors' receives."""
         assert self._header is not None
         work, header = self._header
         work.wait()
-        payload = torch.empty(int(header[0]), dtype=torch.uint8, device=self.device)
-        dist.irecv(payload, src=self.src, group=self.group).wait()  # type: ignore[union-attr]
-        self._metadata = pickle.loads(payload.cpu().numpy().tobytes())
         self._header = None
-        self.log.nbytes += _nbytes(header) + _nbytes(payload)
+        self.log.nbytes += _nbytes(header)
+        length, early, self._early = int(header[0]), self._early, False
+        if length == 0:
+            assert early, "header 0 without early receives"
+            self.first_early = True
+        else:
+            if early:  # posted on the old metadata: the sender filled them with zeros
+                filled = self._queue.pop()
+                filled.wait()
+                self.log.nbytes += sum(_nbytes(p) for p in filled.pieces)
+                self._posted -= 1
+            payload = torch.empty(length, dtype=torch.uint8, device=self.device)
+            dist.irecv(payload, src=self.src, group=self.group).wait()  # type: ignore[union-attr]
+            self._metadata = pickle.loads(payload.cpu().numpy().tobytes())
+            self.log.nbytes += _nbytes(payload)
+        assert self._metadata is not None
+        if self._taken == 0:
+            self._known = None if self._metadata.non_tensor_obj_idx else self._metadata
         # Tensor-only messages share the first one's metadata: post all of them now.
         last = self._posted + 1 if self._metadata.non_tensor_obj_idx else self._count
         while self._posted < last:
@@ -282,3 +351,11 @@ class _Posted:
     pieces: list[torch.Tensor]
     requires_grad: list[bool]
     at: float
+    waited: bool = False
+
+    def wait(self) -> None:
+        """Wait for the receives once (a gloo receive waited twice waits for another)."""
+        if not self.waited:
+            for work in self.works:
+                work.wait()
+            self.waited = True

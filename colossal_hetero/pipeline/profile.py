@@ -17,10 +17,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from colossal_hetero.pipeline.links import NOT_BLOCKED, link_seconds
+from colossal_hetero.pipeline.links import NOT_BLOCKED, first_posted_early, link_seconds
 from colossal_hetero.pipeline.tuner import PipelineProfile, simulate_profile
 
-_SCALARS = ("forward_s", "backward_s", "step_s", "activation_bytes", "message_bytes", "overhead_s")
+_SCALARS = (
+    "forward_s",
+    "backward_s",
+    "step_s",
+    "activation_bytes",
+    "message_bytes",
+    "overhead_s",
+    "first_early",
+)
 _LISTS = (
     "sent_next",
     "arrived_prev",
@@ -67,6 +75,9 @@ class RankRecord:
     """Seconds of the step in no pass and not blocked for a message: the schedule's own work
     between passes (taking inputs, keeping outputs, posting receives), spread over the passes
     by :func:`profile_from_records`."""
+    first_early: float = 0.0
+    """1 when this rank's first receives of the step were posted as it started and its
+    senders' metadata was unchanged (``pipeline/p2p.py``): its first messages moved when sent."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-safe dict (lists for the timestamp tuples)."""
@@ -141,6 +152,7 @@ def profile_from_records(
     if any(not m for m in members):
         raise ValueError(f"records: every stage 0..{num_stages - 1} needs a record")
     links = link_seconds(records, num_stages, shared_ports)
+    early = first_posted_early(records)
     budgets = memory_budget_bytes or [math.inf] * num_stages
 
     def per_pass(r: RankRecord) -> float:  # a rank runs m forwards and m backwards
@@ -170,8 +182,9 @@ def profile_from_records(
         memory_budget_bytes=tuple(budgets),
         transfer_up_s=links["B"],
         shared_ports=shared_ports,
-        first_transfer_s=links["F0"],
-        first_transfer_up_s=links["B0"],
+        first_transfer_s=() if early else links["F0"],
+        first_transfer_up_s=() if early else links["B0"],
+        first_posted_early=early,
         latency_s=links["LF"],
         latency_up_s=links["LB"],
         token_debt=any(links["D"]),

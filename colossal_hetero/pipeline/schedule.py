@@ -280,6 +280,7 @@ class KFKBSchedule(OneForwardOneBackwardSchedule):
         logs = {name: LinkLog() if box is None else box.take_log() for name, box in boxes.items()}
         self.last_stats = stats.build(m, step_s, logs)
         sm = self.stage_manager
+        inboxes = (self._from_prev, self._from_next)
         self.last_record = RankRecord(
             rank=dist.get_rank(),
             stage=sm.stage,
@@ -300,6 +301,7 @@ class KFKBSchedule(OneForwardOneBackwardSchedule):
             asked_prev=tuple(logs["from_prev"].asked),
             asked_next=tuple(logs["from_next"].asked),
             overhead_s=_overhead_s(stats, step_s, logs),
+            first_early=float(any(b is not None and b.first_early for b in inboxes)),
         )
 
 

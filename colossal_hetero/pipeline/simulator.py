@@ -48,6 +48,12 @@ Model (the contract the tuner and the planner rely on):
   mean stays. Deterministic, one simulation. Constant passes under-predict 1F1B, whose every
   pass waits on a neighbour: a late pass on one stage delays the others (PP=4, 20 Mbit/s, load
   2-4: k = 1 -5.5% median over 12 steps, +4% with it; k = 4, which buffers, -2.4% either way).
+- ``first_early`` (session 14): the step's first message of each kind and boundary had its
+  receive posted as the step started (``KFKBSchedule`` from its second step on: the receiver
+  keeps the last step's metadata, ``pipeline/p2p.py``), so it moves when sent, as any other;
+  no later message of its kind moves before the receiver asks for the first (their receives
+  are posted when it reads the first one's header). Without it, with ``first_s``, the first
+  message itself also waits for that ask (the metadata read before its receives are posted).
 - Memory: a micro-batch's activations live on stage ``s`` from its forward to its backward;
   peak memory is ``activation_bytes[s]`` times the peak number alive.
 """
@@ -176,6 +182,7 @@ def simulate(
     keep_events: bool = True,
     token_debt: bool = False,
     jitter_s: Sequence[float] | None = None,
+    first_early: bool = False,
 ) -> SimResult:
     """Simulate one step of kFkB with ``k`` over ``p = len(forward_s)`` stages.
 
@@ -193,6 +200,8 @@ def simulate(
     ``keep_events=False`` leaves ``events`` empty (the same times, less work: the tuner's).
     ``token_debt``: messages land when they start and pay their transfer time after (module doc).
     ``jitter_s[s]`` (default 0): seconds of stage ``s``'s mean pass in jumps (module doc).
+    ``first_early``: each kind's first message moves when sent, the later ones once the
+    receiver asked for the first (module doc); ``first_s`` is then not used.
     """
     p = len(forward_s)
     act = [0.0] * p if activation_bytes is None else list(activation_bytes)
@@ -203,8 +212,9 @@ def simulate(
     lat = _per_boundary("latency_s", latency_s, p)
     up_lat = lat if up_latency_s is None else _per_boundary("up_latency_s", up_latency_s, p)
     orders = [kfkb_order(p, s, num_microbatches, k) for s in range(p)]
-    first = _first_times(first_s, first_up_s, p)
+    first = {} if first_early else _first_times(first_s, first_up_s, p)
     links = _Links(transfers, up, (lat, up_lat), shared_ports, start_time, first)
+    links.hold = bool(first) or first_early
     links.burst, links.debt = _bursts(burst_s, up_burst_s, p), token_debt
     events: list[Event] | None = [] if keep_events else None
     step, busy = _run(orders, _Passes(forward_s, backward_s, jitter_s), links, start_time, events)
@@ -261,6 +271,9 @@ class _Links:
         self.burst = {"F": [0.0] * len(down), "B": [0.0] * len(up)}
         """Token-bucket credit of each kind's messages, per boundary (seconds)."""
         self.shared = shared_ports
+        self.hold = bool(first)
+        """Whether a kind's messages after its first wait for the receiver's first ask (the
+        first one too unless ``first_early``: then ``first`` is empty)."""
         self.debt = False
         """Whether a message lands when it starts and its link closes for its time after."""
         self.free: dict[tuple[str, int], float] = {}
@@ -361,11 +374,11 @@ def _run(
             return
         op, mb = orders[s][pos[s]]
         needs_input = (op == "F" and s > 0) or (op == "B" and s < p - 1)
+        if needs_input and links.hold and (s, op) not in asked:  # the first of its kind
+            asked.add((s, op))  # asked for: the receives held back are posted now
+            for sent_mb in held.pop((s, op), []):
+                book(op, s + 1 if op == "B" else s - 1, s, now, sent_mb)
         if needs_input and arrival.get((s, op, mb), math.inf) > now:
-            if (s, op) not in asked and links.first:  # the step's first message: ask for it
-                asked.add((s, op))
-                for sent_mb in held.pop((s, op), []):
-                    book(op, s + 1 if op == "B" else s - 1, s, now, sent_mb)
             return
         end = now + passes.next(s, op)
         began, ended = now - start_time, end - start_time
@@ -377,8 +390,10 @@ def _run(
         heapq.heappush(heap, (end, next(seq), s, op, mb))
 
     def book(op: str, src: int, dest: int, now: float, mb: int) -> None:
-        # None of a kind moves before its receiver asks for the first (receives posted then).
-        if links.first and (dest, op) not in asked:
+        # None of a kind moves before its receiver asks for the first (receives posted then),
+        # but the first itself when its receive was posted early.
+        early = not links.first and mb == 0
+        if links.hold and (dest, op) not in asked and not early:
             held.setdefault((dest, op), []).append(mb)
             return
         first = bool(links.first) and mb == 0

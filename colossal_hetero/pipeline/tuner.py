@@ -60,6 +60,9 @@ class PipelineProfile:
     jitter_s: tuple[float, ...] = ()
     """Per stage, seconds of a mean pass that come as descheduling jumps (the simulator's
     ``jitter_s``); empty: none."""
+    first_posted_early: bool = False
+    """Whether each kind's first message of a step had its receive posted as the step started
+    (moves when sent; the simulator's ``first_early``); then ``first_transfer_s`` is empty."""
 
     @property
     def num_stages(self) -> int:
@@ -294,4 +297,5 @@ def simulate_profile(
         keep_events=keep_events,
         token_debt=profile.token_debt,
         jitter_s=profile.jitter_s or None,
+        first_early=profile.first_posted_early,
     )

@@ -6,6 +6,12 @@ margins): after the first message is taken, every later message's receive is alr
 even though the receiver takes the next one only after a pause. Also: the values, their
 ``requires_grad``, the bytes both sides account, and a second step whose messages carry
 non-tensor objects (one header each, posted one at a time).
+
+Then the first message without rendezvous: after a tensor-only step, the next step's first
+receive is posted as the step starts, before the sender sends (from both sides' timestamps),
+and its header is 0 (8 bytes: no payload on the wire); a step whose shapes changed sends
+zeros into those early receives, then the new metadata, and its values still arrive intact;
+a step with non-tensor objects after a tensor-only one takes the same way.
 """
 
 from __future__ import annotations
@@ -27,6 +33,16 @@ def _message(i: int, with_object: bool = False) -> dict:
     return {"hidden_states": h, "tag": i} if with_object else {"hidden_states": h}
 
 
+EARLY = ((False, 2, 2), (False, 2, 2), (False, 2, 3), (True, 2, 3))
+"""Steps after the first two: (objects, count, rows) each; the second, third and fourth find
+early receives (the third with new shapes, the fourth with objects)."""
+
+
+def _message_rows(i: int, rows: int, with_object: bool) -> dict:
+    h = torch.full((rows, WIDTH), float(i) + rows, requires_grad=True)
+    return {"hidden_states": h, "tag": i} if with_object else {"hidden_states": h}
+
+
 def _run(rank, world_size, device):
     group = dist.new_group([0, 1])
     if rank == 0:
@@ -37,6 +53,13 @@ def _run(rank, world_size, device):
             out.finish()
             sent = out.take_log()
             dist.broadcast_object_list([sent.nbytes], src=0)
+        for with_object, count, rows in EARLY:
+            dist.barrier()  # the receiver's step has started
+            for i in range(count):
+                out.send(_message_rows(i, rows, with_object))
+            out.finish()
+            sent = out.take_log()
+            dist.broadcast_object_list([sent.nbytes, sent.times], src=0)
         return
     inbox = Inbox(0, group, device)
     inbox.start(COUNT)
@@ -61,6 +84,39 @@ def _run(rank, world_size, device):
     log = inbox.take_log()
     dist.broadcast_object_list(sent_bytes, src=0)
     assert log.nbytes == sent_bytes[0] and len(log.posted) == 2
+    _early_steps(inbox)
+
+
+def _early_steps(inbox: Inbox) -> None:
+    header = 8  # int64[1]
+    tensor_only_bytes = None
+    for n, (with_object, count, rows) in enumerate(EARLY):
+        inbox.start(count)
+        started = time.time()
+        dist.barrier()  # the sender starts sending only now
+        time.sleep(0.05)
+        got = [inbox.get() for _ in range(count)]
+        log = inbox.take_log()
+        sent: list = [None, None]
+        dist.broadcast_object_list(sent, src=0)
+        nbytes, sent_times = sent
+        assert log.nbytes == nbytes, (n, log.nbytes, nbytes)
+        for i, obj in enumerate(got):
+            assert torch.equal(obj["hidden_states"], torch.full((rows, WIDTH), float(i) + rows))
+            assert obj["hidden_states"].requires_grad
+            assert not with_object or obj["tag"] == i
+        payload = count * rows * WIDTH * 4
+        if n == 0:  # the step before had objects: no early receive, metadata sent
+            assert log.posted[0] > started and nbytes > header + payload
+            tensor_only_bytes = nbytes
+        elif n == 1:  # same metadata: posted before the sender sent; header 0, no payload
+            assert log.posted[0] <= started < sent_times[0], (log.posted, started, sent_times)
+            assert nbytes == header + payload < tensor_only_bytes
+        else:  # new shapes / objects: the early receive took zeros of the old shapes, and
+            # the first message's own receive was posted once its metadata was read
+            old_rows = EARLY[n - 1][2]
+            assert log.posted[0] > started
+            assert nbytes > header + payload + old_rows * WIDTH * 4
 
 
 @pytest.mark.dist

@@ -131,17 +131,20 @@ def test_first_message_after_a_landing_on_its_port():
     assert link_seconds([r0, r1, r2], 3, shared_ports=False)["B0"] == (pytest.approx(2.0), 0.0)
 
 
-def _records_from_simulation(f, b, c, m, k, first, latency=0.0, shared=False):
+def _records_from_simulation(f, b, c, m, k, first, latency=0.0, shared=False, early=False):
     """The records each stage of a simulated step would measure (one rank per stage): a
     sender notes when each pass ended; a receiver asks for each input when it is free for
     that pass, notes the arrival of each one it had to wait for, and posts every receive when
     it asks for the first (no message moves before; the first takes ``first`` seconds).
-    ``shared``: the step ran on shared stage ports (else one link per boundary and direction)."""
+    ``shared``: the step ran on shared stage ports (else one link per boundary and direction).
+    ``early``: the first message's receive was posted at the step's start (``first`` unused)."""
     p = len(f)
     firsts = [first] * (p - 1)
     lat = [latency] * (p - 1)  # after the link, on both directions
     traces = [Trace.constant(x) for x in c]
-    result = simulate(f, b, traces, m, k, first_s=firsts, latency_s=lat, shared_ports=shared)
+    result = simulate(
+        f, b, traces, m, k, first_s=firsts, latency_s=lat, shared_ports=shared, first_early=early
+    )
     sent = {(s, op): [0.0] * m for s in range(p) for op in "FB"}
     arrived = {(s, op): [NOT_BLOCKED] * m for s in range(p) for op in "FB"}
     asked = {(s, op): [0.0] * m for s in range(p) for op in "FB"}
@@ -155,6 +158,8 @@ def _records_from_simulation(f, b, c, m, k, first, latency=0.0, shared=False):
             sent[(s, e.op)][e.mb] = e.end
             free = e.end
     posted = {(s, op): [asked[(s, op)][0]] * m for s in range(p) for op in "FB"}
+    for s, op in posted if early else ():
+        posted[(s, op)][0] = -1e-6  # posted as the step started, before it was asked for
 
     def lists(s, op):
         return tuple(sent[(s, op)]), tuple(posted[(s, op)]), tuple(arrived[(s, op)])
@@ -177,6 +182,7 @@ def _records_from_simulation(f, b, c, m, k, first, latency=0.0, shared=False):
             posted_next=tuple(posted[(s, "B")]) if s < p - 1 else (),
             asked_prev=tuple(asked[(s, "F")]) if s > 0 else (),
             asked_next=tuple(asked[(s, "B")]) if s < p - 1 else (),
+            first_early=float(early),
         )  # fmt: skip
         for s in range(p)
     ], result.step_time
@@ -219,6 +225,26 @@ def test_prediction_of_a_simulated_step_and_record_order():
             # Any order of the gathered records, and records as JSON dicts, give the same.
             shuffled = [r.to_dict() for r in rng.sample(records, len(records))]
             assert predict_from_records(shuffled, m, k).predicted_s == prediction.predicted_s
+
+
+def test_first_messages_posted_early_read_as_any_other():
+    # KFKBSchedule from its second step on: each kind's first receive posted as the step
+    # starts, so the first message moves when sent and is one more sample of its link. Two
+    # stages (each port one kind of message: the model the step came from), links slower than
+    # every pass: read exactly, no first-message times, and the step predicted exactly.
+    rng = random.Random(11)
+    for m in (4, 8):
+        f = [rng.uniform(0.5, 1.5) for _ in range(2)]
+        b = [2 * x for x in f]
+        for k in (1, 2, m):
+            records, step = _records_from_simulation(f, b, [3.0], m, k, 9.0, early=True)
+            prediction = predict_from_records(records, m, k)
+            profile = prediction.profile
+            assert profile.first_posted_early and profile.first_transfer_s == ()
+            assert profile.transfer_s == pytest.approx([3.0], abs=1e-9)
+            assert prediction.predicted_s == pytest.approx(step, rel=1e-9)
+            vector = records[1].to_vector(m)  # the flag crosses the controller's all-gather
+            assert record_from_vector(vector, m).first_early == 1.0
 
 
 def test_slow_link_reads_exactly_and_grows():

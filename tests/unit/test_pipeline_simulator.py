@@ -195,6 +195,25 @@ def test_first_message_moves_once_asked_for():
         simulate([1.0, 1.0], [1.0, 1.0], free, 2, 1, first_s=[-1.0])
 
 
+def test_first_message_posted_early_moves_when_sent():
+    # p=2, m=2, k=1, f=[5, 1], b=[1, 0.5], links 1 s a message. Receives of each kind's first
+    # message posted as the step starts: s0 F0 [0,5] F1 [5,10]; F0 lands 6, s1 F0 [6,7]
+    # B0 [7,7.5]; B0 lands 8.5 though s0 asks for it only at 10 (after F1): s0 B0 [10,11].
+    # F1 lands 11 (s1 asked at 0); s1 F1 [11,12] B1 [12,12.5], B1 lands 13.5; s0 B1 [13.5,14.5].
+    one = [Trace.constant(1.0)]
+    r = simulate([5.0, 1.0], [1.0, 0.5], one, 2, 1, first_early=True)
+    assert r.step_time == 14.5
+    assert {(e.stage, e.op, e.mb): e.start for e in r.events}[(0, "B", 0)] == 10.0
+    # Each first message timed from its ask instead (3 s: its metadata read first): F0 lands
+    # 8, s1 F0 [8,9] B0 [9,9.5]; B0 held to s0's ask at 10, lands 13: s0 B0 [13,14] B1
+    # [14,15]. ``first_s`` does not apply to early receives.
+    assert simulate([5.0, 1.0], [1.0, 0.5], one, 2, 1, first_s=[3.0]).step_time == 15.0
+    assert (
+        simulate([5.0, 1.0], [1.0, 0.5], one, 2, 1, first_s=[3.0], first_early=True).step_time
+        == 14.5
+    )
+
+
 def test_latency_per_direction_overlaps_where_link_time_queues():
     # p=2, m=2, GPipe (k=2), f=b=1. Activations hold the link 0.5 s and then take 2 s more
     # (latency: a queue behind other traffic that both activations wait out together). F0 sent
