@@ -125,7 +125,7 @@ class AdaKController:
         """At retuning steps: gather, decide, ``set_k``; returns the decision record, else None.
 
         Collective: one ``all_gather`` of a float64 row per rank over ``group`` (the record's
-        ``8 m + 8`` values, budget, latency). With ``overlap`` the gather runs in the
+        ``8 m + 10`` values, budget, latency). With ``overlap`` the gather runs in the
         background through the next step and is decided after it (``k`` changes one step
         later; the record names the step measured): on a preempted link the gather costs as
         much as a transfer, which a blocking one adds to every retuning step. With ``early``
