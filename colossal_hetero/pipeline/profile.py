@@ -142,17 +142,15 @@ def profile_from_records(
     its shortest rank's: the others also waited for that rank's input, which is the link's
     time, counted there (a tenant on one TP rank's link made its peer's median forward 62-76
     ms against 25-30). A stage takes its slowest group's pass (data-parallel replicas) and its
-    largest activations; link times per boundary and direction are
-    :func:`link_seconds`. ``memory_budget_bytes`` defaults to no limit. ``shared_ports``
-    (default: each rank has one network interface) goes into the profile for the simulator.
-    """
+    largest activations; link times per boundary and direction are :func:`link_seconds`.
+    ``memory_budget_bytes`` defaults to no limit. ``shared_ports`` (default: each rank has one
+    network interface) goes into the profile for the simulator."""
     if len({r.rank for r in records}) != len(records):
         raise ValueError("records: one record per rank")
     members = [[r for r in records if r.stage == s] for s in range(num_stages)]
     if any(not m for m in members):
         raise ValueError(f"records: every stage 0..{num_stages - 1} needs a record")
-    links = link_seconds(records, num_stages, shared_ports)
-    early = first_posted_early(records)
+    links, early = link_seconds(records, num_stages, shared_ports), first_posted_early(records)
     budgets = memory_budget_bytes or [math.inf] * num_stages
 
     def per_pass(r: RankRecord) -> float:  # a rank runs m forwards and m backwards

@@ -189,20 +189,16 @@ def simulate(
     ``transfers[b]`` is boundary ``b``'s trace for activations (stage ``b`` to ``b + 1``),
     ``up_transfers[b]`` for gradients (default: the same traces), each evaluated at
     ``start_time`` plus the simulated time (so successive steps can walk along one trace).
-    ``latency_s[b]`` (default 0) is added to every landing time on boundary ``b``;
-    ``up_latency_s[b]`` (default: ``latency_s``) to the gradients' instead, when given.
-    ``shared_ports``: see the module doc (default: one link per boundary and direction).
+    ``latency_s[b]`` (default 0) is added to every landing on boundary ``b``, ``up_latency_s[b]``
+    (default: ``latency_s``) to the gradients' instead; ``shared_ports``: see the module doc.
     ``first_s[b]`` / ``first_up_s[b]`` (default: none): seconds the step's first activation /
     gradient on boundary ``b`` takes, counted from when its receiver asks for it; no message
     of that kind moves before (see the module doc); ``first_up_s`` defaults to ``first_s``.
-    ``burst_s[b]`` / ``up_burst_s[b]`` (default 0; gradients default to ``burst_s``): the token
-    bucket's credit in seconds of boundary ``b``'s activations / gradients (see the module doc).
-    ``keep_events=False`` leaves ``events`` empty (the same times, less work: the tuner's).
-    ``token_debt``: messages land when they start and pay their transfer time after (module doc).
+    ``burst_s[b]`` / ``up_burst_s[b]`` (default 0, gradients' ``burst_s``): token-bucket credit.
+    ``keep_events=False`` leaves ``events`` empty (the same times, less work: the tuner's);
+    ``token_debt``: messages land when they start and pay their transfer time after.
     ``jitter_s[s]`` (default 0): seconds of stage ``s``'s mean pass in jumps (module doc).
-    ``first_early``: each kind's first message moves when sent, the later ones once the
-    receiver asked for the first (module doc); ``first_s`` is then not used.
-    """
+    ``first_early``: each kind's first message moves when sent (module doc; no ``first_s``)."""
     p = len(forward_s)
     act = [0.0] * p if activation_bytes is None else list(activation_bytes)
     _check_lengths(p, forward_s, backward_s, transfers, act)
@@ -362,10 +358,8 @@ def _run(
     """Event loop in time order: a pass ends, its output is booked on the links (in send order),
     a landing may start a pass. Returns the last pass's end and each stage's seconds computing
     (summed in pass order); appends each pass to ``events`` unless None."""
-    p = len(orders)
-    arrival: dict[tuple[int, str, int], float] = {}
-    held: dict[tuple[int, str], list[int]] = {}  # sent before their receiver asked: mbs
-    asked: set[tuple[int, str]] = set()
+    p, arrival = len(orders), dict[tuple[int, str, int], float]()
+    held, asked = dict[tuple[int, str], list[int]](), set[tuple[int, str]]()  # held: sent early
     pos, busy, computed, last = [0] * p, [False] * p, [0.0] * p, [0.0]
     heap: list[tuple[float, int, int, str, int]] = []  # (time, seq, stage, op or "", mb)
 
