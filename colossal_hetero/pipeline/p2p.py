@@ -208,9 +208,11 @@ class Inbox:
 
     gloo moves a message's data only once its receive is posted (the sender waits for the
     receiver's "ready"), so a receive posted late idles the link while the receiver computes.
-    The step's first message carries the metadata (shapes); as soon as it has been read, the
-    receives of **every** remaining message of the step are posted at once, so a burst of ``k``
-    sends flows back to back while this stage is busy. The buffers cost ``count`` messages of
+    The step's first message carries the header (and, when it changed, the metadata); its
+    receive is posted as the step starts when the last step's metadata is known (see the
+    module doc). As soon as the header has been read, the receives of **every** remaining
+    message of the step are posted at once, so a burst of ``k`` sends flows back to back while
+    this stage is busy. The buffers cost ``count`` messages of
     memory (one activation or gradient tensor each, small next to the activations a
     micro-batch saves). Messages that carry non-tensor objects each need their own header;
     then the next receive is posted when the previous message has been taken. Received tensors
