@@ -191,8 +191,15 @@ def chunking_cost(total_bytes: int, count: int, alpha_s: float, beta: float, wai
     a2a's per step each wait for one whole chunk on the wire."""
     if count < 1:
         raise ValueError(f"chunking_cost: count must be >= 1, got {count}")
-    chunk = total_bytes / count
-    return count * alpha_s + total_bytes / beta + waits * (alpha_s + chunk / beta)
+    return _priced(count, total_bytes, total_bytes / count, alpha_s, beta, waits)
+
+
+def _priced(
+    count: int, total_bytes: float, largest: float, alpha_s: float, beta: float, waits: float
+) -> float:
+    """Seconds of ``count`` chunks of ``total_bytes``: ``alpha`` each, the bytes at ``beta``,
+    and ``waits`` a2a's that each wait for the ``largest`` chunk on the wire."""
+    return count * alpha_s + total_bytes / beta + waits * (alpha_s + largest / beta)
 
 
 def choose_chunk_bytes(
@@ -353,5 +360,4 @@ def _plan_cost(
     :func:`choose_run_chunk_bytes`)."""
     chunks = plan_chunks(numels, dtypes, size, walk, labels)
     sizes = [c.numel * c.dtype.itemsize for c in chunks]
-    cost = len(sizes) * alpha_s + sum(sizes) / beta + waits * (alpha_s + max(sizes) / beta)
-    return cost, len(sizes)
+    return _priced(len(sizes), sum(sizes), max(sizes), alpha_s, beta, waits), len(sizes)

@@ -173,7 +173,7 @@ def install_reducers(
         )
         reducers[name].set_profile(*profile)
         if moe.chunk_auto and not alone:  # judged by the chunks the phase runs make
-            reducers[name].size_over_runs(*profile, min(MIN_CHUNK_BYTES, moe.chunk_bytes))
+            reducers[name].size_over_runs(*profile, MIN_CHUNK_BYTES)  # capped there
     syncing = _sync_flag(model)
     for reducer in reducers.values():
         reducer.syncing = syncing
