@@ -18,8 +18,9 @@ the same order: with ``k = 1`` and any ``k`` alike, loss and gradients equal 1F1
 bit in fp32.
 
 ``k`` may change between steps (:meth:`KFKBSchedule.set_k`, also from ``before_step``, which runs
-before a step's first pass), never within one; every rank of the pipeline must use the same
-``k`` in a step (the Ada tuner's decision is identical on every rank).
+before any pass that depends on ``k``: every ``k``'s order opens with micro-batch 0's forward),
+never within one; every rank of the pipeline must use the same ``k`` in a step (the Ada
+tuner's decision is identical on every rank).
 
 Backends: gloo only. NCCL runs all point-to-point operations between a pair of ranks on one
 stream, in issue order, each blocking until matched; an early-posted receive would then hold
@@ -33,7 +34,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -135,6 +136,20 @@ class _StatsBuilder:
         )
 
 
+@dataclass(slots=True)
+class _OrderRun:
+    """What one step's passes share: the model and loss, where the loss and outputs go, the
+    step's measurements, and the micro-batches in flight ``{mb: (input, output)}``."""
+
+    model: Module
+    criterion: Callable[..., Any]
+    optimizer: OptimizerWrapper | None
+    accum_loss: torch.Tensor | None
+    outputs: list[Any] | None
+    stats: _StatsBuilder
+    saved: dict[int, tuple[Any, Any]] = field(default_factory=dict)
+
+
 class KFKBSchedule(OneForwardOneBackwardSchedule):
     """kFkB pipeline schedule: groups of ``k`` forwards then ``k`` backwards (``k = 1`` is 1F1B).
 
@@ -172,8 +187,11 @@ class KFKBSchedule(OneForwardOneBackwardSchedule):
         """This rank's :class:`~colossal_hetero.pipeline.profile.RankRecord` of the last training
         step (gather every rank's for ``profile.predict_from_records``)."""
         self.before_step: Callable[[], None] | None = None
-        """Called at the start of every training step, before its batch is loaded and ``k``
-        read (the Ada controller's early decision: it may ``set_k``); not part of ``step_s``."""
+        """Called in every training step before ``k`` is read (the Ada controller's early
+        decision: it may ``set_k``), once the step's receives are posted: on the first stage
+        after micro-batch 0's forward and its send (the first pass of every ``k``), so the
+        decision overlaps that activation's transfer rather than delaying the step's first
+        pass; on the other stages before their first wait for data. Not part of ``step_s``."""
         device = get_current_device()
         group = stage_manager.get_p2p_process_group()
         if dist.get_backend(group) != "gloo":
@@ -208,13 +226,11 @@ class KFKBSchedule(OneForwardOneBackwardSchedule):
     ) -> dict:
         """One training step in kFkB order; returns ``{"loss", "outputs"}`` like 1F1B."""
         assert not self.forward_only
-        if self.before_step is not None:
-            self.before_step()
         begin = time.perf_counter()
         self.load_batch(data_iter)
         m, sm = self.num_microbatches, self.stage_manager
         assert m is not None
-        order = kfkb_order(sm.num_stages, sm.stage, m, self.k)  # ValueError if k > m
+        check_pipeline_args(sm.num_stages, m, self.k)  # before any message: k > m raises
         for inbox in (self._from_prev, self._from_next):
             if inbox is not None:
                 inbox.start(m)
@@ -223,36 +239,50 @@ class KFKBSchedule(OneForwardOneBackwardSchedule):
             accum_loss = torch.scalar_tensor(0, device=get_current_device())
         outputs: list[Any] | None = [] if return_outputs and sm.is_last_stage() else None
         stats = _StatsBuilder(model)
-        self._run_order(order, model, criterion, optimizer, accum_loss, outputs, stats)
+        run = _OrderRun(model, criterion, optimizer, accum_loss, outputs, stats)
+        self.peak_saved = 0
+        # Every k's order opens with micro-batch 0's forward. The first stage runs it before
+        # the hook decides k, so the decision overlaps its activation's transfer instead of
+        # delaying the step's first pass; the other stages decide while that activation is on
+        # its way to them (their first receive is posted, not yet waited for).
+        first = self.before_step is not None and sm.is_first_stage()
+        head: list[Step] = [("F", 0)] if first else []
+        self._run_order(head, run)
+        deciding = self._run_before_step()
+        order = kfkb_order(sm.num_stages, sm.stage, m, self.k)  # ValueError if k > m
+        assert order[: len(head)] == head, "every kFkB order opens with micro-batch 0's forward"
+        self._run_order(order[len(head) :], run)
+        assert not run.saved
         for outbox in (self._to_next, self._to_prev):
             if outbox is not None:
                 outbox.finish()
-        self._record(stats, m, time.perf_counter() - begin)
+        self._record(stats, m, time.perf_counter() - begin - deciding)
         if outputs is not None:
             if isinstance(model, ModelWrapper):
                 model = model.unwrap()
             outputs = merge_batch(outputs, getattr(model, "batch_size_dim", 0))
         return {"loss": accum_loss, "outputs": outputs}
 
-    def _run_order(
-        self,
-        order: Sequence[Step],
-        model: Module,
-        criterion: Callable[..., Any],
-        optimizer: OptimizerWrapper | None,
-        accum_loss: torch.Tensor | None,
-        outputs: list[Any] | None,
-        stats: _StatsBuilder,
-    ) -> None:
-        """Run one step's passes in ``order``; a pass's timing includes issuing its sends."""
-        saved: dict[int, tuple[Any, Any]] = {}
-        self.peak_saved = 0
+    def _run_before_step(self) -> float:
+        """Call ``before_step`` (if set); the seconds it took, which ``step_s`` leaves out."""
+        if self.before_step is None:
+            return 0.0
+        began = time.perf_counter()
+        self.before_step()
+        return time.perf_counter() - began
+
+    def _run_order(self, order: Sequence[Step], run: _OrderRun) -> None:
+        """Run ``order``'s passes (part of one step's); a pass's timing includes issuing its
+        sends. ``run.saved`` carries the micro-batches in flight from one part to the next."""
+        stats, saved = run.stats, run.saved
         for op, mb in order:
             if op == "F":
                 with stats.waiting():
                     input_obj = None if self._from_prev is None else self._from_prev.get()
                 with stats.forward():
-                    output_obj = self.forward_step(model, input_obj, criterion, accum_loss, outputs)
+                    output_obj = self.forward_step(
+                        run.model, input_obj, run.criterion, run.accum_loss, run.outputs
+                    )
                     flush_compute()  # an emulated slow device's stretch belongs to the pass
                     if self._to_next is not None:
                         stats.message_bytes = self._to_next.send(output_obj)
@@ -263,11 +293,10 @@ class KFKBSchedule(OneForwardOneBackwardSchedule):
                     grad = None if self._from_next is None else self._from_next.get()
                 input_obj, output_obj = saved.pop(mb)
                 with stats.backward():
-                    input_grad = self.backward_step(optimizer, input_obj, output_obj, grad)
+                    input_grad = self.backward_step(run.optimizer, input_obj, output_obj, grad)
                     flush_compute()
                     if self._to_prev is not None:
                         self._to_prev.send(input_grad)
-        assert not saved
 
     def _record(self, stats: _StatsBuilder, m: int, step_s: float) -> None:
         """Set ``last_stats`` and ``last_record`` from this step's measurements and link logs."""

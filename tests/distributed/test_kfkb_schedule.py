@@ -11,6 +11,8 @@ and every stage accumulates parameter gradients in the same order. Nothing may d
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from colossalai.booster import Booster
@@ -88,6 +90,38 @@ def _check_controller(schedule: KFKBSchedule, booster, model, optimizer, criteri
         _step(booster, model, optimizer, criterion, batch)  # runs with the new k
 
 
+HOOK_S = 1.0
+"""Seconds the test's ``before_step`` hook sleeps: a tiny step takes milliseconds, so a
+``step_s`` that counted the hook would exceed it."""
+
+
+def _check_hook(schedule: KFKBSchedule, booster, model, optimizer, criterion, batch, reference):
+    """``before_step`` runs before any pass that depends on ``k``: on the first stage after
+    micro-batch 0's forward (the first pass of every ``k``'s order), elsewhere before any
+    pass. A hook that switches ``k = 1`` to ``2`` there gives a step that ran ``k = 2``
+    (peak in flight ``min(2 (p - s), m)``), with 1F1B's loss and gradients bit for bit, and
+    ``step_s`` leaves the hook's seconds out."""
+    sm = schedule.stage_manager
+    p, s, m = sm.num_stages, sm.stage, schedule.num_microbatches
+    in_flight_at_hook = []
+
+    def hook() -> None:
+        in_flight_at_hook.append(schedule.peak_saved)
+        schedule.set_k(2)
+        time.sleep(HOOK_S)
+
+    schedule.set_k(1)
+    schedule.before_step = hook
+    try:
+        got = _step(booster, model, optimizer, criterion, batch)
+    finally:
+        schedule.before_step = None
+    _assert_same(got, reference, f"k switched by before_step on stage {s}")
+    assert in_flight_at_hook == [1 if sm.is_first_stage() else 0], in_flight_at_hook
+    assert schedule.peak_saved == min(2 * (p - s), m)
+    assert schedule.last_stats is not None and schedule.last_stats.step_s < HOOK_S
+
+
 def _check_layout(
     rank, config: HeteroConfig, ks: list[int], policy=None, controller: bool = False
 ) -> dict[str, int]:
@@ -128,6 +162,7 @@ def _check_layout(
         # The same micro-batch computation saves the same tensors whatever the order.
         assert len(saved_bytes) == 1 and saved_bytes.pop() > 0
         if controller:
+            _check_hook(schedule, booster, model, optimizer, criterion, batch, reference)
             _check_controller(schedule, booster, model, optimizer, criterion, batch)
         with pytest.raises(ValueError, match="^k:"):
             schedule.set_k(m + 1)
