@@ -18,6 +18,7 @@ from colossal_hetero.pipeline.links import (
     _downloads,
     _messages,
     _port_scale,
+    _PortLandings,
     _scaled,
     _unseen_by_port,
     link_seconds,
@@ -98,3 +99,35 @@ def test_times_of_a_simulated_shared_port_always_fit_its_downloads(p, m):
             true = {(op, s, s): c[s] for op in "FB" for s in range(p - 1)}
             for download in _downloads(messages, _unseen_by_port(messages)).values():
                 assert _port_scale(download, true) == 1.0, (f, c, k, latency)
+
+
+def test_port_landings_count_other_kinds_as_brute_force():
+    # Random landings of three kinds on two ports, and messages found landed (spans): the
+    # bisection count equals counting each landing and span by hand, for every pair of bounds
+    # (including bounds equal to a landing, and reversed ones, which count nothing).
+    rng = random.Random(11)
+    kinds = [("F", 0, 0), ("B", 0, 0), ("F", 1, 1)]
+    ports = [("up", 1), ("down", 2)]
+    spans: dict = {}
+    for port in ports:
+        for _ in range(12):
+            lo = round(rng.uniform(0, 10), 1)
+            spans.setdefault(port, []).append((rng.choice(kinds), (lo, lo + rng.uniform(0.1, 2))))
+    log = _PortLandings(spans)
+    landed: list = []
+    for _ in range(40):
+        port, t, kind = rng.choice(ports), round(rng.uniform(0, 10), 1), rng.choice(kinds)
+        log.add(port, t, kind)
+        landed.append((port, t, kind))
+    bounds = sorted({t for _, t, _ in landed} | {0.0, 5.05, 10.0})
+
+    def by_hand(port, kind, after, before):
+        landings = sum(1 for q, t, k in landed if q == port and k != kind and after < t < before)
+        found = sum(1 for k, (lo, hi) in spans[port] if k != kind and after < lo and hi < before)
+        return landings + found
+
+    for kind in kinds:
+        for after in bounds:
+            for before in bounds:
+                want = max([0] + [by_hand(port, kind, after, before) for port in ports])
+                assert log.busiest(ports, kind, after, before) == want, (kind, after, before)
