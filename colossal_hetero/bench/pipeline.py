@@ -54,7 +54,7 @@ import re
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +76,13 @@ FAST_GBPS = 1.0
 SHAPED_TIMEOUT_S = 900.0
 LAYOUTS_ENV = "COLOSSAL_HETERO_BENCH_PIPELINE_LAYOUTS"
 """Run only these layouts (comma-separated names; unset or empty: all)."""
+QUICK_TARGET_S = 270.0
+"""``--quick`` aims to end this long after it starts (the issue allows 5 minutes; the rest is
+headroom for a round's overrun and the report). Each layout gets a deadline from it
+(:func:`layout_deadline`) and its phases stop early on a machine too slow for all their
+rounds: session 15's host ran every step ~30% slower than session 14's and took 356 s."""
+LAYOUT_SHARES = {"pp4": 107.0, "pp2xtp2": 180.0}
+"""Each layout's weight in the time left (its wall seconds in session 14's idle ``--quick``)."""
 PREEMPT_PATTERN = (1.0, 0.15, 0.15, 0.15, 1.0, 0.1, 0.1, 0.1)
 """Phase (b)'s job share of the targeted link per round: 1 is free; 0.15 and 0.1 leave 15% and
 10% (the tenant takes 85% and 90%). Repeated to the phase's length."""
@@ -127,6 +134,9 @@ class BenchSpec:
     extra ``planned_vs_even_split_slow_stage_kfkb_k1``. Full runs only since session 11: in
     ``--quick`` its 4 steps at phase (c)'s speeds cost ~14 s of the 5 minutes."""
     network_mode: str = "shaped"
+    deadline: float = 0.0
+    """``time.time()`` by which the layout's rounds should be done (``--quick``: from
+    :data:`QUICK_TARGET_S`; ``pipeline_model.phase_policy``); 0: every planned round runs."""
     phases: dict[str, dict[str, int]] = field(default_factory=dict)
     shares: list[float] = field(default_factory=list)
     splits: dict[str, list[int]] = field(default_factory=dict)
@@ -364,6 +374,13 @@ def summarise(network_mode: str, layouts: dict[str, dict[str, Any]]) -> dict[str
 # -- running -------------------------------------------------------------------------------
 
 
+def layout_deadline(now: float, run_deadline: float, name: str, left: Sequence[str]) -> float:
+    """When layout ``name`` should be done: its share (:data:`LAYOUT_SHARES`) among the layouts
+    ``left`` to run (itself included) of the time from ``now`` to ``run_deadline``."""
+    share = LAYOUT_SHARES[name] / sum(LAYOUT_SHARES[n] for n in left)
+    return now + max(0.0, run_deadline - now) * share
+
+
 def _network_mode() -> tuple[str, str]:
     from colossal_hetero.config import ConfigError
     from colossal_hetero.emulation.shaped.netns import check_shaped_support
@@ -387,8 +404,6 @@ def selected_layouts(specs: list[BenchSpec], only: str) -> list[BenchSpec]:
 
 def run_layout(spec: BenchSpec) -> dict[str, Any]:
     """One launch of 4 ranks; rank 0's result (every rank's is the same)."""
-    from dataclasses import replace
-
     from colossal_hetero.bench.pipeline_model import network_config
     from colossal_hetero.bench.pipeline_worker import run_pipeline_worker
     from colossal_hetero.bench.shaped_spawn import run_bench_ranks
@@ -434,9 +449,14 @@ def run_pipeline_benchmark(*, quick: bool, json_path: str = "") -> int:
         console.print(f"shaped links unavailable ({why}); falling back to the network model")
     layouts: dict[str, Any] = {}
     only = os.environ.get(LAYOUTS_ENV, "")
-    for spec in selected_layouts(build_specs(quick, mode), only):
+    specs = selected_layouts(build_specs(quick, mode), only)
+    run_deadline = time.time() + QUICK_TARGET_S
+    for i, spec in enumerate(specs):
         console.print(f"[bold]bench pipeline[/]: {spec.name} on {WORLD} ranks ({mode} links)")
         t0, launched = time.perf_counter(), time.time()
+        if quick:
+            left = [s.name for s in specs[i:]]
+            spec = replace(spec, deadline=layout_deadline(launched, run_deadline, spec.name, left))
         result = run_layout(spec)
         figures = layout_figures(spec.to_dict(), result)
         layouts[spec.name] = {

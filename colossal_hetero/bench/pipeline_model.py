@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from colossal_hetero.bench.rounds import RoundsPolicy
 from colossal_hetero.config.schema import (
     ClusterConfig,
     DeviceSpec,
@@ -26,6 +27,16 @@ DEVICE_BASE = 2.5
 """Phase (c)'s emulated devices (``pipeline_stretch.Stretch``, ``dedicated``) are this many
 times slower than a core: 4 ranks on 2 cores make a block's wall time up to about twice its CPU
 time, and the base absorbs that (``BenchSpec.device_base``)."""
+
+PHASE_SHARES = {"a": 25.0, "b": 81.0, "c": 98.0}
+"""Each phase's weight in a ``--quick`` layout's time left (seconds its rounds took in both
+layouts of session 14's idle ``--quick`` runs)."""
+QUICK_MIN_ROUNDS = {"a": 3, "b": 4, "c": 2}
+"""Rounds a ``--quick`` phase runs whatever its budget (phase b's first 4 hold 3 preempted).
+On session 15's host, slower than session 14's, 3 rounds of (c) in both layouts and the fixed
+costs (launches, builds, the split trial: 96 s) came to 311 s."""
+EXIT_RESERVE_S = 5.0
+"""Seconds of a layout's deadline kept for closing the variants and the ranks' exit."""
 
 ROW = ("step", "pipe", "k", "peak_bytes", "stretch_s")
 """One rank's numbers for one step, as all-gathered: seconds of the step and of its
@@ -143,3 +154,21 @@ def _per_stage(
 def stage_peaks(rows: Sequence[Sequence[float]], layout: Sequence[int], pp: int) -> list[float]:
     """Each stage's peak activation bytes (its largest rank's)."""
     return _per_stage(rows, layout, pp, "peak_bytes")
+
+
+def phase_policy(spec: dict[str, Any], phase: str, now: float) -> RoundsPolicy:
+    """How many rounds phase ``phase`` runs: the planned ``rounds``; with a ``deadline``
+    (``time.time()``, ``--quick``) at most those, stopping once the next round would end past
+    the phase's share (:data:`PHASE_SHARES`, among the phases from this one on) of the time
+    left at ``now``, less :data:`EXIT_RESERVE_S`, but not before :data:`QUICK_MIN_ROUNDS`.
+    No stop on convergence: every phase's figures need their rounds."""
+    planned = spec["phases"][phase]
+    rounds, warmup = planned["rounds"], planned["warmup"]
+    deadline = float(spec.get("deadline", 0.0))
+    if not deadline:
+        return RoundsPolicy(warmup, rounds, rounds, budget_s=1e9, target_half_width=0.0)
+    left = [p for p in PHASE_SHARES if p >= phase]
+    share = PHASE_SHARES[phase] / sum(PHASE_SHARES[p] for p in left)
+    budget = max(0.0, (deadline - EXIT_RESERVE_S - now) * share)
+    least = min(rounds, QUICK_MIN_ROUNDS[phase])
+    return RoundsPolicy(warmup, least, rounds, budget_s=budget, target_half_width=0.0, project=True)

@@ -45,7 +45,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from colossal_hetero.bench.pipeline_model import DEVICE_BASE, ROW, build_configs, stage_peaks
+from colossal_hetero.bench.pipeline_model import (
+    DEVICE_BASE,
+    ROW,
+    build_configs,
+    phase_policy,
+    stage_peaks,
+)
 from colossal_hetero.bench.pipeline_runner import (
     WARM_SEED,
     Runner,
@@ -178,8 +184,7 @@ def _build_set(
     return runners
 
 
-def _rounds(phases: Phases, runners: dict[str, Runner], rounds: int, warmup: int) -> Any:
-    policy = RoundsPolicy(warmup=warmup, min_rounds=rounds, max_rounds=rounds, budget_s=1e9)
+def _rounds(phases: Phases, runners: dict[str, Runner], policy: RoundsPolicy) -> Any:
     variants = {name: phases.variant(r) for name, r in runners.items()}
     decide = rank0_decides(torch.device("cpu"))
     return run_rounds(variants, _figures(list(runners)), policy, decide=decide)
@@ -232,7 +237,8 @@ def _run_phases(
         phase = spec["phases"][name]
         stretch.enabled = name == "c"
         phases.offset = phase["start"]
-        result = _rounds(phases, runners, phase["rounds"], phase["warmup"])
+        # Rank 0's clock sets the stop (``rank0_decides``): the same rounds on every rank.
+        result = _rounds(phases, runners, phase_policy(spec, name, time.time()))
         out["phases"][name] = result.to_dict()
         out["phases"][name]["figure_series"] = result.figure_series
         out["phases"][name]["first_round"] = phase["start"] + phase["warmup"]

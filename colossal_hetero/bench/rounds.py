@@ -61,6 +61,9 @@ class RoundsPolicy:
     """Wall seconds for all rounds, warm-up included; the round under way finishes."""
     target_half_width: float = 0.03
     """Stop once every figure's interval half-width (relative) is at most this."""
+    project: bool = False
+    """Also stop when the next round would end past ``budget_s`` at the mean round so far
+    (warm-up included), so that a time limit holds instead of being overrun by one round."""
     seed: int = 0
     """Bootstrap seed (the same on every rank)."""
 
@@ -170,6 +173,8 @@ def run_rounds(
 
             def propose(done: int = done, elapsed: float = elapsed) -> bool:
                 if done >= policy.max_rounds or elapsed >= policy.budget_s:
+                    return True
+                if policy.project and elapsed * (1 + 1 / (done + policy.warmup)) > policy.budget_s:
                     return True
                 widths = [i.half_width for i in _figure_intervals(series, figures, policy)]
                 return max(widths, default=0.0) <= policy.target_half_width

@@ -12,6 +12,7 @@ from colossal_hetero.bench.pipeline import (
     PREEMPT_PATTERN,
     build_specs,
     job_shares,
+    layout_deadline,
     layout_figures,
     phase_plan,
     planned_splits,
@@ -19,7 +20,13 @@ from colossal_hetero.bench.pipeline import (
     selected_layouts,
     summarise,
 )
-from colossal_hetero.bench.pipeline_model import ROW, network_config, stage_peaks
+from colossal_hetero.bench.pipeline_model import (
+    EXIT_RESERVE_S,
+    ROW,
+    network_config,
+    phase_policy,
+    stage_peaks,
+)
 
 
 def test_round_plan_and_tenant_trace():
@@ -397,3 +404,26 @@ def test_brute_force_split_summary_by_hand():
     # Every candidate split holds the 12 blocks over 2 stages, each stage at least one.
     for split in (*PLANNED_WIDTH_SPLITS, *EVEN_WIDTH_SPLITS):
         assert len(split) == 2 and sum(split) == 12 and min(split) >= 1
+
+
+def test_quick_rounds_share_the_deadline():
+    # A layout gets its share of the time left among the layouts still to run.
+    now, end = 1000.0, 1270.0
+    first = layout_deadline(now, end, "pp4", ["pp4", "pp2xtp2"])
+    assert first == pytest.approx(now + 270.0 * 107.0 / 287.0)
+    assert layout_deadline(first, end, "pp2xtp2", ["pp2xtp2"]) == end
+    assert layout_deadline(end + 5, end, "pp2xtp2", ["pp2xtp2"]) == end + 5  # late: no time
+    spec = build_specs(quick=True, network_mode="model")[0].to_dict()
+    # No deadline (full runs, and quick ones given none): every planned round, no early stop.
+    for phase in "abc":
+        policy = phase_policy(spec, phase, now)
+        planned = spec["phases"][phase]["rounds"]
+        assert (policy.min_rounds, policy.max_rounds, policy.project) == (planned, planned, False)
+        assert policy.target_half_width == 0.0
+    # With one: phase a gets 25/204 of the time left less the exit reserve, phase c all of it.
+    spec["deadline"] = now + 100.0 + EXIT_RESERVE_S
+    a, c = phase_policy(spec, "a", now), phase_policy(spec, "c", now)
+    assert a.budget_s == pytest.approx(100.0 * 25.0 / 204.0) and c.budget_s == pytest.approx(100.0)
+    assert a.project and (a.min_rounds, a.max_rounds) == (3, 4)
+    assert (phase_policy(spec, "b", now).min_rounds, c.min_rounds) == (4, 2)
+    assert phase_policy(spec, "c", now + 200.0).budget_s == 0.0  # past it: the least rounds

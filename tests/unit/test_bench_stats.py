@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import Counter
 
@@ -224,3 +225,27 @@ def test_static_figures_and_summary_keys():
     assert summary["equal_speed_ratio_case"] == "gpt2-tp2-equal"
     assert summary["converged"] is True and summary["max_half_width"] == 0.0
     assert "equal_speed_ratio" not in static.summary(rows[:2])  # no equal-speed case run
+
+
+def test_projected_budget_stops_before_a_round_would_overrun_it():
+    # Each round takes 10 s (two variants of 5 s), the warm-up one too; budget 45 s. The values
+    # vary, so the figure's interval never reaches the target width 0 (no convergence stop).
+    now = [0.0]
+    values = itertools.cycle([1.0, 1.5, 2.0])
+
+    def five_seconds(index, *, warmup):
+        now[0] += 5.0
+        return next(values)
+
+    variants = {"a": five_seconds, "b": five_seconds}
+    figures = {"b_over_a": lambda v: v["b"] / v["a"]}
+    policy = RoundsPolicy(
+        warmup=1, min_rounds=2, max_rounds=10, budget_s=45.0, target_half_width=0.0, project=True
+    )
+    result = run_rounds(variants, figures, policy, clock=lambda: now[0])
+    # After 3 rounds 40 s have gone (warm-up included), a 4th would end at 50 > 45: stop.
+    assert result.rounds == 3 and now[0] == 40.0 and result.stopped_by == "budget"
+    now[0] = 0.0
+    plain = dataclasses.replace(policy, project=False)
+    result = run_rounds(variants, figures, plain, clock=lambda: now[0])
+    assert result.rounds == 4 and now[0] == 50.0  # the round under way finishes past it
