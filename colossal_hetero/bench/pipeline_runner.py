@@ -113,7 +113,7 @@ class Runner:
         started = time.perf_counter()
         self.booster.execute_pipeline(iter([batch]), self.model, self.criterion, self.optimizer)
         piped = time.perf_counter()
-        k = self.k  # the k this step ran: ada decides as a step starts (before_step)
+        k = self.k  # the k this step ran: ada decides early in a step (before_step)
         self.optimizer.step()
         self.optimizer.zero_grad()
         ended = time.perf_counter()

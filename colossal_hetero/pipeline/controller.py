@@ -60,9 +60,9 @@ class AdaKController:
         overlap: run a retuning step's gather in the background and decide it after the next
             step (see :meth:`after_step`); ``group`` should then be one the steps do not use, or
             the gather waits for their collectives on it.
-        early: with ``overlap``, decide before the next step's first pass instead
-            (:meth:`before_step`, installed as ``schedule.before_step``): ``k`` changes one
-            step earlier, and that step waits for whatever of the gather is still in flight.
+        early: with ``overlap``, decide in the next step, before its first pass that depends
+            on ``k`` (:meth:`before_step`, installed as ``schedule.before_step``): ``k`` changes
+            one step earlier, and that step waits for whatever of the gather is still in flight.
         guard: checks the simulator's choice against the step times measured at each ``k``
             (:class:`~colossal_hetero.pipeline.measured.MeasuredGuard`: refuted switches,
             exploration of neighbours); None follows the simulator alone.
@@ -152,9 +152,10 @@ class AdaKController:
         return self._decide(rows, step, ran)
 
     def before_step(self) -> None:
-        """``early``: decide the gather in flight before a step's first pass (``set_k``), so the
-        step runs the ``k`` decided from the one before it. Every rank waits for the same gather
-        and decides on the same rows: the same ``k`` everywhere, set between steps."""
+        """``early``: decide the gather in flight before a step's first ``k``-dependent pass
+        (``set_k``; ``KFKBSchedule.before_step`` says where), so the step runs the ``k``
+        decided from the one before it. Every rank waits for the same gather and decides on
+        the same rows: the same ``k`` everywhere, before any pass that depends on it."""
         if self._pending is not None:
             self._decided = self._settle()
 

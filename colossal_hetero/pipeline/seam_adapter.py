@@ -4,7 +4,8 @@
 ada_kfkb) and, for ada_kfkb, returns an :class:`AdaKSeamController` for the plugin's step seam:
 after every step it calls :meth:`AdaKController.after_step` (one ``all_gather`` every
 ``parallel.pp_retune_every`` steps, on every rank, over a group of its own; it runs in the
-background and is decided before the next step's first pass) and writes each decision record.
+background and is decided before the next step's first ``k``-dependent pass) and writes each
+decision record.
 
 Link time is measured online (``KFKBSchedule.last_record``'s per-message timestamps; see
 ``pipeline/profile.py``), not taken from the config.
@@ -132,8 +133,8 @@ def install_schedule(engine: Any, config: HeteroConfig, rank: int) -> AdaKSeamCo
         # queues behind it (every rank creates it here, in the same order).
         group=dist.new_group(backend="gloo"),
         overlap=True,
-        # Decided before the next step's first pass: k changes one step after the step it
-        # was measured on, not two (that step waits for the gather's rest, if any).
+        # Decided before the next step's first k-dependent pass: k changes one step after the
+        # step it was measured on, not two (that step waits for the gather's rest, if any).
         early=True,
         guard=MeasuredGuard(margin=MEASURED_MARGIN, explore=EXPLORE, memory=MEMORY, settle=SETTLE),
         # The first retuning picks the fastest prediction: the start k was not chosen.
