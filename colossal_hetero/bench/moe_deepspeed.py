@@ -131,7 +131,7 @@ def deepspeed_variant(
     if not available():
         return None, MISSING, None
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    notes = io.StringIO()  # DeepSpeed's groups and torch's CUDA_HOME probe print notes
+    notes = io.StringIO()  # DeepSpeed's groups and torch's GPU-toolkit probe print notes
     with contextlib.redirect_stdout(notes), contextlib.redirect_stderr(notes):
         engine, blocks = _build(make_model(), ep, precision, micro_batch)
     coef = float(engine.module.config.router_aux_loss_coef)

@@ -59,8 +59,8 @@ def profile_rank(
 
 def profile_ranks(nproc: int, emulation: Any, run: Any = None) -> list[dict]:
     """``profile_rank`` on ``nproc`` local ranks: on real shaped links when the emulation's
-    network is ``mode: shaped`` (``bench.shaped_spawn``; CPU ranks, so a ``cluster.device:
-    cuda`` run is refused), else spawned on loopback under the emulation's model."""
+    network is ``mode: shaped`` (``bench.shaped_spawn``; CPU ranks, so a run configured for a
+    GPU ``cluster.device`` is refused), else spawned on loopback under the emulation's model."""
     from colossal_hetero.bench.shaped_spawn import run_bench_ranks, wants_shaped
 
     network = emulation.network if emulation is not None else None

@@ -1,7 +1,8 @@
 """Make Colossal-AI 0.5's hybrid-parallel training run on CPU processes over gloo.
 
-Colossal-AI targets CUDA; on a CPU-only host its CPU accelerator raises for every device, RNG and
-stream call, and a few modules name CUDA directly. Each fix below is small, named and tested
+Colossal-AI targets GPUs; on a CPU-only host its CPU accelerator raises for every device, RNG
+and stream call, and a few modules call the GPU backend directly. Each fix below is small, named
+and tested
 (tests/distributed/test_cpu_support.py has one check per fix that fails without it).
 
 Contract:
@@ -9,9 +10,9 @@ Contract:
 - It is idempotent: a second call changes nothing.
 - It only touches CPU code paths: the ``CpuAccelerator`` class, the gloo branch of pipeline p2p,
   a ZeRO sanity check that rejected the CPU accelerator (and ZeRO's stream overlap, which CPU
-  tensors cannot join), CUDA-only ``torch.cuda.set_device`` calls in shardformer modeling code,
-  which become no-ops for non-CUDA tensors, and the gloo branch of the GPT-2 fused-QKV gather.
-  CUDA runs take exactly the code paths they took before.
+  tensors cannot join), GPU-only ``set_device`` calls in shardformer modeling code, which
+  become no-ops for CPU tensors (``utils.device.set_device_ignoring_cpu``), and the gloo branch
+  of the GPT-2 fused-QKV gather. GPU runs take exactly the code paths they took before.
 
 Upstream: hpcaitech/ColossalAI issue #5211 (Randomizer on CPU), #2827 (CPU debugging); the
 proposed fix (PR #5265) was never merged.
@@ -29,7 +30,7 @@ import torch
 
 _MARK = "_colossal_hetero_cpu_support"
 
-# Shardformer modeling modules that call torch.cuda.set_device(hidden_states.device).
+# Shardformer modeling modules that call the GPU backend's set_device(hidden_states.device).
 _MODELING_MODULES = (
     "colossalai.shardformer.modeling.gpt2",
     "colossalai.shardformer.modeling.gptj",
@@ -138,7 +139,7 @@ def _patch_pipeline_p2p() -> None:
 
 
 def _zero_sanity_checks(self: Any) -> None:
-    """ZeRO's dtype check, without the assertion that the accelerator is CUDA or NPU."""
+    """ZeRO's dtype check, without the assertion that the accelerator is a GPU or an NPU."""
     for param_group in self.optim.param_groups:
         for param in param_group["params"]:
             if getattr(param, "skip_zero_check", False):
@@ -196,8 +197,8 @@ def _gather_fused_qkv(
 ) -> Callable[..., torch.Tensor]:
     """GPT-2 fused-QKV gather that works on gloo groups.
 
-    The stock function moves the shard to CUDA unconditionally (``qkv.cuda()``), so saving a
-    TP-sharded GPT-2 state dict fails on CPU. NCCL groups still take the stock path.
+    The stock function moves the shard to the GPU unconditionally, so saving a TP-sharded
+    GPT-2 state dict fails on CPU. NCCL groups still take the stock path.
 
     Each rank holds ``[Q_r, K_r, V_r]`` (every part ``split_sizes[i] / world`` wide along the
     feature dim: the last one when ``is_transposed``); the result is ``[Q_0..Q_n, K_0.., V_0..]``.

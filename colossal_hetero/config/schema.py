@@ -17,6 +17,9 @@ from colossal_hetero.config.moe import MoeConfig
 from colossal_hetero.config.parallel import ParallelConfig
 
 Arch = Literal["gpt2", "llama", "mixtral", "bert", "vit"]
+# The values users write for ``cluster.device``; ``utils/device.py``, the one module that acts on
+# a device kind, maps them to devices and backends. Spelled here because the config layer imports
+# no torch (the planner runs without it: tests/unit/test_planner_hf.py).
 DeviceKind = Literal["auto", "cpu", "cuda"]
 
 

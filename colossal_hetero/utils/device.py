@@ -103,6 +103,10 @@ def available_memory_bytes(device: torch.device, local_world_size: int = 1) -> i
     return 0
 
 
+DEPRECATED_AMP_WARNING = r"`torch\.cuda\.amp\.custom_"
+"""Opening words of torch's FutureWarning for the GPU backend's deprecated ``amp.custom_fwd`` /
+``custom_bwd`` decorators, which Colossal-AI's MoE ops still use (``utils.quiet`` filters it
+at that source)."""
 SUPPORTED_DEVICE_TYPES = ("cuda", "cpu")
 """Device types the plugin runs on (what Booster's ``supported_devices`` reports)."""
 

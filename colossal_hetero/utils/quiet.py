@@ -5,10 +5,11 @@ that emits the message and the message's opening words, so the same text from an
 our own output included, still shows. What is filtered and why:
 
 - ``colossalai.shardformer.layer.normalization``, ``colossalai.utils.safetensors``
-  (``UserWarning`` at import): optional CUDA kernels (apex, TensorNVMe) that CPU runs and
+  (``UserWarning`` at import): optional GPU kernels (apex, TensorNVMe) that CPU runs and
   synchronous checkpoints never use.
 - ``colossalai.moe._operation`` (``FutureWarning`` at import): its MoE autograd ops use the
-  deprecated ``torch.cuda.amp.custom_fwd``; nothing to act on for a user.
+  GPU backend's deprecated ``amp.custom_fwd`` (``utils.device.DEPRECATED_AMP_WARNING``);
+  nothing to act on for a user.
 - ``bitsandbytes.backends.cpu.ops`` (log record, WARNING): a 4-bit CPU kernel from the
   ``kernels`` package; nothing here quantizes to 4 bits.
 - ``transformers.modeling_utils`` (log record, WARNING): ``loss_type=None ... unrecognised``;
@@ -25,12 +26,14 @@ import logging
 import os
 import warnings
 
+from colossal_hetero.utils.device import DEPRECATED_AMP_WARNING
+
 _IMPORT_WARNINGS = (
     (r"colossalai\.shardformer\.layer\.normalization", r"Please install apex"),
     (r"colossalai\.utils\.safetensors", r"Please install the latest tensornvme"),
 )
-# FutureWarning at import: Colossal-AI's MoE ops still use torch.cuda.amp.custom_fwd/bwd.
-_IMPORT_FUTURE_WARNINGS = ((r"colossalai\.moe\._operation", r"`torch\.cuda\.amp\.custom_"),)
+# FutureWarning at import: Colossal-AI's MoE ops still use the deprecated amp decorators.
+_IMPORT_FUTURE_WARNINGS = ((r"colossalai\.moe\._operation", DEPRECATED_AMP_WARNING),)
 _LOG_RECORDS = (
     (
         "bitsandbytes.backends.cpu.ops",
