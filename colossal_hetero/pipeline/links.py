@@ -144,6 +144,22 @@ class _PortLandings:
         insort(self.times.setdefault(port, []), landed)
         insort(self.of_kind.setdefault((port, kind), []), landed)
 
+    def latest(self, ports: Sequence[tuple[str, int]]) -> float:
+        """The last landing seen on any of ``ports`` (``NOT_BLOCKED`` if none)."""
+        return max([NOT_BLOCKED, *(self.times[q][-1] for q in ports if self.times.get(q))])
+
+    def last_other(self, ports: Sequence[tuple[str, int]], kind: Any, before: float) -> float:
+        """The last landing of a kind other than ``kind`` on ``ports`` strictly before ``before``
+        (``NOT_BLOCKED`` if none). A first message that queued behind those (PP=4, k = 4: a
+        stage's first gradient behind the bursts of activations on its sender's upload and its
+        receiver's download, 46-57 ms where it takes ~13 alone) is queued behind them by the
+        simulator too, so its own time starts there, not at its send."""
+        last = NOT_BLOCKED
+        for (port, k), times in self.of_kind.items():
+            i = bisect_left(times, before) if port in ports and k != kind else 0
+            last = max(last, times[i - 1]) if i else last
+        return last
+
     def busiest(
         self, ports: Sequence[tuple[str, int]], kind: Any, after: float, before: float
     ) -> int:
@@ -218,14 +234,13 @@ def link_seconds(
     and asked for to its arrival, less its direction's latency (which the simulator adds to
     every landing): its tensors' receives are posted only then, after its metadata
     (``pipeline/p2p.py``), and from the last landing of another direction before it on a
-    shared port it crossed (:func:`_ports_free`: the simulator queues it behind those too).
+    shared port it crossed (:meth:`_PortLandings.last_other`: the simulator queues it behind
+    those too).
     Links that let a lone message through at once and charge it after (token debt,
     :func:`_debt_spacing`) split as :func:`_debt_link`. Keys: ``F``, ``B`` (per message),
     ``LF``, ``LB`` (latency), ``F0``, ``B0`` (first messages), ``D`` (1: token debt), one value
     per boundary. The same for any order of the records."""
     history: dict[tuple[str, int, int], list[tuple[float, float]]] = {}
-    seen: dict[tuple[str, int], float] = {}
-    port_landings: dict[tuple[str, int], list[tuple[float, tuple[str, int, int]]]] = {}
     samples: dict[tuple[str, int, int], list[_Sample]] = {}
     messages = _messages(records)
     unseen = _unseen_by_port(messages) if shared_ports else {}
@@ -237,13 +252,13 @@ def link_seconds(
         landed = NOT_BLOCKED
         if msg.on_ask:  # it landed before it was asked for if its wait did not block
             landed = msg.arrived
-            begin = max(msg.sent, msg.asked, _ports_free(port_landings, ports, msg))
+            begin = max(msg.sent, msg.asked, on_ports.last_other(ports, msg.kind, msg.arrived))
             first = 0.0 if landed == NOT_BLOCKED else max(0.0, landed - begin)
             samples.setdefault((f"{op}0", boundary, column), []).append(
                 (first, "first", 0.0, first)
             )
         else:
-            latest = max([NOT_BLOCKED, *(seen.get(q, -1) for q in ports)])
+            latest = on_ports.latest(ports)
             crossing = partial(on_ports.busiest, ports, msg.kind) if ports else None
             seconds, how, ahead = _seconds(msg, earlier, latest, crossing)
             if _waited(msg, seconds):
@@ -253,8 +268,6 @@ def link_seconds(
         earlier.append((msg.release, landed))
         if landed != NOT_BLOCKED:
             for port in ports:
-                seen[port] = max(seen.get(port, landed), landed)
-                port_landings.setdefault(port, []).append((landed, msg.kind))
                 on_ports.add(port, landed, msg.kind)
     downloads = _downloads(messages, unseen) if shared_ports else {}
     return _per_boundary(samples, num_stages, downloads)
@@ -394,20 +407,6 @@ def _debt_link(values: Sequence[_Sample], pooled: float) -> tuple[float, float]:
     alone = [x for x, how, *_ in values if how == "alone"]
     per_message = statistics.median(queued) if len(queued) >= MIN_QUEUED else pooled
     return per_message, statistics.median(alone) if alone else 0.0
-
-
-def _ports_free(
-    landings: Mapping[tuple[str, int], Sequence[tuple[float, tuple[str, int, int]]]],
-    ports: Sequence[tuple[str, int]],
-    msg: _Message,
-) -> float:
-    """The last landing of another direction seen on ``msg``'s shared ports before ``msg``
-    landed (``NOT_BLOCKED`` if none). A first message that queued behind those (PP=4, k = 4: a
-    stage's first gradient behind the bursts of activations on its sender's upload and its
-    receiver's download, 46-57 ms where it takes ~13 alone) is queued behind them by the
-    simulator too, so its own time starts there, not at its send."""
-    before = [t for q in ports for t, kind in landings.get(q, ()) if kind != msg.kind]
-    return max([NOT_BLOCKED] + [t for t in before if t < msg.arrived])
 
 
 def _link_and_latency(values: Sequence[_Sample]) -> tuple[float, float]:
