@@ -21,6 +21,13 @@ interleaved round by round on the rounds helper, through three phases:
   (``pipeline_split.try_splits``; a split other than the plugin's is then configured as
   ``parallel.num_layers_per_stage``, the user recipe of docs/pipeline.md).
 
+Every rank computes on an emulated device of its own in every phase (``Stretch``,
+``dedicated``; the same for every variant): ``free_base`` (2.5) times slower than a core in (a)
+and (b), ``device_base`` (6) in (c). Unstretched, the 4 ranks shared the host's 2 cores, so a
+stage's compute depended on what the other stages ran beside it: a cost of the host, not of
+the schedule (the simulator, which gives each stage its device, missed PP=4's (a) and (b) by
+up to 10-20% per step, against 1-2% in (c)).
+
 Every figure is a median of per-round ratios of the slowest rank's step times (paired: one
 round's variants saw the same load and network state) with a bootstrap 95% interval
 (``bench.stats``). The summary keys, each the worst over the two layouts:
@@ -58,7 +65,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from colossal_hetero.bench.pipeline_model import device_speeds
+from colossal_hetero.bench.pipeline_model import DEVICE_BASE, device_speeds
 from colossal_hetero.bench.stats import ratio_interval
 from colossal_hetero.config.schema import PreemptionSpec
 from colossal_hetero.planner.stages import split_layers, stage_speeds
@@ -66,11 +73,15 @@ from colossal_hetero.planner.stages import split_layers, stage_speeds
 WORLD = 4
 RATE_GBPS = 0.02
 """Stage links: 20 Mbit/s, so one micro-batch's activation takes a few ms, as its compute."""
-MIXED_RATE_GBPS = 0.01
-"""PP=2 x TP=2's stage links: 10 Mbit/s. Its micro-batch (2 samples, 32 KiB of hidden states)
+MIXED_RATE_GBPS = 0.007
+"""PP=2 x TP=2's stage links: 7 Mbit/s. Its micro-batch (2 samples, 32 KiB of hidden states)
 computes about 3x longer than PP=4's (tensor-parallel all-reduces on CPU), and at 20 Mbit/s the
 preempted link then cost 1F1B only ~20% (idle machine, session 4) while kFkB hid all of it: no
-schedule could gain 1.3x there. At 10 Mbit/s a free transfer still hides behind a backward."""
+schedule could gain 1.3x there. 10 Mbit/s until session 16, when (a) and (b) moved onto
+emulated devices 2.5x slower than a core (``free_base``; ~1.3x slower steps than the shared
+cores on session 16's host): the tenant then cost stock 1F1B 1.29x at 10 Mbit/s and 1.18x at 13
+(``--quick``, this layout alone), 1.65x at 7, near its 1.46-1.58x of session 14 (10 Mbit/s,
+unstretched, a faster host). A free transfer (37 ms) still hides behind a backward (~95 ms)."""
 FAST_GBPS = 1.0
 """TP pairs inside a stage."""
 SHAPED_TIMEOUT_S = 900.0
@@ -125,6 +136,10 @@ class BenchSpec:
     """Phase (c)'s emulated devices: this many times slower than a core
     (``pipeline_stretch.Stretch(base=)``); it sets how far compute outweighs the TP
     all-reduces and stage links on the emulated cluster."""
+    free_base: float = DEVICE_BASE
+    """Phases (a) and (b)'s emulated devices (every rank at full speed): this many times slower
+    than a core, so that each stage computes on a device of its own, as on a cluster, rather
+    than sharing the host's 2 cores with the other stages (see :data:`DEVICE_BASE`)."""
     settle_s: float = 0.3
     drain_s: float = 1.0
     """Extra wait before the first free round after a tenant stretch (its bytes still queued

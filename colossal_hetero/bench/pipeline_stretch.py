@@ -1,4 +1,4 @@
-"""Slow devices for ``bench pipeline`` scenario (c): stretch each block's own compute.
+"""Emulated devices for ``bench pipeline``: stretch each block's own compute.
 
 The collective interceptor stretches a rank's compute at its next collective, and it does not
 see ``KFKBSchedule``'s ``isend``/``irecv``: under it, a stage would be slowed where Colossal-AI's
@@ -17,8 +17,9 @@ Two modes (``Stretch(mode=)``):
   it, sleeping what its (contended) wall time left: a device of its own, ``base`` times slower
   than a core, that no neighbour speeds up or slows down while the contention stays below
   ``base`` (as the interceptor's ``stretch="dedicated"``). A device at ``1 / factor`` speed
-  then computes ``(factor - 1) * base`` times that CPU time longer. Every rank of the scenario
-  runs on such devices, the slowed stage's with ``factor`` 2.
+  then computes ``(factor - 1) * base`` times that CPU time longer. Every rank of every phase
+  runs on such devices (``Stretch.set_device`` between phases: phase (c) on slower ones, its
+  slowed stage's with ``factor`` 2).
 
   *Intervals.* A tensor-parallel block synchronises its ranks inside each pass (all-reduces).
   Stretching the pass only at its end would serialise them: the slow rank's wall time already
@@ -84,9 +85,9 @@ class Stretch:
         """``sleep``, ``cpu_clock``, ``wall_clock`` and ``sync_modules`` (whose ``SYNC_NAMES``
         functions a ``dedicated`` pass wraps) are seams for tests; every stretch is one call of
         ``sleep``. ``base`` applies to ``dedicated`` mode only."""
-        if factor < 1.0 or base < 1.0:
-            raise ValueError(f"factor, base: a stretch slows down, need >= 1, got {factor}, {base}")
-        self.factor, self.mode, self.base = factor, mode, base
+        self.factor, self.base = 1.0, 1.0
+        self.set_device(factor, base)
+        self.mode = mode
         self._sleep, self._cpu, self._wall = sleep, cpu_clock, wall_clock
         self._modules = tuple(sync_modules)
         self.enabled = False
@@ -110,6 +111,13 @@ class Stretch:
         self._wrappers: dict[int, tuple[Any, Callable[..., Any]]] = {}
         """While a ``dedicated`` pass is open: (module index, name) -> the function wrapped."""
         self._handles: list[Any] = []
+
+    def set_device(self, factor: float, base: float) -> None:
+        """Emulate another device from the next interval on: ``1 / factor`` of the speed of one
+        ``base`` times slower than a core (``base``: ``dedicated`` mode only)."""
+        if factor < 1.0 or base < 1.0:
+            raise ValueError(f"factor, base: a stretch slows down, need >= 1, got {factor}, {base}")
+        self.factor, self.base = factor, base
 
     def clocks(self) -> Clocks:
         """(wall, thread CPU) now: where an interval starts."""

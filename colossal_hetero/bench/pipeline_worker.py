@@ -18,8 +18,10 @@ Variants (names used in the JSON):
 - ``k1_even`` (phase c of full runs only): the equal set's ``k1`` (``KFKBSchedule``,
   ``k = 1``, even split and widths), the even split under our executor.
 
+Every rank of every phase computes on an emulated device of its own (``bench.pipeline_stretch``,
+``dedicated``: ``free_base`` times slower than a core in (a) and (b), ``device_base`` in (c)).
 Phases (a) and (b) share one set (equal speeds: the planned split is the planner's for equal
-stages); phase (c) slows one device to half speed (``bench.pipeline_stretch``) and uses a second
+stages); phase (c) slows one device to half speed and uses a second
 set planned for that: told the devices' speeds, so each stage's TP widths are planned, and
 the stage times ``measure_stage_times`` takes (``plan.stage_times``), so the plugin plans the
 split; ``try_splits`` then runs the user's trial (``pipeline.split_trial``) of that split
@@ -225,17 +227,23 @@ def _run_phases(
     phases = Phases(spec, rank)
     equal = _build_set(spec, "equal", device, {})
     timings["build_equal_s"] = time.perf_counter() - started
-    # Phase (c) runs every rank on an emulated device of its own (``dedicated``: no neighbour's
-    # sleep speeds it up), the slow ranks' at half speed (bench/pipeline_stretch.py).
-    slowed = rank in spec["slow_ranks"]
-    factor = spec["slow_factor"] if slowed else 1.0
-    stretch = Stretch(factor, mode="dedicated", base=spec.get("device_base", DEVICE_BASE))
+    # Every phase runs every rank on an emulated device of its own (``dedicated``: no
+    # neighbour's sleep speeds it up or its work slows it down), phase (c)'s slower and the
+    # slow ranks' at half speed there (bench/pipeline_stretch.py). The equal set's build
+    # steps ran before, at the core's speed (unrecorded).
+    devices = _phase_devices(spec, rank)
+    stretch = Stretch(1.0, mode="dedicated")
+    for runner in equal.values():
+        stretch.attach(runner.blocks)
+        runner.stretch = stretch
+    stretch.set_device(*devices["c"])
     slow, measured, extra = _slow_set(spec, device, equal, stretch, phases.layout, timings)
     out: dict[str, Any] = {"setup_s": time.perf_counter() - started, "phases": {}}
     out["measured_split"] = measured
     for name, runners in (("a", equal), ("b", equal), ("c", slow)):
         phase = spec["phases"][name]
-        stretch.enabled = name == "c"
+        stretch.set_device(*devices[name])
+        stretch.enabled = True
         phases.offset = phase["start"]
         # Rank 0's clock sets the stop (``rank0_decides``): the same rounds on every rank.
         result = _rounds(phases, runners, phase_policy(spec, name, time.time()))
@@ -255,6 +263,13 @@ def _run_phases(
         if close is not None:
             close()
     return out
+
+
+def _phase_devices(spec: dict[str, Any], rank: int) -> dict[str, tuple[float, float]]:
+    """Per phase, this rank's emulated device as ``Stretch.set_device``'s (factor, base)."""
+    free = (1.0, spec.get("free_base", DEVICE_BASE))
+    factor = spec["slow_factor"] if rank in spec["slow_ranks"] else 1.0
+    return {"a": free, "b": free, "c": (factor, spec.get("device_base", DEVICE_BASE))}
 
 
 def _exit_at_once() -> None:
@@ -282,8 +297,6 @@ def _slow_set(
     JSON; the other runners built (probe, tried splits). Adds its parts to ``timings``."""
     clock = time.perf_counter()
     stock = equal["stock"]
-    stretch.attach(stock.blocks)
-    stock.stretch = stretch
     probe = probe_runner(spec, device, stock, stretch)
     measured = measure_stage_times(probe, stretch, layout, spec)
     timings["probe_s"], clock = time.perf_counter() - clock, time.perf_counter()

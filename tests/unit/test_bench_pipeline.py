@@ -92,6 +92,19 @@ def test_specs_and_network():
     assert network_config(pp4.to_dict(), "model").links == []
 
 
+def test_every_phase_runs_on_emulated_devices_of_their_own():
+    from colossal_hetero.bench.pipeline_worker import _phase_devices
+
+    pp4, mixed = (s.to_dict() for s in build_specs(quick=True, network_mode="shaped"))
+    # (a) and (b): every rank a full-speed device 2.5x slower than a core; (c): 6x, and the
+    # slow rank (PP=4's rank 1, PP=2 x TP=2's rank 0) at half of that.
+    assert (pp4["free_base"], pp4["device_base"], pp4["slow_factor"]) == (2.5, 6.0, 2.0)
+    assert _phase_devices(pp4, 1) == {"a": (1.0, 2.5), "b": (1.0, 2.5), "c": (2.0, 6.0)}
+    assert _phase_devices(pp4, 0)["c"] == (1.0, 6.0)
+    assert _phase_devices(mixed, 0)["c"] == (2.0, 6.0)
+    assert all(_phase_devices(mixed, r)["c"] == (1.0, 6.0) for r in (1, 2, 3))
+
+
 def test_layout_selection_for_iterating_on_one():
     specs = build_specs(quick=True, network_mode="model")
     assert selected_layouts(specs, "") == specs

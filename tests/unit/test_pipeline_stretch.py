@@ -190,3 +190,21 @@ def test_a_block_whose_input_needs_no_gradient_opens_no_backward():
     out.sum().backward()  # no end mark on the input: no backward pass opened
     assert stretch.passes == 1 and clocks.slept == pytest.approx([0.4, 0.4])
     assert not stretch.in_pass and block.scale.grad is not None
+
+
+def test_set_device_changes_the_emulated_device_from_the_next_pass():
+    """bench pipeline's phases: (a)/(b) on full-speed devices 2.5x slower than a core, then (c)
+    on devices 6x slower, the slowed rank's at half speed; one stretch, reconfigured."""
+    clocks = FakeClocks()
+    stretch = _stretch(clocks, _collectives(clocks, wait=0.0), factor=1.0)
+    for factor, base in ((1.0, 2.5), (2.0, 6.0), (1.0, 6.0)):
+        stretch.set_device(factor, base)
+        stretch.begin_pass()
+        clocks.compute(cpu=0.1, wall=0.15)
+        stretch.end_pass()
+    # (1, 2.5): 0.25 - 0.15 = 0.1; (2, 6): 0.6 - 0.15 + 0.6 = 1.05; (1, 6): 0.45.
+    assert clocks.slept == pytest.approx([0.1, 1.05, 0.45])
+    for bad in ((0.5, 2.5), (1.0, 0.9)):
+        with pytest.raises(ValueError, match="factor, base"):
+            stretch.set_device(*bad)
+    assert (stretch.factor, stretch.base) == (1.0, 6.0)  # a refused device changes nothing
