@@ -153,7 +153,7 @@ def measure_stage_times(
     if stock.steps == 0:  # a fresh probe (PP=2 x TP=2's): its lazy initialisation, unstretched
         stock.step(seed=WARM_SEED + 1)
     stretch.enabled = True
-    rows, before = [], _stretch_totals(stretch)
+    rows, before = [], stretch_totals(stretch)
     for i in range(steps):
         seconds, passes, busy = stretch.passes_s, stretch.passes, stock.meter.busy_s
         stock.step(seed=WARM_SEED + 2 + i)
@@ -162,7 +162,7 @@ def measure_stage_times(
         fixed_s = max(0.0, (stock.meter.busy_s - busy - blocks_run * block_s) / m)
         rows.append(gather_rows([block_s, fixed_s]))
     stretch.enabled = False
-    totals = [b - a for a, b in zip(before, _stretch_totals(stretch), strict=True)]
+    by_rank = stretch_by_rank(before, stretch)
 
     def stage_median(stage: int, column: int) -> float:
         ranks = [r for r, s in enumerate(layout) if s == stage]
@@ -175,9 +175,7 @@ def measure_stage_times(
         "block_s": list(times.block_s),
         "fixed_s": list(times.fixed_s),
         "stage_times": [[b, f] for b, f in zip(times.block_s, times.fixed_s, strict=True)],
-        "stretch_by_rank": [
-            dict(zip(STRETCH_TOTALS, row, strict=True)) for row in gather_rows(totals)
-        ],
+        "stretch_by_rank": by_rank,
     }
 
 
@@ -185,5 +183,13 @@ STRETCH_TOTALS = ("cpu_s", "compute_wall_s", "slept_s", "passes_s", "passes", "i
 """``measure_stage_times``' per-rank stretch totals over its measured steps (``Stretch``'s)."""
 
 
-def _stretch_totals(stretch: Stretch) -> list[float]:
+def stretch_totals(stretch: Stretch) -> list[float]:
+    """``stretch``'s running :data:`STRETCH_TOTALS` (a span's are two readings' difference)."""
     return [float(getattr(stretch, name)) for name in STRETCH_TOTALS]
+
+
+def stretch_by_rank(before: list[float], stretch: Stretch) -> list[dict[str, float]]:
+    """Every rank's :data:`STRETCH_TOTALS` since ``before`` (its :func:`stretch_totals` then).
+    Collective (one all_gather on the default group)."""
+    totals = [b - a for a, b in zip(before, stretch_totals(stretch), strict=True)]
+    return [dict(zip(STRETCH_TOTALS, row, strict=True)) for row in gather_rows(totals)]

@@ -65,6 +65,8 @@ from colossal_hetero.bench.pipeline_split import (
     measure_stage_times,
     probe_runner,
     stage_widths,
+    stretch_by_rank,
+    stretch_totals,
     trial_record,
     try_splits,
 )
@@ -246,8 +248,12 @@ def _run_phases(
         stretch.enabled = True
         phases.offset = phase["start"]
         # Rank 0's clock sets the stop (``rank0_decides``): the same rounds on every rank.
+        before = stretch_totals(stretch)
         result = _rounds(phases, runners, phase_policy(spec, name, time.time()))
         out["phases"][name] = result.to_dict()
+        # Each rank's device totals over the phase: compute_wall_s / cpu_s is the host's
+        # contention, which the emulated devices absorb while it stays below their base.
+        out["phases"][name]["stretch_by_rank"] = stretch_by_rank(before, stretch)
         out["phases"][name]["figure_series"] = result.figure_series
         out["phases"][name]["first_round"] = phase["start"] + phase["warmup"]
     out["ada"] = {

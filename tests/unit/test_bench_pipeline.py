@@ -403,6 +403,32 @@ def test_stage_times_probe_warms_only_a_fresh_probe_and_off_the_stretch(monkeypa
     assert got["fixed_s"] == [pytest.approx(0.005)]
 
 
+def test_stretch_by_rank_is_each_ranks_totals_over_the_span(monkeypatch):
+    from types import SimpleNamespace
+
+    from colossal_hetero.bench import pipeline_split as split
+
+    monkeypatch.setattr(split, "gather_rows", lambda row: [row, [2 * x for x in row]])
+    stretch = SimpleNamespace(
+        cpu_s=1.0, compute_wall_s=1.5, slept_s=2.0, passes_s=4.0, passes=10, intervals=40
+    )
+    before = split.stretch_totals(stretch)  # type: ignore[arg-type]
+    stretch.cpu_s, stretch.compute_wall_s, stretch.slept_s = 1.25, 1.8, 2.5
+    stretch.passes_s, stretch.passes, stretch.intervals = 5.0, 14, 56
+    mine, other = split.stretch_by_rank(before, stretch)  # type: ignore[arg-type]
+    assert mine == pytest.approx(
+        {
+            "cpu_s": 0.25,
+            "compute_wall_s": 0.3,
+            "slept_s": 0.5,
+            "passes_s": 1.0,
+            "passes": 4,
+            "intervals": 16,
+        }
+    )
+    assert other["cpu_s"] == pytest.approx(0.5) and other["intervals"] == pytest.approx(32)
+
+
 def test_brute_force_split_summary_by_hand():
     from colossal_hetero.bench.pipeline_brute import (
         EVEN_WIDTH_SPLITS,
