@@ -7,6 +7,8 @@ them); ``InFlightMeter`` measures a stock schedule's peak activation bytes as
 
 from __future__ import annotations
 
+import contextlib
+import io
 import time
 from typing import Any
 
@@ -88,9 +90,13 @@ class Runner:
         keep_gpt2_causal(model)  # every variant computes the same causal model
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
         self.booster = Booster(plugin=plugin)
-        self.model, self.optimizer, self.criterion, _, _ = self.booster.boost(
-            model, optimizer, loss_from_outputs
-        )
+        # Each variant's plugin prints its plan on rank 0 as it boosts (a user's one plugin,
+        # once); the bench reports splits and widths itself (its table, the JSON), so its ~10
+        # builds a layout would bury the console in the same lines.
+        with contextlib.redirect_stdout(io.StringIO()):
+            self.model, self.optimizer, self.criterion, _, _ = self.booster.boost(
+                model, optimizer, loss_from_outputs
+            )
         engine = getattr(plugin, "engine", plugin)
         self.schedule = engine.scheduler
         self.kfkb = isinstance(self.schedule, KFKBSchedule)
