@@ -46,6 +46,7 @@ from typing import Any
 from colossal_hetero.config.schema import NetworkEmulationConfig
 from colossal_hetero.emulation.shaped.controller import STEP_DIR_ENV, report_step
 from colossal_hetero.emulation.shaped.topology import SHAPED_ENV
+from colossal_hetero.utils.device import HOST_BACKEND
 from colossal_hetero.utils.teardown import close_process_group
 
 SHAPED_BENCH_TIMEOUT_S = 1800.0
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     fn = _resolve(args.fn)
     kwargs = pickle.loads(Path(args.dir, "kwargs.pkl").read_bytes())  # written by our launcher
-    dist.init_process_group("gloo")
+    dist.init_process_group(HOST_BACKEND)
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         result = fn(rank=rank, world_size=world, device=torch.device("cpu"), **kwargs)

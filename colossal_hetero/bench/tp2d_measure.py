@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from colossal_hetero.utils.device import is_host_backend
+
 
 class GraphBytes:
     """Distinct storages a forward's autograd graph keeps, parameters excluded (see module)."""
@@ -192,7 +194,7 @@ class _ListReduceScatterOnGloo:
     def reduce_scatter(self, output, input_list, op=None, group=None, async_op=False):  # type: ignore[no-untyped-def]
         dist = self._module
         op = dist.ReduceOp.SUM if op is None else op
-        if dist.get_backend(group) != "gloo":
+        if not is_host_backend(dist.get_backend(group)):
             return dist.reduce_scatter(output, input_list, op=op, group=group, async_op=async_op)
         flat = torch.cat([t.reshape(-1) for t in input_list])
         return dist.reduce_scatter_tensor(

@@ -121,12 +121,13 @@ def _is_nccl_like(group: Any) -> bool:
     """
     from torch.distributed import distributed_c10d as c10d
 
+    from colossal_hetero.utils.device import p2p_needs_device_tensors
+
     pg: Any = group or c10d._get_default_group()
     wrapper: Any = getattr(c10d, "_ProcessGroupWrapper", None)
     while wrapper is not None and isinstance(pg, wrapper):
         pg = pg.wrapped_pg
-    device_backends = {"nccl", getattr(c10d.Backend, "HCCL", "nccl")}
-    return pg.name() in device_backends
+    return p2p_needs_device_tensors(pg.name())
 
 
 def _patch_pipeline_p2p() -> None:

@@ -50,6 +50,7 @@ from colossal_hetero.emulation.router import flush_compute
 from colossal_hetero.pipeline.order import Step, check_pipeline_args, kfkb_order
 from colossal_hetero.pipeline.p2p import Inbox, LinkLog, Outbox, TPSlice
 from colossal_hetero.pipeline.profile import NOT_BLOCKED, RankRecord
+from colossal_hetero.utils.device import is_host_backend
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,7 +195,7 @@ class KFKBSchedule(OneForwardOneBackwardSchedule):
         pass; on the other stages before their first wait for data. Not part of ``step_s``."""
         device = get_current_device()
         group = stage_manager.get_p2p_process_group()
-        if dist.get_backend(group) != "gloo":
+        if not is_host_backend(dist.get_backend(group)):
             raise ValueError(
                 "parallel.pp_schedule: kfkb runs on gloo process groups only (see "
                 "colossal_hetero/pipeline/schedule.py for why NCCL would hang)"

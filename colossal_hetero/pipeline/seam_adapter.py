@@ -34,7 +34,7 @@ from colossal_hetero.pipeline.schedule import KFKBSchedule
 from colossal_hetero.pipeline.tuner import stage_of_rank
 from colossal_hetero.pipeline.validate import budget_bytes, check_budget
 from colossal_hetero.utils.collectives import all_reduce_anywhere
-from colossal_hetero.utils.device import available_memory_bytes
+from colossal_hetero.utils.device import HOST_BACKEND, available_memory_bytes
 
 DETECTED_BUDGET_SHARE = 0.5
 """Share of the detected free memory ada_kfkb may fill with in-flight activations (the rest is
@@ -131,7 +131,7 @@ def install_schedule(engine: Any, config: HeteroConfig, rank: int) -> AdaKSeamCo
         sticky=True,
         # A group of its own, so the gather overlaps the next step: no step's collective
         # queues behind it (every rank creates it here, in the same order).
-        group=dist.new_group(backend="gloo"),
+        group=dist.new_group(backend=HOST_BACKEND),
         overlap=True,
         # Decided before the next step's first k-dependent pass: k changes one step after the
         # step it was measured on, not two (that step waits for the gather's rest, if any).

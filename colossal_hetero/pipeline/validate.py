@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from colossal_hetero.config.loader import ConfigError
 from colossal_hetero.config.schema import HeteroConfig, ParallelConfig
-from colossal_hetero.utils.device import backend_for_kind
+from colossal_hetero.utils.device import kind_needs_accelerator
 
 MIB = 1 << 20
 
@@ -43,7 +43,7 @@ def check_pipeline_config(config: HeteroConfig) -> None:
             f"parallel.pp_k: {parallel.pp_k} is larger than parallel.num_microbatches "
             f"({parallel.num_microbatches})"
         )
-    if backend_for_kind(config.cluster.device) == "nccl":
+    if kind_needs_accelerator(config.cluster.device):
         raise ConfigError(
             f"parallel.pp_schedule: {schedule} runs on gloo only (cluster.device cpu); "
             f"on {config.cluster.device} (NCCL) its early-posted receives would hang"

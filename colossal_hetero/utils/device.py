@@ -10,6 +10,12 @@ import torch.distributed as dist
 
 from colossal_hetero.config.schema import DeviceKind
 
+HOST_BACKEND = "gloo"
+"""The backend of host-tensor groups: CPU ranks', and the control groups beside a GPU run's."""
+P2P_DEVICE_BACKENDS = ("nccl", "hccl")
+"""Backends (``ProcessGroup.name()``) whose pipeline p2p takes accelerator tensors: NCCL, and
+HCCL on Ascend NPUs (a group of that name exists only with torch_npu)."""
+
 
 def cuda_device_count() -> int:
     """Visible CUDA devices (0 on a CPU-only host or a CUDA build without a GPU)."""
@@ -34,13 +40,32 @@ def resolve_device(kind: DeviceKind, local_rank: int, local_world_size: int) -> 
 
 def backend_for(device: torch.device) -> str:
     """torch.distributed backend for a device: NCCL on CUDA, gloo elsewhere."""
-    return "nccl" if device.type == "cuda" else "gloo"
+    return "nccl" if device.type == "cuda" else HOST_BACKEND
 
 
 def backend_for_kind(kind: DeviceKind) -> str | None:
     """The backend a configured ``cluster.device`` kind will use (see ``backend_for``), or
     None for auto (known only at run time, from the devices found)."""
-    return {"cuda": "nccl", "cpu": "gloo"}.get(kind)
+    return {"cuda": "nccl", "cpu": HOST_BACKEND}.get(kind)
+
+
+def kind_needs_accelerator(kind: DeviceKind) -> bool:
+    """Whether a configured ``cluster.device`` kind runs on a backend that takes device tensors
+    only (:func:`backend_needs_accelerator`); False for auto (decided at run time)."""
+    backend = backend_for_kind(kind)
+    return backend is not None and backend_needs_accelerator(backend)
+
+
+def is_host_backend(backend: str) -> bool:
+    """Whether ``backend`` (``dist.get_backend``'s string) is :data:`HOST_BACKEND`: host
+    tensors, and each point-to-point operation progressing on its own."""
+    return str(backend).lower() == HOST_BACKEND
+
+
+def p2p_needs_device_tensors(backend_name: str) -> bool:
+    """Whether Colossal-AI's pipeline p2p must stage tensors on the accelerator for a group
+    whose ``ProcessGroup.name()`` is ``backend_name`` (:data:`P2P_DEVICE_BACKENDS`)."""
+    return backend_name.lower() in P2P_DEVICE_BACKENDS
 
 
 def accelerator_device() -> torch.device:

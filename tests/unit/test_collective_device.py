@@ -126,3 +126,15 @@ def test_tensor_already_on_the_wire_is_used_itself(seen) -> None:
     parts = collectives.all_gather_anywhere(there)  # type: ignore[arg-type]
     assert [call[0] for call in seen] == [there, there, there]  # no copies
     assert there.values == [22.0] and [p.values for p in parts] == [[22.0], [32.0]]
+
+
+def test_backend_questions_are_answered_by_the_device_module() -> None:
+    from colossal_hetero.utils import device as dev
+
+    # The configured kinds: only the GPU kind needs device tensors; auto is decided at run time.
+    assert [dev.kind_needs_accelerator(k) for k in ("cpu", "auto", "cuda")] == [False] * 2 + [True]
+    assert dev.is_host_backend("gloo") and dev.is_host_backend("GLOO")
+    assert not dev.is_host_backend("nccl") and not dev.is_host_backend("cpu:gloo,cuda:nccl")
+    # Colossal-AI's pipeline p2p stages tensors on the accelerator for NCCL and HCCL groups.
+    staged = [dev.p2p_needs_device_tensors(n) for n in ("nccl", "hccl", "gloo")]
+    assert staged == [True, True, False]

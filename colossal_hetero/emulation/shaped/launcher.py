@@ -45,7 +45,7 @@ from colossal_hetero.emulation.shaped.topology import (
     rank_directions,
     tenant_targets,
 )
-from colossal_hetero.utils.device import backend_for_kind, no_accelerator_env
+from colossal_hetero.utils.device import kind_needs_accelerator, no_accelerator_env
 
 MASTER_PORT = 29500  # free by construction: the rank namespaces hold nothing else
 TENANT_MAX_SECONDS = 3600.0  # the tenant's own bound when the run has no timeout
@@ -280,7 +280,7 @@ def _report(code: int, failed: int | None, run_dir: str, timeout_s: float | None
 
 def check_shaped_device(device: DeviceKind) -> None:
     """ConfigError unless the run's ranks are gloo (CPU) ranks, the only traffic shaped."""
-    if backend_for_kind(device) == "nccl":
+    if kind_needs_accelerator(device):
         raise ConfigError(
             "emulation.network.mode: shaped shapes gloo traffic between CPU ranks; NCCL runs "
             f"(cluster.device: {device}) are not shaped, use mode: model or cluster.device: cpu"
