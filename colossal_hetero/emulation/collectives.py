@@ -297,3 +297,9 @@ WRAPPED_NAMES: tuple[str, ...] = tuple(COLLECTIVES)
 
 ALWAYS_ASYNC: frozenset[str] = frozenset({"batch_isend_irecv", "isend", "irecv"})
 """Names whose calls always return works to wait on (they take no ``async_op``)."""
+
+WATCHED_P2P: frozenset[str] = frozenset({"isend", "irecv"})
+"""Single non-blocking point-to-point calls: under a network model on a host backend their
+real completion is stamped (``arrival.CompletionWatch``), so a message cannot land before its
+data moved plus the modelled time. A batch keeps the late-peer test instead (its works are
+waited one by one, and one stamp per batch would tie them together)."""

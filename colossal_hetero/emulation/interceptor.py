@@ -15,7 +15,9 @@ Between two collectives a rank computes; at each collective the interceptor
       call returned, and sleeps until the transfer completes;
   (d) starts the next compute interval.
 Async calls book their transfer at issue, so it runs while the rank computes; their ``wait()``
-is a boundary like a collective and sleeps only what remains of the transfer. With neither a
+is a boundary like a collective and sleeps only what remains of the transfer. A single isend or
+irecv on a host backend completes no sooner than its real data moved plus its modelled time
+(``arrival``): a receive posted early is not booked ahead of its send. With neither a
 slowdown nor a network model the interceptor only times and counts bytes: no sleeps, no model.
 """
 
@@ -32,9 +34,11 @@ from typing import Any, Literal
 import torch
 
 from colossal_hetero.config.schema import EmulationConfig
+from colossal_hetero.emulation.arrival import CompletionWatch, Stamp, StreamOrder
 from colossal_hetero.emulation.collectives import (
     ALWAYS_ASYNC,
     COLLECTIVES,
+    WATCHED_P2P,
     CallArgs,
     Collective,
     ModelContext,
@@ -46,7 +50,7 @@ from colossal_hetero.emulation.network import NetworkModel
 from colossal_hetero.emulation.router import CollectiveRouter
 from colossal_hetero.emulation.schedule import SlowdownSchedule
 from colossal_hetero.emulation.timing import COMM_KINDS, StepTiming, zero_by_kind
-from colossal_hetero.utils.device import synchronize
+from colossal_hetero.utils.device import synchronize, waits_block_host
 
 
 class CollectiveInterceptor:
@@ -106,6 +110,8 @@ class CollectiveInterceptor:
         self._nested: Transfer | None = None  # summed here for object collectives only
         self._step: int | None = None  # None outside begin_step / end_step
         self._overslept = 0.0  # stretch slept beyond what was asked, taken off the next sleeps
+        self._order = StreamOrder()  # watched p2p messages, kept in order per connection
+        self._completions = CompletionWatch(clock)  # their real completions, stamped
         self._reset(self._clock())
 
     # -- installation -------------------------------------------------------------------------
@@ -141,6 +147,7 @@ class CollectiveInterceptor:
         An open step is abandoned; wrappers that callers still hold then pass calls through.
         """
         self._step = None
+        self._completions.close()
         if self._router is not None:
             self._router.detach(self)
         self._router = None
@@ -236,6 +243,7 @@ class CollectiveInterceptor:
     def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         positions, spec = parameter_positions(original), COLLECTIVES[name]
         returns_works = name in ALWAYS_ASYNC  # works to wait on, whatever the arguments
+        watched = name in WATCHED_P2P
 
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -244,15 +252,23 @@ class CollectiveInterceptor:
             if self._depth:
                 return self._run_nested(original, spec, CallArgs(positions, args, kwargs))
             call = CallArgs(positions, args, kwargs)
-            return self._run(original, spec, call, returns_works or call.get("async_op", False))
+            is_async = returns_works or call.get("async_op", False)
+            return self._run(original, spec, call, is_async, watched)
 
         return wrapper
 
     def _run(
-        self, original: Callable[..., Any], spec: Collective, call: CallArgs, is_async: bool
+        self,
+        original: Callable[..., Any],
+        spec: Collective,
+        call: CallArgs,
+        is_async: bool,
+        watched: bool = False,
     ) -> Any:
         """One outermost collective: stretch, run it timed, book its transfer on the link and,
-        for a synchronous call, sleep until that transfer completes."""
+        for a synchronous call, sleep until that transfer completes. ``watched``: a single
+        non-blocking p2p call (``WATCHED_P2P``), whose real completion is stamped where the
+        host can see it (see ``arrival``)."""
         start = self._arrive()
         self._nested = Transfer() if spec.sent is None else None
         self._depth += 1
@@ -267,6 +283,8 @@ class CollectiveInterceptor:
         if is_async:
             # Issued at `start`: it runs while the rank computes, behind what is already booked.
             pending = _Pending(spec.kind, transfer.seconds, self._book(start, transfer))
+            if watched and transfer.seconds > 0 and result is not None:
+                self._watch(pending, result, call, transfer)
             # No sync after issue: on a GPU it would wait for the collective and kill overlap.
             self._finish_comm(start, spec.kind, sync=False)
             return self._proxy(result, pending)
@@ -285,6 +303,18 @@ class CollectiveInterceptor:
             self._nested += self._transfer(spec, call, result)
         return result
 
+    def _watch(self, pending: _Pending, work: Any, call: CallArgs, transfer: Transfer) -> None:
+        """Stamp when ``work`` (an isend's or irecv's) really completes, on a host backend: its
+        message then lands no sooner than that plus its modelled time, in order per connection
+        and direction (``arrival``). On accelerators the issue-time booking stays."""
+        if not waits_block_host(self.device):
+            return
+        sends = transfer.egress > 0
+        peer = call.get("dst") if sends else call.get("src")
+        pending.key = (transfer.stream, sends, peer, call.get("tag", 0))
+        pending.sequence = self._order.issue()
+        pending.watch = self._completions.watch(pending.key, work)
+
     def _wait(self, work: Any, pending: _Pending, args: Any, kwargs: Any) -> Any:
         """``wait()`` of a proxy: a boundary like a collective; sleeps what remains of the
         transfer (outside a step too, but accounted only inside)."""
@@ -293,12 +323,19 @@ class CollectiveInterceptor:
         start = self._arrive() if accounted else 0.0
         done = pending.seconds == 0 or pending.settled or pending.all_done()
         before = self._clock()
-        result = work.wait(*args, **kwargs)
+        if pending.watch is not None:
+            result, moved_at = pending.watch.join()
+        else:
+            result = work.wait(*args, **kwargs)
         if pending.seconds > 0:
             synchronize(self.device)
             now = self._clock()
-            late = not done and pending.late(now - before)
-            self._sleep_until(pending.settle(now, late=late), accounted)
+            if pending.watch is not None:
+                deadline = pending.settle_moved(self._order, moved_at)
+            else:
+                late = not done and pending.late(now - before)
+                deadline = pending.settle(now, late=late)
+            self._sleep_until(deadline, accounted)
         if accounted:
             self._finish_comm(start, pending.kind, sync=True)
         return result
@@ -392,13 +429,26 @@ _LATE_MIN_S = 1e-3
 class _Pending:
     """The transfer of one async call: its kind, modelled time and booking on the link."""
 
-    __slots__ = ("kind", "seconds", "booking", "deadline", "settled", "works")
+    __slots__ = (
+        "kind",
+        "seconds",
+        "booking",
+        "deadline",
+        "settled",
+        "works",
+        "watch",
+        "key",
+        "sequence",
+    )
 
     def __init__(self, kind: str, seconds: float, booking: Booking) -> None:
         self.kind, self.seconds, self.booking = kind, seconds, booking
         self.deadline = booking.completion
         self.settled = False
         self.works: tuple[Any, ...] = ()
+        self.watch: Stamp | None = None  # set for a watched p2p call
+        self.key: Any = None  # its connection and direction
+        self.sequence = 0  # its place in issue order
 
     def all_done(self) -> bool:
         """Whether every real work of the call reports completion (gloo's send and recv works
@@ -422,6 +472,18 @@ class _Pending:
             self.deadline = self.booking.completion
             if late:
                 self.deadline = max(self.deadline, now + self.seconds)
+        return self.deadline
+
+    def settle_moved(self, order: StreamOrder, moved_at: float) -> float:
+        """The completion time of a watched call whose real data moved at ``moved_at``, fixed
+        at the first wait: not before its booking, nor before its data moved plus its modelled
+        time behind the previous message of its connection (``StreamOrder``)."""
+        if not self.settled:
+            self.settled = True
+            booked = self.booking.completion
+            self.deadline = order.completion(
+                self.key, self.sequence, moved_at, self.seconds, booked
+            )
         return self.deadline
 
 

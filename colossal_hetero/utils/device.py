@@ -98,6 +98,13 @@ def bind_device(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 
+def waits_block_host(device: torch.device) -> bool:
+    """Whether a communication work's ``wait()`` for tensors on ``device`` blocks the host
+    until its data has moved (host backends); an accelerator's returns at once, having only
+    ordered the current stream after the transfer."""
+    return device.type == "cpu"
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for queued kernels on ``device``, so wall-clock timings are true (no-op on CPU)."""
     if device.type == "cuda":

@@ -96,11 +96,48 @@ def _check_model(rank: int, device: torch.device) -> None:
         assert timing.bytes_by_kind["all_to_all"] == 200_000
 
 
+def _check_early_posted_receives(rank: int, device: torch.device) -> None:
+    """Model mode: receives posted long before their sends (as kFkB posts a step's) land no
+    sooner than the link carries each message after its send, in order: the first one link
+    time after its send, the second one more behind it. Booked from their post instead, both
+    had landed before the receiver waited (the flaw this guards against)."""
+    network = NetworkEmulationConfig(bandwidth_gbps=0.08)
+    numel, lead = 100_000, 0.1  # 0.4 MB: 0.04 s a message; sends 0.1 s after the posts
+    with build_interceptor(EmulationConfig(network=network), rank, 2, device) as ic:
+        assert ic.network is not None
+        seconds = ic.network.p2p_time(0, 1, numel * 4, 3)
+        with ic.step(3):
+            start = time.perf_counter()  # one clock for both ranks: CLOCK_MONOTONIC
+            if rank == 0:
+                time.sleep(lead)
+                sent = time.perf_counter()  # before the first send's issue
+                works = [dist.isend(torch.ones(numel), 1) for _ in range(2)]
+                landed = []
+                for work in works:
+                    work.wait()
+            else:
+                works = [dist.irecv(torch.empty(numel), 0) for _ in range(2)]
+                time.sleep(lead + seconds / 2)  # waits before the first could have landed
+                landed = []
+                for work in works:
+                    work.wait()
+                    landed.append(time.perf_counter())
+                sent = start
+        rows: list = [None, None]
+        dist.all_gather_object(rows, (sent, landed))
+    (sent, _), (_, (first, second)) = rows
+    # Stamps are never early (taken after the data moved) and the deadline is slept out, so
+    # these hold on any load; before the fix both read about seconds / 2.
+    assert first - sent >= seconds, (first - sent, seconds)
+    assert second - sent >= 2 * seconds, (second - sent, seconds)
+
+
 def _check(rank: int, world_size: int, device: torch.device) -> None:
     if device.type != "cpu":
         pytest.skip("the modelled-time margins assume gloo on CPU")  # never on this machine
     _check_kinds(rank, device)
     _check_model(rank, device)
+    _check_early_posted_receives(rank, device)
     time.sleep(0.2)  # let gloo's workers drain before teardown (see tests/dist_utils.py)
 
 

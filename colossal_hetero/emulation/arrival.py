@@ -1,0 +1,122 @@
+"""When a non-blocking point-to-point call's real data moved, for the model's link times.
+
+Model mode books an async call's modelled transfer from when it was issued. For a receive
+that is when it was posted, which a schedule that posts its receives early (kFkB posts a
+step's at once) reaches long before the matching send: booked from the post, a message could
+land sooner after its send than the link takes to carry it. On a host backend (gloo) a real
+p2p ``wait()`` blocks until the data is there, so a :class:`CompletionWatch` thread waits on
+the real work from when it is issued and stamps the moment it completed: for a receive, the
+sender's data arrived (the real loopback takes microseconds); for a send, its data left,
+once the receiver had posted (gloo parks a send until the receiver's ready notice). The
+modelled transfer then cannot complete before that moment plus its modelled time, nor,
+per connection and direction, before the previous message's completion plus its time
+(:class:`StreamOrder`, a first-in first-out link).
+
+On accelerator backends a work's ``wait()`` returns at once (it orders streams), so there is
+nothing to stamp there and the interceptor keeps its issue-time booking.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Hashable
+from typing import Any
+
+
+class Stamp:
+    """One watched work: set once its real ``wait()`` returned (or raised)."""
+
+    __slots__ = ("_done", "_result", "_error", "completed_at")
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self.completed_at = 0.0
+
+    def join(self) -> tuple[Any, float]:
+        """Block until the real work completed; its ``wait()`` result and when it completed.
+        Re-raises what the real ``wait()`` raised (a timeout, a peer gone)."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._result, self.completed_at
+
+
+class CompletionWatch:
+    """Waits on real works in order, one daemon thread per connection (its group, direction,
+    peer and tag: gloo matches those first-in first-out), and stamps when each completed.
+
+    The threads live from a connection's first watched work to :meth:`close`, so a work is
+    waited on as soon as the earlier ones of its connection are done, with no thread to start
+    per message (on a loaded host a new thread took 10-30 ms to reach its wait). A thread
+    blocked in ``work.wait()`` or on its queue holds no GIL, so watching costs the rank's
+    compute nothing; a stamp is late by the time the thread then waits for the interpreter
+    (up to its switch interval while the rank runs Python) and for a core. A stamp's
+    :meth:`Stamp.join` is the work's only ``wait()``: gloo's p2p works must be waited once.
+    """
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._queues: dict[Hashable, queue.SimpleQueue[tuple[Any, Stamp] | None]] = {}
+
+    def watch(self, connection: Hashable, work: Any) -> Stamp:
+        """Wait on ``work`` after the earlier works of ``connection``; its stamp."""
+        waiting = self._queues.get(connection)
+        if waiting is None:
+            waiting = self._queues[connection] = queue.SimpleQueue()
+            threading.Thread(
+                target=self._drain, args=(waiting,), name="p2p-completion", daemon=True
+            ).start()
+        stamp = Stamp()
+        waiting.put((work, stamp))
+        return stamp
+
+    def close(self) -> None:
+        """Let every thread end once the works already given to it completed."""
+        for waiting in self._queues.values():
+            waiting.put(None)
+        self._queues = {}
+
+    def _drain(self, waiting: queue.SimpleQueue[tuple[Any, Stamp] | None]) -> None:
+        while (item := waiting.get()) is not None:
+            work, stamp = item
+            try:
+                stamp._result = work.wait()
+            except BaseException as error:  # handed to the caller of Stamp.join
+                stamp._error = error
+            stamp.completed_at = self._clock()
+            stamp._done.set()
+
+
+class StreamOrder:
+    """Per connection and direction, the last settled message: a link delivers one
+    connection's messages in order, each after the one before it."""
+
+    __slots__ = ("_issued", "_last")
+
+    def __init__(self) -> None:
+        self._issued = 0
+        self._last: dict[Hashable, tuple[int, float]] = {}  # key -> (sequence, completion)
+
+    def issue(self) -> int:
+        """A sequence number for a message just issued (issue order)."""
+        self._issued += 1
+        return self._issued
+
+    def completion(
+        self, key: Hashable, sequence: int, moved_at: float, seconds: float, booked: float
+    ) -> float:
+        """When message ``sequence`` on ``key`` completes: not before its booking
+        (``booked``), nor ``seconds`` after its real data moved (``moved_at``) or after the
+        previous message of ``key`` completed, whichever is later. Settling messages out of
+        issue order only loses the ordering term for the earlier one."""
+        last = self._last.get(key)
+        start = moved_at
+        if last is not None and last[0] < sequence:
+            start = max(start, last[1])
+        done = max(booked, start + seconds)
+        if last is None or last[0] < sequence:
+            self._last[key] = (sequence, done)
+        return done
