@@ -222,8 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--network",
         choices=["model", "shaped"],
-        default="model",
-        help="static: run the cases' links as real tc-shaped links (root) instead of the model",
+        default=None,
+        help="static and pipeline: model or real tc-shaped links (root); default: static the "
+        "model, pipeline shaped where it can build them",
     )
     bench.set_defaults(handler=_bench)
 

@@ -12,6 +12,10 @@ from typing import Literal
 BENCHMARKS = ("static", "network", "pipeline", "dynamic", "moe", "tp2d", "kernels")
 """The names ``colossal-hetero bench`` takes."""
 
+NETWORK_CHOICE = ("static", "pipeline")
+"""The benchmarks whose links ``--network`` picks (static's default: the model; pipeline's:
+shaped links, falling back to the model where they cannot be built)."""
+
 
 def run_benchmark(
     name: str,
@@ -19,18 +23,28 @@ def run_benchmark(
     quick: bool,
     json_path: str = "",
     only: str = "",
-    network: Literal["model", "shaped"] = "model",
+    network: Literal["model", "shaped"] | None = None,
 ) -> int:
     """Run benchmark ``name``; print its table; write its JSON to ``json_path`` when given.
 
-    ``only`` selects cases (static) or parts and modes (dynamic); ``network`` picks the links of
-    bench static's cases (the pipeline, MoE and network benchmarks run on shaped links
-    themselves, falling back to the model where shaping is unavailable).
+    ``only`` selects cases (static) or parts and modes (dynamic); ``network`` picks the links
+    of the benchmarks in :data:`NETWORK_CHOICE` (None: each one's default; the MoE and network
+    benchmarks run on shaped links themselves, falling back to the model where shaping is
+    unavailable). Raises ConfigError for ``network`` given to another benchmark.
     """
+    if network is not None and name not in NETWORK_CHOICE:
+        from colossal_hetero.config import ConfigError
+
+        raise ConfigError(
+            f"--network: bench {name} picks its own links; only "
+            f"{' and '.join(NETWORK_CHOICE)} take --network"
+        )
     if name == "static":
         from colossal_hetero.bench.static_driver import run_static_benchmark
 
-        return run_static_benchmark(quick=quick, json_path=json_path, only=only, network=network)
+        return run_static_benchmark(
+            quick=quick, json_path=json_path, only=only, network=network or "model"
+        )
     if name == "network":  # shaped links against the network model (no stock baseline)
         from colossal_hetero.bench.network import run_network_benchmark
 
@@ -38,7 +52,7 @@ def run_benchmark(
     if name == "pipeline":  # kFkB / Ada-Grouper vs Colossal-AI's 1F1B on shaped links
         from colossal_hetero.bench.pipeline import run_pipeline_benchmark
 
-        return run_pipeline_benchmark(quick=quick, json_path=json_path)
+        return run_pipeline_benchmark(quick=quick, json_path=json_path, network=network)
     if name == "dynamic":  # runtime balancer modes vs stock TP under a straggler schedule
         from colossal_hetero.bench.dynamic import run_dynamic_benchmark
 

@@ -396,15 +396,30 @@ def layout_deadline(now: float, run_deadline: float, name: str, left: Sequence[s
     return now + max(0.0, run_deadline - now) * share
 
 
-def _network_mode() -> tuple[str, str]:
+def network_mode(asked: str | None) -> tuple[str, str]:
+    """The links to run on and, when falling back to the model, why: ``asked`` "model" or
+    "shaped" (``--network``), None for shaped links where they can be built.
+
+    Raises ConfigError when shaped links are asked for and cannot be built (with why)."""
     from colossal_hetero.config import ConfigError
     from colossal_hetero.emulation.shaped.netns import check_shaped_support
 
+    if asked == "model":
+        return "model", ""
     try:
         check_shaped_support()
     except ConfigError as error:
+        if asked == "shaped":
+            raise ConfigError(f"--network shaped: {error}") from None
         return "model", str(error)
     return "shaped", ""
+
+
+def _network_note(mode: str, why: str) -> str:
+    """What the report says of its links."""
+    if mode == "shaped":
+        return "real tc-shaped links; tenant preemptions are real TCP traffic"
+    return f"network model: {why}" if why else "network model, asked for (--network model)"
 
 
 def selected_layouts(specs: list[BenchSpec], only: str) -> list[BenchSpec]:
@@ -450,8 +465,9 @@ def layout_timings(result: dict[str, Any], launched: float, ended: float) -> dic
     return out
 
 
-def run_pipeline_benchmark(*, quick: bool, json_path: str = "") -> int:
-    """``colossal-hetero bench pipeline``: print the table, write JSON; 0 when it ran."""
+def run_pipeline_benchmark(*, quick: bool, json_path: str = "", network: str | None = None) -> int:
+    """``colossal-hetero bench pipeline``: print the table, write JSON; 0 when it ran.
+    ``network``: see :func:`network_mode`."""
     from rich.console import Console
 
     from colossal_hetero.bench.pipeline_report import print_report, variant_table
@@ -459,7 +475,7 @@ def run_pipeline_benchmark(*, quick: bool, json_path: str = "") -> int:
     console = Console()
     started = time.perf_counter()
     load_start = os.getloadavg()[0]  # the machine is shared: say how loaded it was
-    mode, why = _network_mode()
+    mode, why = network_mode(network)
     if why:
         console.print(f"shaped links unavailable ({why}); falling back to the network model")
     layouts: dict[str, Any] = {}
@@ -488,7 +504,7 @@ def run_pipeline_benchmark(*, quick: bool, json_path: str = "") -> int:
         "load_average_1m": {"start": load_start, "end": os.getloadavg()[0]},
         "cpu_count": os.cpu_count(),
         "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}",
-        "network_note": why or "real tc-shaped links; tenant preemptions are real TCP traffic",
+        "network_note": _network_note(mode, why),
         "layouts_only": only,
         "summary": summarise(mode, {n: v["figures"] for n, v in layouts.items()}),
         "layouts": layouts,
