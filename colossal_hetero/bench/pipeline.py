@@ -65,9 +65,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from colossal_hetero.bench.pipeline_model import DEVICE_BASE, device_speeds
+from colossal_hetero.bench.pipeline_model import DEVICE_BASE, device_speeds, preemptions
 from colossal_hetero.bench.stats import ratio_interval
-from colossal_hetero.config.schema import PreemptionSpec
 from colossal_hetero.planner.stages import split_layers, stage_speeds
 
 WORLD = 4
@@ -185,23 +184,6 @@ def job_shares(phases: dict[str, dict[str, int]]) -> list[float]:
     for i in range(b["rounds"]):
         shares[b["start"] + b["warmup"] + i] = PREEMPT_PATTERN[i % len(PREEMPT_PATTERN)]
     return shares
-
-
-def preemptions(shares: list[float], target_rank: int) -> list[PreemptionSpec]:
-    """Tenant preemptions for each run of equal shares below 1 (round numbers as steps)."""
-    specs, i = [], 0
-    while i < len(shares):
-        j = i
-        while j < len(shares) and shares[j] == shares[i]:
-            j += 1
-        if shares[i] < 1.0:
-            specs.append(
-                PreemptionSpec(
-                    factor=shares[i], start_step=i, end_step=j, ranks=[target_rank], kind="tenant"
-                )
-            )
-        i = j
-    return specs
 
 
 def planned_splits(layers: int, pp: int, tp: int, slow_ranks: Sequence[int], factor: float) -> dict:

@@ -20,6 +20,7 @@ from colossal_hetero.config.schema import (
     NetworkEmulationConfig,
     ParallelConfig,
     PlanConfig,
+    PreemptionSpec,
     StageTimeSpec,
 )
 
@@ -69,8 +70,10 @@ def network_config(spec: dict[str, Any], mode: str) -> NetworkEmulationConfig:
     """Every link at ``rate_gbps`` except the TP pairs inside a stage (``fast_gbps``): the stage
     links carry the pipeline's activations and gradients and are the ones preempted.
 
-    The preemption trace itself is the launcher's (it acts on the reported round numbers), so
-    it is not repeated here."""
+    Shaped links get no preemptions here: the launcher runs the tenant trace itself, acting on
+    the round numbers the ranks report. The model gets the same trace (:func:`preemptions`) as
+    rate preemptions whose steps are those round numbers: the bench sets each variant's
+    interceptor to read them at the running round (``CollectiveInterceptor.network_step``)."""
     tp, pp = spec["tp"], spec["pp"]
     links = [
         LinkSpec(ranks=[s * tp + a, s * tp + b], bandwidth_gbps=spec["fast_gbps"])
@@ -78,11 +81,30 @@ def network_config(spec: dict[str, Any], mode: str) -> NetworkEmulationConfig:
         for a in range(tp)
         for b in range(a + 1, tp)
     ]
+    shaped = mode == "shaped"
     return NetworkEmulationConfig(
-        mode="shaped" if mode == "shaped" else "model",
+        mode="shaped" if shaped else "model",
         bandwidth_gbps=spec["rate_gbps"],
         links=links,
+        preemptions=[] if shaped else preemptions(spec["shares"], spec["target_rank"]),
     )
+
+
+def preemptions(shares: list[float], target_rank: int) -> list[PreemptionSpec]:
+    """Tenant preemptions for each run of equal shares below 1 (round numbers as steps)."""
+    specs, i = [], 0
+    while i < len(shares):
+        j = i
+        while j < len(shares) and shares[j] == shares[i]:
+            j += 1
+        if shares[i] < 1.0:
+            specs.append(
+                PreemptionSpec(
+                    factor=shares[i], start_step=i, end_step=j, ranks=[target_rank], kind="tenant"
+                )
+            )
+        i = j
+    return specs
 
 
 def build_configs(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,9 +18,11 @@ import torch.distributed as dist
 from colossalai.booster import Booster
 
 from colossal_hetero.bench.measure import text_batch
+from colossal_hetero.bench.pipeline_model import network_config
 from colossal_hetero.bench.pipeline_stretch import Stretch
 from colossal_hetero.compat.attention import keep_gpt2_causal
-from colossal_hetero.config.schema import HeteroConfig, ModelConfig
+from colossal_hetero.config.schema import EmulationConfig, HeteroConfig, ModelConfig
+from colossal_hetero.emulation import CollectiveInterceptor, build_interceptor
 from colossal_hetero.models import build_model, loss_from_outputs
 from colossal_hetero.pipeline.profile import (
     predict_from_records,
@@ -27,9 +30,14 @@ from colossal_hetero.pipeline.profile import (
     vector_width,
 )
 from colossal_hetero.pipeline.schedule import KFKBSchedule
+from colossal_hetero.utils.device import collective_device
 
 WARM_SEED = 10**6
 """Batch seed of each variant's unrecorded first step (rounds use their global number)."""
+
+NO_ROUND = -1
+"""The round a model-mode runner's links read outside the rounds (warm-up steps, stage-time
+probes, split trials): before the first, so no preemption of the trace is active."""
 
 
 class InFlightMeter:
@@ -106,6 +114,22 @@ class Runner:
         """Set on the slowed stage's ranks for the variants of phase (c)."""
         self.steps = 0
         """Steps run so far (a first step pays lazy initialisation)."""
+        self.links, self._own_links = _model_links(plugin, spec)
+
+    def follow_rounds(self, running_round: Callable[[], int]) -> None:
+        """Model mode: read the links' preemption trace at ``running_round()`` (the round the
+        bench is in), as the shaped launcher's tenant follows reported rounds; else a no-op."""
+        if self.links is not None:
+            self.links.network_step = running_round
+
+    def close(self) -> None:
+        """Close the plugin (ours: its seam and controllers) and this runner's own links."""
+        close = getattr(self.plugin, "close", None)
+        if close is not None:
+            close()
+        if self._own_links:
+            assert self.links is not None
+            self.links.uninstall()
 
     @property
     def k(self) -> int:
@@ -116,6 +140,9 @@ class Runner:
         batch = text_batch(self.spec["batch_size"], self.spec["seq_len"], seed)
         slept = 0.0 if self.stretch is None else self.stretch.slept_s
         dist.barrier()
+        own = self.links if self._own_links else None  # stock in model mode: time it here
+        if own is not None:
+            own.begin_step(self.steps)
         started = time.perf_counter()
         self.booster.execute_pipeline(iter([batch]), self.model, self.criterion, self.optimizer)
         piped = time.perf_counter()
@@ -123,6 +150,8 @@ class Runner:
         self.optimizer.step()
         self.optimizer.zero_grad()
         ended = time.perf_counter()
+        if own is not None:
+            own.end_step()
         if self.kfkb:
             peak = self.schedule.last_stats.activation_bytes * self.schedule.peak_saved
         else:
@@ -143,6 +172,26 @@ class Runner:
         assert len(rows[0]) == vector_width(m)
         found = predict_from_records(records, m, k)
         return found.predicted_s, found.measured_s
+
+
+def _model_links(plugin: Any, spec: dict[str, Any]) -> tuple[CollectiveInterceptor | None, bool]:
+    """Model mode: the interceptor whose network model every collective of this variant runs
+    on, and whether the runner owns it. Ours: the plugin's (its seam times each step, its
+    config carries the bench's links: ``pipeline_model.network_config``); stock Colossal-AI
+    has none, so it gets its own on the same links, opened around each step by
+    :meth:`Runner.step`, or it would run on free links beside ours. Both read the trace at
+    :data:`NO_ROUND` until :meth:`Runner.follow_rounds`. Shaped links: (None, False)."""
+    if spec["network_mode"] != "model":
+        return None, False
+    links = getattr(plugin, "timer", None)
+    own = links is None
+    if own:
+        emulation = EmulationConfig(network=network_config(spec, "model"))
+        rank, world = dist.get_rank(), dist.get_world_size()
+        links = build_interceptor(emulation, rank, world, collective_device()).install()
+    assert isinstance(links, CollectiveInterceptor)
+    links.network_step = lambda: NO_ROUND
+    return links, own
 
 
 def gather_rows(row: list[float]) -> list[list[float]]:

@@ -55,6 +55,7 @@ from colossal_hetero.bench.pipeline_model import (
     stage_peaks,
 )
 from colossal_hetero.bench.pipeline_runner import (
+    NO_ROUND,
     WARM_SEED,
     Runner,
     build_plugins,
@@ -91,6 +92,8 @@ class Phases:
         self.layout = stage_of_rank(spec["pp"], spec["tp"], 1)
         self.offset = 0
         """Global number of the running phase's first round (its warm-up included)."""
+        self.round = NO_ROUND
+        """The round running now (model mode's links read their preemptions at it)."""
         self._reported = -1
 
     def _enter_round(self, index: int) -> tuple[int, bool]:
@@ -99,6 +102,7 @@ class Phases:
         number = self.offset + index
         if number == self._reported:
             return number, False
+        self.round = number
         report_bench_step(self.rank, number)  # the round's first step
         drain = self.drain_s(number)
         time.sleep(self.settle_s(number) + drain)
@@ -109,7 +113,10 @@ class Phases:
     def settle_s(self, number: int) -> float:
         """The wait before round ``number`` for the tenant to start or stop: ``settle_s`` when
         the targeted link's share changes from the round before, else none (the rounds of
-        phases a and c, and those inside a stretch, change nothing on the link)."""
+        phases a and c, and those inside a stretch, change nothing on the link). None on the
+        model's links, whose trace acts at the round itself."""
+        if self.spec["network_mode"] == "model":
+            return 0.0
         shares = self.spec["shares"]
         changed = 0 < number < len(shares) and shares[number - 1] != shares[number]
         return float(self.spec["settle_s"]) if changed else 0.0
@@ -120,13 +127,17 @@ class Phases:
         first paid for it (PP=4, phase b: the variant first in that round 516-593 ms, 311 ms
         in the other free round), the same variant every run as the rotation is fixed. A wait
         alone left it ~1.3x its median against the others' (one run, load 14), so that
-        variant also runs one unrecorded step on the link first."""
+        variant also runs one unrecorded step on the link first. None on the model's links,
+        which no tenant's bytes occupy."""
+        if self.spec["network_mode"] == "model":
+            return 0.0
         shares = self.spec["shares"]
         after = 0 < number < len(shares) and shares[number - 1] < 1.0 <= shares[number]
         return float(self.spec.get("drain_s", 0.0)) if after else 0.0
 
     def variant(self, runner: Runner) -> Variant:
         spec, layout = self.spec, self.layout
+        runner.follow_rounds(lambda: self.round)
 
         def run(index: int, *, warmup: bool) -> dict[str, float] | None:
             number, drain = self._enter_round(index)
@@ -265,9 +276,7 @@ def _run_phases(
     }
     every = (*equal.values(), *slow.values(), *extra)
     for runner in {id(r): r for r in every}.values():
-        close = getattr(runner.plugin, "close", None)
-        if close is not None:
-            close()
+        runner.close()
     return out
 
 

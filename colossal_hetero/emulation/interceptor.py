@@ -112,6 +112,10 @@ class CollectiveInterceptor:
         self._overslept = 0.0  # stretch slept beyond what was asked, taken off the next sleeps
         self._order = StreamOrder()  # watched p2p messages, kept in order per connection
         self._completions = CompletionWatch(clock)  # their real completions, stamped
+        self.network_step: Callable[[], int] | None = None
+        """Where the network model reads its step-scheduled preemptions (None: the step being
+        timed). A benchmark that steps several jobs side by side in rounds sets it to the
+        running round, as the shaped launcher's tenant follows the rounds it is told."""
         self._reset(self._clock())
 
     # -- installation -------------------------------------------------------------------------
@@ -395,6 +399,8 @@ class CollectiveInterceptor:
         ctx = None
         if self.network is not None:
             step = self._step if self._step is not None else 0
+            if self.network_step is not None:
+                step = self.network_step()
             ctx = ModelContext(self.network, self.rank, self.world_size, step)
         return spec.transfer(call, result, self.rank, ctx)
 

@@ -14,7 +14,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from colossal_hetero.config.schema import EmulationConfig, NetworkEmulationConfig
+from colossal_hetero.config.schema import (
+    EmulationConfig,
+    NetworkEmulationConfig,
+    PreemptionSpec,
+)
 from colossal_hetero.emulation import StepTiming, build_interceptor
 from tests.dist_utils import run_distributed
 
@@ -132,12 +136,39 @@ def _check_early_posted_receives(rank: int, device: torch.device) -> None:
     assert second - sent >= 2 * seconds, (second - sent, seconds)
 
 
+def _check_network_step(rank: int, device: torch.device) -> None:
+    """Model mode: the preemption trace is read at ``network_step()`` when it is set (a bench's
+    running round), at the timed step otherwise. Asserted on the sleeps the interceptor asks
+    for (its modelled time less the microseconds since the real call returned)."""
+    halved = PreemptionSpec(factor=0.5, start_step=5, end_step=6)
+    network = NetworkEmulationConfig(bandwidth_gbps=0.08, preemptions=[halved])
+    numel = 500_000
+    seconds = numel * 4 / BYTES_PER_S  # 0.2 s on the free link, 0.4 halved
+    asked: list[list[float]] = []
+    with build_interceptor(EmulationConfig(network=network), rank, 2, device) as ic:
+        real_sleep = ic._sleep
+        for network_step in (None, lambda: 5, lambda: 6):
+            ic.network_step = network_step
+            asked.append([])
+            ic._sleep = lambda s, log=asked[-1]: (log.append(s), real_sleep(s))[1]
+            with ic.step(0):  # step 0: free unless network_step says otherwise
+                if rank == 0:
+                    dist.send(torch.ones(numel), 1)
+                else:
+                    dist.recv(torch.empty(numel), 0)
+    free, preempted, after = (sum(a) for a in asked)
+    assert seconds / 2 < free <= seconds, asked
+    assert 1.5 * seconds < preempted <= 2 * seconds, asked
+    assert seconds / 2 < after <= seconds, asked
+
+
 def _check(rank: int, world_size: int, device: torch.device) -> None:
     if device.type != "cpu":
         pytest.skip("the modelled-time margins assume gloo on CPU")  # never on this machine
     _check_kinds(rank, device)
     _check_model(rank, device)
     _check_early_posted_receives(rank, device)
+    _check_network_step(rank, device)
     time.sleep(0.2)  # let gloo's workers drain before teardown (see tests/dist_utils.py)
 
 

@@ -90,6 +90,11 @@ def test_specs_and_network():
     # TP pairs inside each stage get their own fast class; stage links use the default.
     assert [link.ranks for link in net.links] == [[0, 1], [2, 3]]
     assert network_config(pp4.to_dict(), "model").links == []
+    # The model carries the tenant trace itself (round numbers as steps); shaped links leave
+    # it to the launcher, which runs real traffic on the reported rounds.
+    assert network_config(mixed.to_dict(), "shaped").preemptions == []
+    model = network_config(mixed.to_dict(), "model")
+    assert model.preemptions == preemptions(mixed.shares, mixed.target_rank) != []
 
 
 def test_every_phase_runs_on_emulated_devices_of_their_own():
@@ -315,7 +320,7 @@ def test_phase_c_planned_split_comes_from_the_plugin_given_stage_times():
 def test_first_free_round_after_a_tenant_stretch_drains():
     from colossal_hetero.bench.pipeline_worker import Phases
 
-    pp4, _ = build_specs(quick=True, network_mode="model")
+    pp4, _ = build_specs(quick=True, network_mode="shaped")
     spec = pp4.to_dict()
     phases = Phases(spec, rank=0)
     waits = {n: phases.drain_s(n) for n in range(len(spec["shares"]))}
@@ -328,21 +333,30 @@ def test_first_free_round_after_a_tenant_stretch_drains():
     settles = {n for n in range(len(spec["shares"])) if phases.settle_s(n) > 0}
     assert settles == {5, 8, 9, 12}
     assert phases.settle_s(5) == spec["settle_s"] == 0.3
+    # The model's trace acts at the round itself and leaves no tenant bytes: no waits.
+    modelled = Phases(build_specs(quick=True, network_mode="model")[0].to_dict(), rank=0)
+    rounds = range(len(spec["shares"]))
+    assert not any(modelled.drain_s(n) or modelled.settle_s(n) for n in rounds)
 
 
 def test_the_first_step_after_a_stretch_is_preceded_by_an_unrecorded_one(monkeypatch):
     from colossal_hetero.bench import pipeline_worker as worker
 
-    pp4, _ = build_specs(quick=True, network_mode="model")
+    pp4, _ = build_specs(quick=True, network_mode="shaped")
     spec = {**pp4.to_dict(), "settle_s": 0.0, "drain_s": 1e-6}
     seeds: list[int] = []
+    rounds_read: list[int] = []
 
     class FakeRunner:
         kfkb = False
 
         def step(self, seed: int) -> list[float]:
             seeds.append(seed)
+            rounds_read.append(self.running_round())
             return [0.1, 0.1, 1.0, 0.0, 0.0]
+
+        def follow_rounds(self, running_round: Any) -> None:
+            self.running_round = running_round
 
     monkeypatch.setattr(worker, "report_bench_step", lambda rank, number: None)
     monkeypatch.setattr(worker.dist, "barrier", lambda: None)
@@ -356,6 +370,8 @@ def test_the_first_step_after_a_stretch_is_preceded_by_an_unrecorded_one(monkeyp
         second(index, warmup=False)
     # Round 9's first variant ran the unrecorded step, then its own; nobody else did.
     assert seeds == [4, 4, 5, 5, 6, 6, 7, 7, worker.WARM_SEED, 8, 8, 9, 9]
+    # Every step, the unrecorded one too, reads the links at the round it runs in.
+    assert rounds_read == [4, 4, 5, 5, 6, 6, 7, 7, 8, 8, 8, 9, 9]
 
 
 class _FakeStretch:
