@@ -34,7 +34,7 @@ from typing import Any, Literal
 import torch
 
 from colossal_hetero.config.schema import EmulationConfig
-from colossal_hetero.emulation.arrival import CompletionWatch, Stamp, StreamOrder
+from colossal_hetero.emulation.arrival import ArrivalLink, CompletionWatch, Stamp, StreamOrder
 from colossal_hetero.emulation.collectives import (
     ALWAYS_ASYNC,
     COLLECTIVES,
@@ -112,6 +112,7 @@ class CollectiveInterceptor:
         self._overslept = 0.0  # stretch slept beyond what was asked, taken off the next sleeps
         self._order = StreamOrder()  # watched p2p messages, kept in order per connection
         self._completions = CompletionWatch(clock)  # their real completions, stamped
+        self._arrivals = ArrivalLink(self._link.queue)  # stamped receives, booked on arrival
         self.network_step: Callable[[], int] | None = None
         """Where the network model reads its step-scheduled preemptions (None: the step being
         timed). A benchmark that steps several jobs side by side in rounds sets it to the
@@ -286,8 +287,15 @@ class CollectiveInterceptor:
         self._bytes[spec.kind] += transfer.sent
         if is_async:
             # Issued at `start`: it runs while the rank computes, behind what is already booked.
-            pending = _Pending(spec.kind, transfer.seconds, self._book(start, transfer))
-            if watched and transfer.seconds > 0 and result is not None:
+            stamped = watched and transfer.seconds > 0 and result is not None
+            stamped = stamped and waits_block_host(self.device)
+            booking = None
+            if not (stamped and transfer.egress == 0):  # a stamped receive books on arrival
+                # A stamped send's rendezvous is real: its data moves, and is stamped, only once
+                # the receive is posted, so the modelled notice is not charged on top.
+                booking = self._book(start, transfer, rendezvous=False if stamped else None)
+            pending = _Pending(spec.kind, transfer.seconds, booking)
+            if stamped:
                 self._watch(pending, result, call, transfer)
             # No sync after issue: on a GPU it would wait for the collective and kill overlap.
             self._finish_comm(start, spec.kind, sync=False)
@@ -308,16 +316,15 @@ class CollectiveInterceptor:
         return result
 
     def _watch(self, pending: _Pending, work: Any, call: CallArgs, transfer: Transfer) -> None:
-        """Stamp when ``work`` (an isend's or irecv's) really completes, on a host backend: its
+        """Stamp when ``work`` (an isend's or irecv's, on a host backend) really completes: its
         message then lands no sooner than that plus its modelled time, in order per connection
-        and direction (``arrival``). On accelerators the issue-time booking stays."""
-        if not waits_block_host(self.device):
-            return
+        and direction (``arrival``)."""
         sends = transfer.egress > 0
         peer = call.get("dst") if sends else call.get("src")
         pending.key = (transfer.stream, sends, peer, call.get("tag", 0))
         pending.sequence = self._order.issue()
-        pending.watch = self._completions.watch(pending.key, work)
+        arrival = None if sends else (self._arrivals, transfer.ingress)
+        pending.watch = self._completions.watch(pending.key, work, arrival)
 
     def _wait(self, work: Any, pending: _Pending, args: Any, kwargs: Any) -> Any:
         """``wait()`` of a proxy: a boundary like a collective; sleeps what remains of the
@@ -335,7 +342,7 @@ class CollectiveInterceptor:
             synchronize(self.device)
             now = self._clock()
             if pending.watch is not None:
-                deadline = pending.settle_moved(self._order, moved_at)
+                deadline = pending.settle_moved(self._order, self._arrivals, moved_at)
             else:
                 late = not done and pending.late(now - before)
                 deadline = pending.settle(now, late=late)
@@ -404,9 +411,12 @@ class CollectiveInterceptor:
             ctx = ModelContext(self.network, self.rank, self.world_size, step)
         return spec.transfer(call, result, self.rank, ctx)
 
-    def _book(self, issue: float, transfer: Transfer) -> Booking:
-        """``transfer`` issued at ``issue``, booked on this rank's link."""
-        return self._link.book(issue, transfer.egress, transfer.ingress, transfer.stream)
+    def _book(self, issue: float, transfer: Transfer, rendezvous: bool | None = None) -> Booking:
+        """``transfer`` issued at ``issue``, booked on this rank's link (``rendezvous``: see
+        ``LinkTimeline.book``)."""
+        return self._link.book(
+            issue, transfer.egress, transfer.ingress, transfer.stream, rendezvous
+        )
 
     def _sleep_until(self, deadline: float, accounted: bool) -> None:
         """Sleep what remains until a transfer completes at ``deadline``; counted as network
@@ -447,9 +457,11 @@ class _Pending:
         "sequence",
     )
 
-    def __init__(self, kind: str, seconds: float, booking: Booking) -> None:
+    def __init__(self, kind: str, seconds: float, booking: Booking | None) -> None:
+        """``booking``: the transfer on the rank's link (None: a stamped receive, booked on
+        arrival)."""
         self.kind, self.seconds, self.booking = kind, seconds, booking
-        self.deadline = booking.completion
+        self.deadline = -math.inf if booking is None else booking.completion
         self.settled = False
         self.works: tuple[Any, ...] = ()
         self.watch: Stamp | None = None  # set for a watched p2p call
@@ -475,21 +487,27 @@ class _Pending:
         a synchronous call would."""
         if not self.settled:
             self.settled = True
+            assert self.booking is not None  # only stamped receives have none
             self.deadline = self.booking.completion
             if late:
                 self.deadline = max(self.deadline, now + self.seconds)
         return self.deadline
 
-    def settle_moved(self, order: StreamOrder, moved_at: float) -> float:
+    def settle_moved(self, order: StreamOrder, arrivals: ArrivalLink, moved_at: float) -> float:
         """The completion time of a watched call whose real data moved at ``moved_at``, fixed
-        at the first wait: not before its booking, nor before its data moved plus its modelled
-        time behind the previous message of its connection (``StreamOrder``)."""
+        at the first wait. A receive: its booking on ``arrivals`` from that moment. A send:
+        not before its booking, nor before its data moved plus its modelled time behind the
+        previous message of its connection (``StreamOrder``)."""
         if not self.settled:
             self.settled = True
-            booked = self.booking.completion
-            self.deadline = order.completion(
-                self.key, self.sequence, moved_at, self.seconds, booked
-            )
+            if self.booking is None:
+                assert self.watch is not None and self.watch.booking is not None
+                self.deadline = arrivals.completion(self.watch.booking)
+            else:
+                booked = self.booking.completion
+                self.deadline = order.completion(
+                    self.key, self.sequence, moved_at, self.seconds, booked
+                )
         return self.deadline
 
 

@@ -98,11 +98,18 @@ class LinkTimeline:
     """The time up to which ``lanes`` has been served (the last issue)."""
 
     def book(
-        self, issue: float, egress: float = 0.0, ingress: float = 0.0, stream: Hashable = None
+        self,
+        issue: float,
+        egress: float = 0.0,
+        ingress: float = 0.0,
+        stream: Hashable = None,
+        rendezvous: bool | None = None,
     ) -> Booking:
         """Book a transfer on ``stream`` issued at ``issue`` (not before the previous issue)
         needing ``egress`` seconds of sending and ``ingress`` seconds of receiving; returns its
         booking (``completion >= issue``), whose ends later bookings may move later.
+        ``rendezvous`` overrides the link's for this transfer (False: its receiver's notice is
+        known to be there already).
 
         Raises ValueError for a negative duration (an internal error: model times are >= 0).
         """
@@ -114,7 +121,9 @@ class LinkTimeline:
         for d in (EGRESS, INGRESS):  # what was served until now stays as it was
             self.lanes[d] = _serve(self.lanes[d], d, self.served_to, issue)
         self.served_to = issue
-        booking = Booking(stream, issue + max((self._wait(d, issue) for d in used), default=0.0))
+        notice = self.rendezvous if rendezvous is None else rendezvous
+        waits = (self._wait(d, issue, notice) for d in used)
+        booking = Booking(stream, issue + max(waits, default=0.0))
         for d in used:
             self.busy_until[d] = max(self.busy_until[d], booking.start) + seconds[d]
             self.lanes[d].append(_Share(booking, seconds[d]))
@@ -122,10 +131,10 @@ class LinkTimeline:
             _serve([_Share(s.booking, s.remaining) for s in self.lanes[d]], d, issue, math.inf)
         return booking
 
-    def _wait(self, d: int, issue: float) -> float:
+    def _wait(self, d: int, issue: float, rendezvous: bool) -> float:
         """Seconds from ``issue`` until data on direction ``d`` may move: the receiver's ready
         notice behind the other direction's queue (with ``rendezvous``), then ``d``'s queue."""
-        notice = self._queued(1 - d, issue) if self.rendezvous else 0.0
+        notice = self._queued(1 - d, issue) if rendezvous else 0.0
         return notice + self._queued(d, issue + notice)
 
     def _queued(self, d: int, t: float) -> float:

@@ -136,6 +136,36 @@ def _check_early_posted_receives(rank: int, device: torch.device) -> None:
     assert second - sent >= 2 * seconds, (second - sent, seconds)
 
 
+def _check_early_receives_hold_no_link(rank: int, device: torch.device) -> None:
+    """Model mode: receives posted long before their data (kFkB posts a step's 16) hold no
+    link time until it arrives, so a message that comes first is not queued behind them.
+    Asserted on the sleep the interceptor asks at its wait: at most its modelled time after
+    its data arrived; booked from their posts, it waited behind 4 phantom transfers."""
+    network = NetworkEmulationConfig(bandwidth_gbps=0.08)
+    numel = 100_000  # 0.04 s a message
+    seconds = numel * 4 / BYTES_PER_S
+    with build_interceptor(EmulationConfig(network=network), rank, 2, device) as ic:
+        real_sleep, asked = ic._sleep, []
+        with ic.step(4):
+            if rank == 0:
+                time.sleep(0.1)
+                dist.isend(torch.ones(numel), 1, tag=1).wait()
+                dist.barrier()  # the early receives' data only after the first one landed
+                for work in [dist.isend(torch.ones(numel), 1) for _ in range(4)]:
+                    work.wait()
+            else:
+                later = [dist.irecv(torch.empty(numel), 0) for _ in range(4)]
+                first = dist.irecv(torch.empty(numel), 0, tag=1)
+                ic._sleep = lambda s: (asked.append(s), real_sleep(s))[1]
+                first.wait()
+                ic._sleep = real_sleep
+                dist.barrier()
+                for work in later:
+                    work.wait()
+    if rank == 1:
+        assert sum(asked) <= seconds, (asked, seconds)
+
+
 def _check_network_step(rank: int, device: torch.device) -> None:
     """Model mode: the preemption trace is read at ``network_step()`` when it is set (a bench's
     running round), at the timed step otherwise. Asserted on the sleeps the interceptor asks
@@ -169,6 +199,7 @@ def _check(rank: int, world_size: int, device: torch.device) -> None:
     _check_model(rank, device)
     _check_early_posted_receives(rank, device)
     _check_network_step(rank, device)
+    _check_early_receives_hold_no_link(rank, device)
     time.sleep(0.2)  # let gloo's workers drain before teardown (see tests/dist_utils.py)
 
 

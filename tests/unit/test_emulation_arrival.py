@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from colossal_hetero.emulation.arrival import CompletionWatch, StreamOrder
+from colossal_hetero.emulation.arrival import ArrivalLink, CompletionWatch, StreamOrder
 
 
 class _Work:
@@ -81,3 +81,32 @@ def test_a_failed_wait_is_raised_at_join_and_close_ends_the_threads() -> None:
     for thread in threads:
         thread.join(timeout=5)
     assert not any(t.is_alive() for t in threads)
+
+
+def test_receives_are_booked_as_their_data_arrives_and_share_the_direction() -> None:
+    """Receives watched long before their data (posted early) book nothing until it arrives;
+    two arriving together share the receiving direction (queue 0: no wait, then half rate
+    each), and a later one on a free direction takes its modelled time alone."""
+    now = [0.0]
+
+    class _Arriving(_Work):
+        def __init__(self, at: float) -> None:
+            super().__init__()
+            self.at = at
+
+        def wait(self) -> bool:
+            super().wait()
+            now[0] = self.at  # the clock the watching thread reads next
+            return True
+
+    watch, link = CompletionWatch(lambda: now[0]), ArrivalLink(0.0)
+    works = [_Arriving(10.0), _Arriving(10.5), _Arriving(20.0)]
+    stamps = [watch.watch(c, w, (link, 1.0)) for c, w in zip("aba", works, strict=True)]
+    for work, stamp in zip(works, stamps, strict=True):
+        work.released.set()
+        stamp.join()  # one at a time: each thread's clock read is its own work's time
+    first, second, third = (link.completion(s.booking) for s in stamps if s.booking)
+    # From 10.5 both share: the first's last 0.5 s takes 1 s, the second's 1 s then 0.5 more.
+    assert (first, second) == (11.5, 12.0)
+    assert third == 21.0  # from its arrival, not from when it was watched
+    watch.close()
