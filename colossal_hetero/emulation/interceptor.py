@@ -17,7 +17,7 @@ Between two collectives a rank computes; at each collective the interceptor
 Async calls book their transfer at issue, so it runs while the rank computes; their ``wait()``
 is a boundary like a collective and sleeps only what remains of the transfer. A single isend or
 irecv on a host backend completes no sooner than its real data moved plus its modelled time
-(``arrival``): a receive posted early is not booked ahead of its send. With neither a
+(``arrival``): a receive is booked when its data arrives, not when it was posted. With neither a
 slowdown nor a network model the interceptor only times and counts bytes: no sleeps, no model.
 """
 
