@@ -27,7 +27,12 @@ import numpy as np
 import torch
 
 from colossal_hetero.bench.rounds import Figure, RoundsPolicy, Variant, run_rounds
-from colossal_hetero.utils.device import device_name, local_device, synchronize
+from colossal_hetero.utils.device import (
+    device_name,
+    is_host_device,
+    local_device,
+    synchronize,
+)
 
 TILE = 64
 """Column tile the ragged-width check rounds up to (tensor-core GEMMs tile N by 64 or more)."""
@@ -47,7 +52,7 @@ class KernelCase:
 
 
 def _case(device: torch.device, quick: bool) -> KernelCase:
-    if device.type == "cpu":  # a smoke-sized run: CPU GEMMs at these widths take milliseconds
+    if is_host_device(device):  # a smoke-sized run: CPU GEMMs at these widths take milliseconds
         return KernelCase(512, 512, torch.float32, 3, 20.0 if quick else 60.0)
     return KernelCase(8192, 4096, torch.bfloat16, 20, 30.0 if quick else 90.0)
 

@@ -24,6 +24,7 @@ from colossal_hetero.compat.attention import keep_gpt2_causal
 from colossal_hetero.config.schema import EmulationConfig, ModelConfig
 from colossal_hetero.emulation import CollectiveInterceptor, SlowdownSchedule
 from colossal_hetero.models import build_model
+from colossal_hetero.utils.device import is_host_device
 
 Batch = Mapping[str, torch.Tensor]
 
@@ -115,7 +116,7 @@ def build_dedicated(
     """An interceptor whose slowed ranks behave like devices with their own compute
     (``stretch="dedicated"``, see ``CollectiveInterceptor``), for this rank's compute
     slowdowns; not installed."""
-    if device.type != "cpu":
+    if not is_host_device(device):
         raise ValueError("the dedicated-device stretch emulates CPU ranks only")
     interceptor = CollectiveInterceptor(
         rank,

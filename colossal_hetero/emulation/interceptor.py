@@ -50,7 +50,7 @@ from colossal_hetero.emulation.network import NetworkModel
 from colossal_hetero.emulation.router import CollectiveRouter
 from colossal_hetero.emulation.schedule import SlowdownSchedule
 from colossal_hetero.emulation.timing import COMM_KINDS, StepTiming, zero_by_kind
-from colossal_hetero.utils.device import synchronize, waits_block_host
+from colossal_hetero.utils.device import is_host_device, synchronize, waits_block_host
 
 
 class CollectiveInterceptor:
@@ -391,7 +391,7 @@ class CollectiveInterceptor:
         """Seconds of work this rank did: its thread's CPU time on a CPU device, where ranks
         share cores and wall time would count waiting for a core as work (and stretch it by the
         slowdown factor); wall time on an accelerator, after the device sync."""
-        return time.thread_time() if self.device.type == "cpu" else self._clock()
+        return time.thread_time() if is_host_device(self.device) else self._clock()
 
     def _finish_comm(self, start: float, kind: str, *, sync: bool) -> None:
         if sync:

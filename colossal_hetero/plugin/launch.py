@@ -7,7 +7,12 @@ import os
 import torch
 
 from colossal_hetero.config.schema import ClusterConfig
-from colossal_hetero.utils.device import backend_for, bind_device, resolve_device
+from colossal_hetero.utils.device import (
+    backend_for,
+    bind_device,
+    is_host_device,
+    resolve_device,
+)
 
 
 def prepare_device(device: torch.device) -> None:
@@ -18,7 +23,7 @@ def prepare_device(device: torch.device) -> None:
     """
     from colossalai.accelerator import set_accelerator
 
-    if device.type == "cpu":
+    if is_host_device(device):
         from colossal_hetero.compat.cpu_support import apply_cpu_support
 
         apply_cpu_support()

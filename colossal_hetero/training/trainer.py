@@ -35,6 +35,7 @@ from colossal_hetero.plugin.seam import step_record
 from colossal_hetero.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from colossal_hetero.training.optim import build_lr_scheduler, build_optimizer
 from colossal_hetero.training.steps import evaluate, to_device, train_step
+from colossal_hetero.utils.device import is_host_device
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +53,7 @@ def run_training(config: RunConfig, device: torch.device, plan: Plan | None = No
     ``plan`` (from ``planner.resolve.resolve_plan``) sets uneven tensor-parallel widths and
     data-parallel shares; None trains Colossal-AI's even layout.
     """
-    if device.type == "cpu":
+    if is_host_device(device):
         torch.set_num_threads(1)  # ranks share the host's cores; one thread each
     rank = dist.get_rank()
     workload = (config.data.global_batch_size, config.data.seq_len)

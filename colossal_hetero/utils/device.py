@@ -98,11 +98,16 @@ def bind_device(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 
+def is_host_device(device: torch.device) -> bool:
+    """Whether ``device`` is the host (CPU), not an accelerator."""
+    return device.type == "cpu"
+
+
 def waits_block_host(device: torch.device) -> bool:
     """Whether a communication work's ``wait()`` for tensors on ``device`` blocks the host
     until its data has moved (host backends); an accelerator's returns at once, having only
     ordered the current stream after the transfer."""
-    return device.type == "cpu"
+    return is_host_device(device)
 
 
 def synchronize(device: torch.device) -> None:
