@@ -65,11 +65,10 @@ class CompletionWatch:
         self._clock = clock
         self._queues: dict[Hashable, queue.SimpleQueue[_Watched | None]] = {}
 
-    def watch(
-        self, connection: Hashable, work: Any, arrival: tuple[ArrivalLink, float] | None = None
-    ) -> Stamp:
+    def watch(self, connection: Hashable, work: Any, arrival: Arrival | None = None) -> Stamp:
         """Wait on ``work`` after the earlier works of ``connection``; its stamp. ``arrival``
-        (a receive's): the link and modelled seconds to book it on once its data arrived."""
+        (a receive's): the link, modelled seconds and link class to book it on once its data
+        arrived."""
         waiting = self._queues.get(connection)
         if waiting is None:
             waiting = self._queues[connection] = queue.SimpleQueue()
@@ -91,35 +90,43 @@ class CompletionWatch:
             work, stamp, connection, arrival = item
             try:
                 stamp._result = work.wait()
-            except BaseException as error:  # handed to the caller of Stamp.join
+                stamp.completed_at = self._clock()
+                if arrival is not None:
+                    link, seconds, link_class = arrival
+                    stamp.booking = link.book(stamp.completed_at, seconds, connection, link_class)
+            except BaseException as error:  # handed to the caller of Stamp.join, never lost
                 stamp._error = error
-            stamp.completed_at = self._clock()
-            if arrival is not None and stamp._error is None:
-                link, seconds = arrival
-                stamp.booking = link.book(stamp.completed_at, seconds, connection)
             stamp._done.set()
 
 
 class ArrivalLink:
     """The receiving direction of this rank's link for stamped receives, booked as their data
     arrives: the watching threads book each receive at its stamp (under a lock, so in clock
-    order), on its connection's stream. A receive posted early thus holds no link time before
-    its sender's data comes (booked from its post, kFkB's 16 early receives kept a preempted
-    middle stage's link busy for 0.66 s of phantom transfers, and a gradient behind them
-    landed 0.5 s late), while receives whose data arrive together share the direction, each
-    connection in order. Sends and other calls stay on the interceptor's own timeline: the
-    two directions of a full-duplex link do not share a rate."""
+    order), on its connection's stream, on its class of the link (one timeline per class, as
+    the interceptor keeps: ``NetworkModel.link_class``). A receive posted early thus holds no
+    link time before its sender's data comes (booked from its post, kFkB's 16 early receives
+    kept a preempted middle stage's link busy for 0.66 s of phantom transfers, and a gradient
+    behind them landed 0.5 s late), while receives whose data arrive together share the
+    direction, each connection in order. Sends and other calls stay on the interceptor's own
+    timelines: the two directions of a full-duplex link do not share a rate."""
 
     def __init__(self, queue_s: float) -> None:
-        self._link = LinkTimeline(queue_s)
+        self._queue = queue_s
+        self._links: dict[int | None, LinkTimeline] = {}
         self._lock = threading.Lock()
 
-    def book(self, arrived: float, seconds: float, stream: Hashable) -> Booking:
-        """Book ``seconds`` of receiving from ``arrived`` (or the latest booking's time, which
-        another thread's stamp may have just passed by microseconds)."""
+    def book(
+        self, arrived: float, seconds: float, stream: Hashable, link_class: int | None = None
+    ) -> Booking:
+        """Book ``seconds`` of receiving on class ``link_class`` from ``arrived`` (or the
+        class's latest booking, which another thread's stamp may have just passed by
+        microseconds)."""
         with self._lock:
-            issue = max(arrived, self._link.served_to)
-            return self._link.book(issue, ingress=seconds, stream=stream, rendezvous=False)
+            link = self._links.get(link_class)
+            if link is None:
+                link = self._links[link_class] = LinkTimeline(self._queue)
+            issue = max(arrived, link.served_to)
+            return link.book(issue, ingress=seconds, stream=stream, rendezvous=False)
 
     def completion(self, booking: Booking) -> float:
         """``booking``'s completion now (later bookings sharing the direction move it)."""
@@ -127,7 +134,10 @@ class ArrivalLink:
             return booking.completion
 
 
-_Watched = tuple[Any, Stamp, Hashable, "tuple[ArrivalLink, float] | None"]
+Arrival = tuple[ArrivalLink, float, "int | None"]
+"""Where a watched receive books once its data arrived: the link, its modelled seconds and
+its class of the link."""
+_Watched = tuple[Any, Stamp, Hashable, "Arrival | None"]
 
 
 class StreamOrder:

@@ -75,6 +75,10 @@ class Transfer:
     """The connection it travels on: its process group (``"world"`` for the default one), whose
     transfers the link delivers in order (see ``link_timeline``)."""
 
+    link: int | None = None
+    """The class of this rank's link it travels on (``NetworkModel.link_class``): a listed
+    peer's, or None for the default class."""
+
     @property
     def seconds(self) -> float:
         """The call's modelled time: both directions run at once."""
@@ -87,13 +91,18 @@ class Transfer:
             self.egress + other.egress,
             self.ingress + other.ingress,
             self.stream if self.stream is not None else other.stream,
+            self.link if self.stream is not None else other.link,
         )
 
 
 # (call arguments, this rank's global rank) -> payload bytes this rank sends.
 SentFn = Callable[[CallArgs, int], int]
-# (context, call arguments, the call's return value) -> (egress, ingress) modelled seconds.
-TimeFn = Callable[[ModelContext, CallArgs, Any], tuple[float, float]]
+Timed = tuple[float, float, Sequence[int]]
+"""A call's modelled (egress, ingress) seconds and the global ranks this rank exchanges bytes
+with in it (which class of its link it uses: ``NetworkModel.link_class``)."""
+
+# (context, call arguments, the call's return value) -> its modelled times and peers.
+TimeFn = Callable[[ModelContext, CallArgs, Any], Timed]
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,8 +126,9 @@ class Collective:
         sent = self.sent(call, rank)
         if ctx is None:
             return Transfer(sent)
-        egress, ingress = self.time(ctx, call, result)
-        return Transfer(sent, egress, ingress, _stream(call))
+        egress, ingress, peers = self.time(ctx, call, result)
+        link = ctx.network.link_class(rank, peers, ctx.step)
+        return Transfer(sent, egress, ingress, _stream(call), link)
 
 
 def _stream(call: CallArgs) -> Hashable:
@@ -182,65 +192,77 @@ def _batch_sent(call: CallArgs, _: int) -> int:
 # -- modelled times ---------------------------------------------------------------------------
 
 
-def _both(seconds: float) -> tuple[float, float]:
+def _both(seconds: float, peers: Sequence[int]) -> Timed:
     """A collective sends and receives at once: both directions, for the whole time."""
-    return seconds, seconds
+    return seconds, seconds, peers
 
 
-def _all_reduce(ctx: ModelContext, call: CallArgs, _: Any) -> tuple[float, float]:
+def _ring_peers(ranks: Sequence[int], rank: int) -> tuple[int, ...]:
+    """The rank before and after ``rank`` in a ring over ``ranks`` (group order)."""
+    if rank not in ranks:
+        return ()
+    i = ranks.index(rank)
+    return ranks[i - 1], ranks[(i + 1) % len(ranks)]
+
+
+def _all_reduce(ctx: ModelContext, call: CallArgs, _: Any) -> Timed:
     ranks = ctx.ranks(call.get("group"))
-    return _both(ctx.network.all_reduce_time(ranks, _nbytes(call.get("tensor")), ctx.step))
+    seconds = ctx.network.all_reduce_time(ranks, _nbytes(call.get("tensor")), ctx.step)
+    return _both(seconds, _ring_peers(ranks, ctx.rank))
 
 
 def _gathered(arg: str, list_arg: bool) -> TimeFn:
     """All-gather / reduce-scatter time from the full tensor (or list of pieces) ``arg``."""
 
-    def time(ctx: ModelContext, call: CallArgs, _: Any) -> tuple[float, float]:
-        full = call.get(arg)
+    def time(ctx: ModelContext, call: CallArgs, _: Any) -> Timed:
+        full, ranks = call.get(arg), ctx.ranks(call.get("group"))
         total = _total(full) if list_arg else _nbytes(full)
-        return _both(ctx.network.all_gather_time(ctx.ranks(call.get("group")), total, ctx.step))
+        seconds = ctx.network.all_gather_time(ranks, total, ctx.step)
+        return _both(seconds, _ring_peers(ranks, ctx.rank))
 
     return time
 
 
 def _all_to_all(arg: str, list_arg: bool) -> TimeFn:
-    def time(ctx: ModelContext, call: CallArgs, _: Any) -> tuple[float, float]:
-        local = call.get(arg)
+    def time(ctx: ModelContext, call: CallArgs, _: Any) -> Timed:
+        local, ranks = call.get(arg), ctx.ranks(call.get("group"))
         nbytes = _total(local) if list_arg else _nbytes(local)
-        return _both(ctx.network.all_to_all_time(ctx.ranks(call.get("group")), nbytes, ctx.step))
+        return _both(ctx.network.all_to_all_time(ranks, nbytes, ctx.step), ranks)
 
     return time
 
 
-def _tree(ctx: ModelContext, call: CallArgs, _: Any) -> tuple[float, float]:
+def _tree(ctx: ModelContext, call: CallArgs, _: Any) -> Timed:
     ranks = ctx.ranks(call.get("group"))
-    return _both(ctx.network.broadcast_time(ranks, _nbytes(call.get("tensor")), ctx.step))
+    seconds = ctx.network.broadcast_time(ranks, _nbytes(call.get("tensor")), ctx.step)
+    return _both(seconds, ranks)
 
 
 def _rooted(root_arg: str) -> TimeFn:
     """Gather to / scatter from a root: each rank holds ``tensor``, the root moves n of them."""
 
-    def time(ctx: ModelContext, call: CallArgs, _: Any) -> tuple[float, float]:
-        ranks = ctx.ranks(call.get("group"))
+    def time(ctx: ModelContext, call: CallArgs, _: Any) -> Timed:
+        ranks, root = ctx.ranks(call.get("group")), call.get(root_arg, 0)
         total = _nbytes(call.get("tensor")) * len(ranks)
-        return _both(ctx.network.gather_time(ranks, call.get(root_arg, 0), total, ctx.step))
+        seconds = ctx.network.gather_time(ranks, root, total, ctx.step)
+        return _both(seconds, ranks if ctx.rank == root else (root,))
 
     return time
 
 
-def _send(ctx: ModelContext, call: CallArgs, _: Any) -> tuple[float, float]:
-    nbytes = _nbytes(call.get("tensor"))
-    return ctx.network.p2p_time(ctx.rank, call.get("dst"), nbytes, ctx.step), 0.0
+def _send(ctx: ModelContext, call: CallArgs, _: Any) -> Timed:
+    nbytes, dst = _nbytes(call.get("tensor")), call.get("dst")
+    return ctx.network.p2p_time(ctx.rank, dst, nbytes, ctx.step), 0.0, (dst,)
 
 
-def _recv(ctx: ModelContext, call: CallArgs, source: Any) -> tuple[float, float]:
+def _recv(ctx: ModelContext, call: CallArgs, source: Any) -> Timed:
     # recv(src=None) receives from any rank and returns the sender's global rank.
     src = call.get("src")
     src = source if src is None else src
-    return 0.0, ctx.network.p2p_time(src, ctx.rank, _nbytes(call.get("tensor")), ctx.step)
+    return 0.0, ctx.network.p2p_time(src, ctx.rank, _nbytes(call.get("tensor")), ctx.step), (src,)
 
 
-def _batch_p2p(ctx: ModelContext, call: CallArgs, _: Any) -> tuple[float, float]:
+def _batch_p2p(ctx: ModelContext, call: CallArgs, _: Any) -> Timed:
     """The ops of a batch run concurrently and links are full-duplex: bytes add up per
     direction of each pair's link, and each direction of the rank's link is busy as long as
     its slowest pair."""
@@ -255,11 +277,12 @@ def _batch_p2p(ctx: ModelContext, call: CallArgs, _: Any) -> tuple[float, float]
             egress = max(egress, seconds)
         else:
             ingress = max(ingress, seconds)
-    return egress, ingress
+    return egress, ingress, [op.peer for op in call.get("p2p_op_list")]
 
 
-def _barrier(ctx: ModelContext, call: CallArgs, _: Any) -> tuple[float, float]:
-    return _both(ctx.network.barrier_time(ctx.ranks(call.get("group")), ctx.step))
+def _barrier(ctx: ModelContext, call: CallArgs, _: Any) -> Timed:
+    ranks = ctx.ranks(call.get("group"))
+    return _both(ctx.network.barrier_time(ranks, ctx.step), ranks)
 
 
 COLLECTIVES: dict[str, Collective] = {

@@ -9,10 +9,11 @@ Between two collectives a rank computes; at each collective the interceptor
       after a device sync on accelerators;
   (b) runs the real collective and times it (communication wait), by kind (``COMM_KINDS``),
       counting the bytes it sends;
-  (c) books the call's modelled transfer on this rank's link (``LinkTimeline``: per
-      direction, the receiver's ready notice and the data each wait behind a bounded queue,
-      then the rate is shared among process groups, each group in order), from when the real
-      call returned, and sleeps until the transfer completes;
+  (c) books the call's modelled transfer on the class of this rank's link it uses (a listed
+      link's own, else the default class: ``NetworkModel.link_class``), a ``LinkTimeline``
+      each: per direction, the receiver's ready notice and the data each wait behind a
+      bounded queue, then the rate is shared among process groups, each group in order),
+      from when the real call returned, and sleeps until the transfer completes;
   (d) starts the next compute interval.
 Async calls book their transfer at issue, so it runs while the rank computes; their ``wait()``
 is a boundary like a collective and sleeps only what remains of the transfer. A single isend or
@@ -90,12 +91,10 @@ class CollectiveInterceptor:
         self.rank, self.world_size = rank, world_size
         self.stretch = stretch
         self._sleep, self._clock = sleep, clock
-        # This rank's link, kept across steps as transfers are.
-        self._link = (
-            LinkTimeline(network.queue, rendezvous=network.rendezvous)
-            if network is not None
-            else LinkTimeline(math.inf)
-        )
+        # This rank's link, one timeline per class, kept across steps as transfers are.
+        self._queue = network.queue if network is not None else math.inf
+        self._rendezvous = network.rendezvous if network is not None else False
+        self._links: dict[int | None, LinkTimeline] = {}
         self.slowdown = slowdown if slowdown is not None and slowdown.enabled else None
         self.network = network if network is not None and network.enabled else None
         self.device = device if device is not None else torch.device("cpu")
@@ -112,7 +111,7 @@ class CollectiveInterceptor:
         self._overslept = 0.0  # stretch slept beyond what was asked, taken off the next sleeps
         self._order = StreamOrder()  # watched p2p messages, kept in order per connection
         self._completions = CompletionWatch(clock)  # their real completions, stamped
-        self._arrivals = ArrivalLink(self._link.queue)  # stamped receives, booked on arrival
+        self._arrivals = ArrivalLink(self._queue)  # stamped receives, booked on arrival
         self.network_step: Callable[[], int] | None = None
         """Where the network model reads its step-scheduled preemptions (None: the step being
         timed). A benchmark that steps several jobs side by side in rounds sets it to the
@@ -323,7 +322,7 @@ class CollectiveInterceptor:
         peer = call.get("dst") if sends else call.get("src")
         pending.key = (transfer.stream, sends, peer, call.get("tag", 0))
         pending.sequence = self._order.issue()
-        arrival = None if sends else (self._arrivals, transfer.ingress)
+        arrival = None if sends else (self._arrivals, transfer.ingress, transfer.link)
         pending.watch = self._completions.watch(pending.key, work, arrival)
 
     def _wait(self, work: Any, pending: _Pending, args: Any, kwargs: Any) -> Any:
@@ -412,11 +411,12 @@ class CollectiveInterceptor:
         return spec.transfer(call, result, self.rank, ctx)
 
     def _book(self, issue: float, transfer: Transfer, rendezvous: bool | None = None) -> Booking:
-        """``transfer`` issued at ``issue``, booked on this rank's link (``rendezvous``: see
-        ``LinkTimeline.book``)."""
-        return self._link.book(
-            issue, transfer.egress, transfer.ingress, transfer.stream, rendezvous
-        )
+        """``transfer`` issued at ``issue``, booked on its class of this rank's link
+        (``rendezvous``: see ``LinkTimeline.book``)."""
+        link = self._links.get(transfer.link)
+        if link is None:
+            link = self._links[transfer.link] = LinkTimeline(self._queue, self._rendezvous)
+        return link.book(issue, transfer.egress, transfer.ingress, transfer.stream, rendezvous)
 
     def _sleep_until(self, deadline: float, accounted: bool) -> None:
         """Sleep what remains until a transfer completes at ``deadline``; counted as network

@@ -114,6 +114,25 @@ class NetworkModel:
                 bandwidth *= p.factor
         return bandwidth, latency
 
+    def link_class(self, rank: int, peers: Iterable[int], step: int) -> int | None:
+        """Which class of ``rank``'s link carries its traffic to ``peers``, as shaped mode's tc
+        classes do: a listed link has a class of its own, keyed by its peer; every unlisted
+        peer shares the default class (None). Traffic to peers of several classes (a ring
+        through a listed and an unlisted link) goes on the class of the slowest of those
+        links, the one the collective's time is set by (ties: the default class, then the
+        lowest peer).
+
+        Each class is a link timeline of its own in the interceptor, so a transfer on a fast
+        listed link does not queue behind the default link's traffic, as on shaped links."""
+        slowest: dict[int | None, float] = {}
+        for peer in peers:
+            if peer != rank:
+                c = peer if _key(rank, peer) in self.links else None
+                slowest[c] = min(slowest.get(c, math.inf), self.link(rank, peer, step)[0])
+        if len(slowest) <= 1:
+            return next(iter(slowest), None)
+        return min(slowest, key=lambda c: (slowest[c], -1 if c is None else c))
+
     # -- collective times ------------------------------------------------------------------
 
     def all_reduce_time(self, ranks: Sequence[int], nbytes: int, step: int) -> float:

@@ -101,7 +101,7 @@ def test_receives_are_booked_as_their_data_arrives_and_share_the_direction() -> 
 
     watch, link = CompletionWatch(lambda: now[0]), ArrivalLink(0.0)
     works = [_Arriving(10.0), _Arriving(10.5), _Arriving(20.0)]
-    stamps = [watch.watch(c, w, (link, 1.0)) for c, w in zip("aba", works, strict=True)]
+    stamps = [watch.watch(c, w, (link, 1.0, None)) for c, w in zip("aba", works, strict=True)]
     for work, stamp in zip(works, stamps, strict=True):
         work.released.set()
         stamp.join()  # one at a time: each thread's clock read is its own work's time
@@ -109,4 +109,22 @@ def test_receives_are_booked_as_their_data_arrives_and_share_the_direction() -> 
     # From 10.5 both share: the first's last 0.5 s takes 1 s, the second's 1 s then 0.5 more.
     assert (first, second) == (11.5, 12.0)
     assert third == 21.0  # from its arrival, not from when it was watched
+    watch.close()
+
+
+def test_each_link_class_receives_apart_and_a_failed_booking_is_raised_at_join() -> None:
+    """Receives on two classes of the link (a listed peer's and the default) do not share a
+    rate: each takes its modelled time alone. A booking that fails in the watching thread is
+    raised at ``join``, not lost in the thread (a lost one would leave the caller blocked)."""
+    link = ArrivalLink(0.0)
+    slow = link.book(10.0, 4.0, "pp", None)
+    fast = link.book(10.0, 1.0, "tp", 1)
+    assert (link.completion(slow), link.completion(fast)) == (14.0, 11.0)
+    shared = link.book(10.0, 4.0, "dp", None)  # the default class again: shares with `slow`
+    assert (link.completion(slow), link.completion(shared)) == (18.0, 18.0)
+    watch, work = CompletionWatch(_clock()), _Work()
+    stamp = watch.watch("a", work, (link, -1.0, None))  # a negative time: book refuses it
+    work.released.set()
+    with pytest.raises(ValueError, match="durations"):
+        stamp.join()
     watch.close()

@@ -178,3 +178,24 @@ def test_overlapping_preemptions_multiply() -> None:
 def test_bad_links_are_rejected(links: list[LinkSpec]) -> None:
     with pytest.raises(ValueError, match="links"):
         _model(links=links)
+
+
+def test_link_class_is_the_listed_peer_else_the_default_and_the_slowest_when_mixed() -> None:
+    """Shaped mode's tc classes: a listed link has its own class (keyed by the peer), every
+    unlisted peer shares the default (None); traffic to several classes goes on the slowest."""
+    model = _model(**SLOW_LINK)  # 3-0 listed at 0.8 Gbit/s, the default 8 Gbit/s
+    assert model.link_class(0, [3], 0) == 3 and model.link_class(3, [0], 0) == 0
+    assert model.link_class(0, [1], 0) is None and model.link_class(0, [1, 2], 0) is None
+    assert model.link_class(0, [0], 0) is None and model.link_class(0, [], 0) is None
+    assert model.link_class(0, [3, 1], 0) == 3  # a ring 3-0-1: the slow listed link sets it
+    fast = _model(bandwidth_gbps=1.0, links=[LinkSpec(ranks=[0, 1], bandwidth_gbps=8.0)])
+    assert fast.link_class(0, [1], 0) == 1 and fast.link_class(0, [1, 2], 0) is None
+    # The listed link preempted below the default's rate becomes the slowest of the ring.
+    cut = PreemptionSpec(factor=0.1, ranks=[1], start_step=5)
+    slowed = _model(
+        bandwidth_gbps=1.0, links=[LinkSpec(ranks=[0, 1], bandwidth_gbps=8.0)], preemptions=[cut]
+    )
+    assert slowed.link_class(0, [1, 3], 4) is None and slowed.link_class(0, [1, 3], 5) == 1
+    # Equal rates: the default class first.
+    even = _model(bandwidth_gbps=1.0, links=[LinkSpec(ranks=[0, 2], bandwidth_gbps=1.0)])
+    assert even.link_class(0, [2, 1], 0) is None

@@ -285,6 +285,32 @@ def test_another_group_waits_for_the_queue_then_shares_the_link(
     assert clock.sleeps == [6 / 64, 3 / 64]
 
 
+def test_a_listed_link_is_a_class_of_its_own_and_unlisted_peers_share_the_default(
+    rig: Any,
+) -> None:
+    """As shaped mode's tc classes: a message to rank 1 (its link listed) does not queue behind
+    the default class's traffic, while messages to the unlisted ranks 2 and 3 share the default
+    class (here one connection: first in, first out)."""
+    clock, _ = rig
+    network = NetworkModel(
+        world_size=4,
+        enabled=True,
+        default_bandwidth=BANDWIDTH,
+        links={(0, 1): (BANDWIDTH, 0.0)},
+        queue=2 / 64,
+    )
+    with CollectiveInterceptor(0, 4, network=network, sleep=clock.sleep, clock=clock) as ic:
+        with ic.step(0):
+            (to_two,) = dist.batch_isend_irecv([dist.P2POp(dist.isend, _floats(8), 2)])
+            (to_three,) = dist.batch_isend_irecv([dist.P2POp(dist.isend, _floats(2), 3)])
+            (to_one,) = dist.batch_isend_irecv([dist.P2POp(dist.isend, _floats(2), 1)])
+            to_one.wait()  # alone on its class: 2/64
+            to_three.wait()  # behind the 8/64 to rank 2: done at 10/64
+            to_two.wait()  # done at 8/64 already
+    assert clock.sleeps == [2 / 64, 8 / 64]
+    assert ic.last_timing.network_delay == 10 / 64
+
+
 def test_transfers_stay_booked_across_steps_and_waits_outside_steps_are_not_counted(
     rig: Any,
 ) -> None:
