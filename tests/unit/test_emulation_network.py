@@ -6,9 +6,12 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from colossal_hetero.config.schema import LinkSpec, NetworkEmulationConfig, PreemptionSpec
 from colossal_hetero.emulation import NetworkModel
+from colossal_hetero.emulation.collectives import COLLECTIVES, CallArgs, ModelContext
 from tests.tolerances import FLOAT64_FORMULA_RTOL
 
 GBPS = 1e9 / 8  # bytes/s per Gbit/s
@@ -199,3 +202,31 @@ def test_link_class_is_the_listed_peer_else_the_default_and_the_slowest_when_mix
     # Equal rates: the default class first.
     even = _model(bandwidth_gbps=1.0, links=[LinkSpec(ranks=[0, 2], bandwidth_gbps=1.0)])
     assert even.link_class(0, [2, 1], 0) is None
+
+
+def test_each_call_goes_on_the_class_of_the_peers_it_exchanges_with(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """PP=2 x TP=2 as the pipeline bench lays it out: TP pairs (0, 1) and (2, 3) on listed
+    1 Gbit/s links, the stage links unlisted. Rank 2's TP all-gather (its group's ring: peer 3)
+    travels on the listed class, its p2p to rank 0 on the default one; a world all-reduce
+    (ring 1-2-3: peers 1 and 3) on the slower default class."""
+    tp_pairs = [
+        LinkSpec(ranks=[0, 1], bandwidth_gbps=1.0),
+        LinkSpec(ranks=[2, 3], bandwidth_gbps=1.0),
+    ]
+    model = _model(bandwidth_gbps=0.007, links=tp_pairs)
+    tp_group = object()
+    monkeypatch.setattr(dist, "get_process_group_ranks", lambda group: [2, 3])
+    ctx = ModelContext(model, rank=2, world_size=4, step=0)
+    x = torch.zeros(8)
+
+    def link(name: str, **kwargs: object) -> int | None:
+        return COLLECTIVES[name].transfer(CallArgs({}, (), kwargs), 0, 2, ctx).link
+
+    assert link("all_gather_into_tensor", output_tensor=x, input_tensor=x, group=tp_group) == 3
+    assert link("isend", tensor=x, dst=0) is None and link("irecv", tensor=x, src=0) is None
+    assert link("isend", tensor=x, dst=3) == 3
+    assert link("all_reduce", tensor=x) is None  # WORLD: ring neighbours 1 and 3
+    ops = [dist.P2POp(dist.isend, x, 3), dist.P2POp(dist.irecv, x, 0)]
+    assert link("batch_isend_irecv", p2p_op_list=ops) is None  # the slower of 3's and 0's
