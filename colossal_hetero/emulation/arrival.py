@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from colossal_hetero.emulation.link_timeline import Booking, LinkTimeline
+from colossal_hetero.emulation.link_timeline import Booking, LinkClasses
 
 
 class Stamp:
@@ -111,8 +111,7 @@ class ArrivalLink:
     timelines: the two directions of a full-duplex link do not share a rate."""
 
     def __init__(self, queue_s: float) -> None:
-        self._queue = queue_s
-        self._links: dict[int | None, LinkTimeline] = {}
+        self._links = LinkClasses(queue_s)
         self._lock = threading.Lock()
 
     def book(
@@ -122,9 +121,7 @@ class ArrivalLink:
         class's latest booking, which another thread's stamp may have just passed by
         microseconds)."""
         with self._lock:
-            link = self._links.get(link_class)
-            if link is None:
-                link = self._links[link_class] = LinkTimeline(self._queue)
+            link = self._links.timeline(link_class)
             issue = max(arrived, link.served_to)
             return link.book(issue, ingress=seconds, stream=stream, rendezvous=False)
 

@@ -46,7 +46,7 @@ from colossal_hetero.emulation.collectives import (
     Transfer,
     parameter_positions,
 )
-from colossal_hetero.emulation.link_timeline import Booking, LinkTimeline
+from colossal_hetero.emulation.link_timeline import Booking, LinkClasses
 from colossal_hetero.emulation.network import NetworkModel
 from colossal_hetero.emulation.router import CollectiveRouter
 from colossal_hetero.emulation.schedule import SlowdownSchedule
@@ -92,9 +92,9 @@ class CollectiveInterceptor:
         self.stretch = stretch
         self._sleep, self._clock = sleep, clock
         # This rank's link, one timeline per class, kept across steps as transfers are.
-        self._queue = network.queue if network is not None else math.inf
-        self._rendezvous = network.rendezvous if network is not None else False
-        self._links: dict[int | None, LinkTimeline] = {}
+        self._links = (
+            LinkClasses(network.queue, network.rendezvous) if network is not None else LinkClasses()
+        )
         self.slowdown = slowdown if slowdown is not None and slowdown.enabled else None
         self.network = network if network is not None and network.enabled else None
         self.device = device if device is not None else torch.device("cpu")
@@ -111,7 +111,7 @@ class CollectiveInterceptor:
         self._overslept = 0.0  # stretch slept beyond what was asked, taken off the next sleeps
         self._order = StreamOrder()  # watched p2p messages, kept in order per connection
         self._completions = CompletionWatch(clock)  # their real completions, stamped
-        self._arrivals = ArrivalLink(self._queue)  # stamped receives, booked on arrival
+        self._arrivals = ArrivalLink(self._links.queue)  # stamped receives, booked on arrival
         self.network_step: Callable[[], int] | None = None
         """Where the network model reads its step-scheduled preemptions (None: the step being
         timed). A benchmark that steps several jobs side by side in rounds sets it to the
@@ -413,9 +413,7 @@ class CollectiveInterceptor:
     def _book(self, issue: float, transfer: Transfer, rendezvous: bool | None = None) -> Booking:
         """``transfer`` issued at ``issue``, booked on its class of this rank's link
         (``rendezvous``: see ``LinkTimeline.book``)."""
-        link = self._links.get(transfer.link)
-        if link is None:
-            link = self._links[transfer.link] = LinkTimeline(self._queue, self._rendezvous)
+        link = self._links.timeline(transfer.link)
         return link.book(issue, transfer.egress, transfer.ingress, transfer.stream, rendezvous)
 
     def _sleep_until(self, deadline: float, accounted: bool) -> None:

@@ -142,6 +142,24 @@ class LinkTimeline:
         return min(max(0.0, self.busy_until[d] - t), self.queue)
 
 
+@dataclass(slots=True)
+class LinkClasses:
+    """One rank's link as its classes (``NetworkModel.link_class``: a listed peer's, None for
+    the default), a :class:`LinkTimeline` each, made on first use with this queue and
+    rendezvous."""
+
+    queue: float = math.inf
+    rendezvous: bool = False
+    timelines: dict[int | None, LinkTimeline] = field(default_factory=dict)
+
+    def timeline(self, link_class: int | None) -> LinkTimeline:
+        """The timeline of ``link_class``."""
+        timeline = self.timelines.get(link_class)
+        if timeline is None:
+            timeline = self.timelines[link_class] = LinkTimeline(self.queue, self.rendezvous)
+        return timeline
+
+
 def _serve(lane: list[_Share], d: int, now: float, until: float) -> list[_Share]:
     """Serve ``lane`` (direction ``d``'s shares, in booking order) from ``now`` to ``until``:
     each stream's first unfinished share is served once its booking has started, all served
