@@ -82,6 +82,7 @@ from colossal_hetero.bench.rounds import (
 from colossal_hetero.bench.shaped_spawn import on_shaped_links, report_bench_step
 from colossal_hetero.config.schema import HeteroConfig
 from colossal_hetero.pipeline.tuner import stage_of_rank
+from colossal_hetero.utils.device import collective_device
 
 
 class Phases:
@@ -201,7 +202,7 @@ def _build_set(
 
 def _rounds(phases: Phases, runners: dict[str, Runner], policy: RoundsPolicy) -> Any:
     variants = {name: phases.variant(r) for name, r in runners.items()}
-    decide = rank0_decides(torch.device("cpu"))
+    decide = rank0_decides(collective_device())
     return run_rounds(variants, _figures(list(runners)), policy, decide=decide)
 
 

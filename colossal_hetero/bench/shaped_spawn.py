@@ -46,7 +46,7 @@ from typing import Any
 from colossal_hetero.config.schema import NetworkEmulationConfig
 from colossal_hetero.emulation.shaped.controller import STEP_DIR_ENV, report_step
 from colossal_hetero.emulation.shaped.topology import SHAPED_ENV
-from colossal_hetero.utils.device import HOST_BACKEND
+from colossal_hetero.utils.device import HOST_BACKEND, host_device
 from colossal_hetero.utils.teardown import close_process_group
 
 SHAPED_BENCH_TIMEOUT_S = 1800.0
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group(HOST_BACKEND)
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
-        result = fn(rank=rank, world_size=world, device=torch.device("cpu"), **kwargs)
+        result = fn(rank=rank, world_size=world, device=host_device(), **kwargs)
         Path(args.dir, f"result_{rank}.json").write_text(json.dumps(result))
     finally:
         close_process_group()

@@ -73,6 +73,7 @@ class _NullEvent:
 
 def _cpu_accelerator_methods() -> dict[str, Callable[..., Any]]:
     """Replacements for CpuAccelerator methods that raise or are wrong on CPU."""
+    from colossal_hetero.utils.device import host_device
 
     def noop(self: Any, *args: Any, **kwargs: Any) -> None:
         return None
@@ -89,7 +90,7 @@ def _cpu_accelerator_methods() -> dict[str, Callable[..., Any]]:
         "seed_all": lambda self: torch.seed(),
         "initial_seed": lambda self: torch.initial_seed(),
         # A device object works wherever Colossal-AI passes current_device() as `device=`.
-        "current_device": lambda self: torch.device("cpu"),
+        "current_device": lambda self: host_device(),
         "set_device": noop,
         "synchronize": noop,
         "empty_cache": noop,

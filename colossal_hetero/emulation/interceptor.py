@@ -51,7 +51,12 @@ from colossal_hetero.emulation.network import NetworkModel
 from colossal_hetero.emulation.router import CollectiveRouter
 from colossal_hetero.emulation.schedule import SlowdownSchedule
 from colossal_hetero.emulation.timing import COMM_KINDS, StepTiming, zero_by_kind
-from colossal_hetero.utils.device import is_host_device, synchronize, waits_block_host
+from colossal_hetero.utils.device import (
+    host_device,
+    is_host_device,
+    synchronize,
+    waits_block_host,
+)
 
 
 class CollectiveInterceptor:
@@ -97,7 +102,7 @@ class CollectiveInterceptor:
         )
         self.slowdown = slowdown if slowdown is not None and slowdown.enabled else None
         self.network = network if network is not None and network.enabled else None
-        self.device = device if device is not None else torch.device("cpu")
+        self.device = device if device is not None else host_device()
         self.last_timing: StepTiming | None = None
         self._router: CollectiveRouter | None = None  # set while installed
         # The whole world's emulation this was built from (build_interceptor sets it): the

@@ -58,6 +58,7 @@ from colossal_hetero.moe.replace_policy import (
 )
 from colossal_hetero.moe.replace_zero import ZeroExperts, is_zero
 from colossal_hetero.utils.collectives import all_reduce_anywhere
+from colossal_hetero.utils.device import is_host_device
 
 Meta = dict[str, Any]
 
@@ -182,7 +183,7 @@ def _describe(block: Any, expert: int, optim: _View) -> list[Meta]:
                 "group": group_of.get(id(master)),
                 "state": state,
                 "layout": optim.layout(param.numel()),
-                "on_host": [t.device.type == "cpu" for t in _param_tensors(param, optim)],
+                "on_host": [is_host_device(t.device) for t in _param_tensors(param, optim)],
             }
         )
     return described

@@ -30,7 +30,7 @@ def resolve_device(kind: DeviceKind, local_rank: int, local_world_size: int) -> 
     """
     num_gpus = cuda_device_count()
     if kind == "cpu" or (kind == "auto" and num_gpus < local_world_size):
-        return torch.device("cpu")
+        return host_device()
     if num_gpus < local_world_size:
         raise ValueError(
             f"cluster.device: 'cuda' needs {local_world_size} GPUs on this node, found {num_gpus}"
@@ -79,12 +79,17 @@ def backend_needs_accelerator(backend: str) -> bool:
     return str(backend).lower() == "nccl"
 
 
+def host_device() -> torch.device:
+    """The host (CPU) device: where host-backend (gloo) tensors live."""
+    return torch.device("cpu")
+
+
 def collective_device(group: Any = None) -> torch.device:
     """The device a collective on ``group`` (None: the world) needs its tensors on: the
     current accelerator for an NCCL group, the host otherwise."""
     if backend_needs_accelerator(dist.get_backend(group)):
         return accelerator_device()
-    return torch.device("cpu")
+    return host_device()
 
 
 def no_accelerator_env() -> dict[str, str]:
