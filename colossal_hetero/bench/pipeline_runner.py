@@ -8,9 +8,10 @@ them); ``InFlightMeter`` measures a stock schedule's peak activation bytes as
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -139,17 +140,19 @@ class Runner:
         """One training step; this rank's row (``pipeline_model.ROW``), not yet gathered."""
         batch = text_batch(self.spec["batch_size"], self.spec["seq_len"], seed)
         slept = 0.0 if self.stretch is None else self.stretch.slept_s
+        gc.collect(1)  # the young garbage of what ran before, untimed (see collector_paused)
         dist.barrier()
         own = self.links if self._own_links else None  # stock in model mode: time it here
         if own is not None:
             own.begin_step(self.steps)
-        started = time.perf_counter()
-        self.booster.execute_pipeline(iter([batch]), self.model, self.criterion, self.optimizer)
-        piped = time.perf_counter()
-        k = self.k  # the k this step ran: ada decides early in a step (before_step)
-        self.optimizer.step()
-        self.optimizer.zero_grad()
-        ended = time.perf_counter()
+        with collector_paused():
+            started = time.perf_counter()
+            self.booster.execute_pipeline(iter([batch]), self.model, self.criterion, self.optimizer)
+            piped = time.perf_counter()
+            k = self.k  # the k this step ran: ada decides early in a step (before_step)
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+            ended = time.perf_counter()
         if own is not None:
             own.end_step()
         if self.kfkb:
@@ -172,6 +175,72 @@ class Runner:
         assert len(rows[0]) == vector_width(m)
         found = predict_from_records(records, m, k)
         return found.predicted_s, found.measured_s
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's automatic garbage collection off inside (as it was before, after).
+
+    A timed step runs without it: a collection that fell inside a step cost that step what the
+    collector took, on one rank at a random point, and inside a stretched block pass the
+    emulated device multiplied its CPU time by its base (6, or 12 on phase (c)'s slowed
+    device). Instrumented (session 19, PP=2 x TP=2 ``--quick``), each rank ran 12 full
+    collections of 0.3-1.9 s: the outlier rounds of every variant. Each step first collects
+    the young generations, untimed; :func:`freeze_built` keeps the rest cheap."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+class CollectorLog:
+    """Python's garbage collections on this rank while installed (``gc.callbacks``): how many
+    and their wall seconds, per generation, and how many ran inside a timed step (none should:
+    :func:`collector_paused`)."""
+
+    def __init__(self) -> None:
+        self.collections = [0, 0, 0]
+        self.seconds = [0.0, 0.0, 0.0]
+        self.longest_s = 0.0
+        self._started = 0.0
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        took = time.perf_counter() - self._started
+        generation = info["generation"]
+        self.collections[generation] += 1
+        self.seconds[generation] += took
+        self.longest_s = max(self.longest_s, took)
+
+    def install(self) -> CollectorLog:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def uninstall(self) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def by_rank(self) -> list[dict[str, Any]]:
+        """Every rank's record (``collections``, ``seconds`` per generation, ``longest_s``), in
+        rank order: one all_gather on the world."""
+        rows = gather_rows([*map(float, self.collections), *self.seconds, self.longest_s])
+        return [
+            {"collections": [int(c) for c in row[:3]], "seconds": row[3:6], "longest_s": row[6]}
+            for row in rows
+        ]
+
+
+def freeze_built() -> None:
+    """Collect, then move every object alive now (the variants built so far: models,
+    optimizers, plugins) out of the collector's sight (``gc.freeze``), so a full collection
+    later walks only what the steps allocated since. ``gc.unfreeze`` before the variants are
+    dropped, or their cycles outlive them."""
+    gc.collect()
+    gc.freeze()
 
 
 def _model_links(plugin: Any, spec: dict[str, Any]) -> tuple[CollectiveInterceptor | None, bool]:

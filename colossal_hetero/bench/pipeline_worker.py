@@ -57,8 +57,10 @@ from colossal_hetero.bench.pipeline_model import (
 from colossal_hetero.bench.pipeline_runner import (
     NO_ROUND,
     WARM_SEED,
+    CollectorLog,
     Runner,
     build_plugins,
+    freeze_built,
     gather_rows,
     workload_of,
 )
@@ -220,10 +222,14 @@ def run_pipeline_worker(
 
     timings: dict[str, float] = {"entered_at": time.time()}
     prepare_device(device)  # the gloo/CPU fixes Colossal-AI's stock plugin needs too
+    collector = CollectorLog().install()
     out = _run_phases(rank, device, spec, timings)
+    collector.uninstall()
+    out["collector_by_rank"] = collector.by_rank()
     # The variants (models, optimizers, hooks; reference cycles) are garbage now: collect them
     # here, timed, rather than in the exit path's collection (``close_process_group``).
     collected = time.perf_counter()
+    gc.unfreeze()  # the variants were frozen as built (pipeline_runner.freeze_built)
     gc.collect()
     timings["collect_s"] = time.perf_counter() - collected
     out["timings"] = {**timings, "left_at": time.time()}
@@ -240,6 +246,7 @@ def _run_phases(
     started = time.perf_counter()
     phases = Phases(spec, rank)
     equal = _build_set(spec, "equal", device, {})
+    freeze_built()
     timings["build_equal_s"] = time.perf_counter() - started
     # Every phase runs every rank on an emulated device of its own (``dedicated``: no
     # neighbour's sleep speeds it up or its work slows it down), phase (c)'s slower and the
@@ -252,6 +259,7 @@ def _run_phases(
         runner.stretch = stretch
     stretch.set_device(*devices["c"])
     slow, measured, extra = _slow_set(spec, device, equal, stretch, phases.layout, timings)
+    freeze_built()
     out: dict[str, Any] = {"setup_s": time.perf_counter() - started, "phases": {}}
     out["measured_split"] = measured
     for name, runners in (("a", equal), ("b", equal), ("c", slow)):

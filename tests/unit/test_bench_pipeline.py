@@ -482,3 +482,38 @@ def test_quick_rounds_share_the_deadline():
     assert a.project and (a.min_rounds, a.max_rounds) == (3, 4)
     assert (phase_policy(spec, "b", now).min_rounds, c.min_rounds) == (4, 2)
     assert phase_policy(spec, "c", now + 200.0).budget_s == 0.0  # past it: the least rounds
+
+
+def test_timed_steps_run_without_automatic_collections_and_the_log_counts_them():
+    import gc
+
+    from colossal_hetero.bench.pipeline_runner import CollectorLog, collector_paused
+
+    was = gc.isenabled()
+    gc.enable()
+    try:
+        with collector_paused():
+            assert not gc.isenabled()
+        assert gc.isenabled()
+        with pytest.raises(RuntimeError), collector_paused():
+            raise RuntimeError("a step failed")
+        assert gc.isenabled()  # restored on the way out of a failure too
+        gc.disable()
+        with collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # off before: left off
+        gc.enable()
+
+        log = CollectorLog().install()
+        try:
+            with collector_paused():  # only the explicit collections below
+                gc.collect(0)
+                gc.collect(2)
+                gc.collect(2)
+        finally:
+            log.uninstall()
+        gc.collect(1)  # after uninstall: not counted
+        assert log.collections == [1, 0, 2]
+        assert all(s >= 0.0 for s in log.seconds) and log.longest_s >= max(log.seconds) / 2
+    finally:
+        (gc.enable if was else gc.disable)()
