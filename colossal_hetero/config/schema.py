@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from colossal_hetero.config.balancer import BalancerConfig
+from colossal_hetero.config.collector import CollectorConfig
 from colossal_hetero.config.fields import require as _require
 from colossal_hetero.config.moe import MoeConfig
 from colossal_hetero.config.parallel import ParallelConfig
@@ -470,6 +471,9 @@ class HeteroConfig:
     moe: MoeConfig = field(default_factory=MoeConfig)
     """Mixture-of-experts gradient reduction (parallel.ep > 1)."""
 
+    gc: CollectorConfig = field(default_factory=CollectorConfig)
+    """Python's garbage collection at step boundaries."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "emulation", _emulation_for(self.emulation, self.cluster))
         _check_stage_times(self.plan, self.parallel)
@@ -503,6 +507,9 @@ class RunConfig:
     moe: MoeConfig = field(default_factory=MoeConfig)
     """Mixture-of-experts gradient reduction (parallel.ep > 1)."""
 
+    gc: CollectorConfig = field(default_factory=CollectorConfig)
+    """Python's garbage collection at step boundaries."""
+
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """Optimizer."""
 
@@ -528,6 +535,7 @@ class RunConfig:
             plan=self.plan,
             balancer=self.balancer,
             moe=self.moe,
+            gc=self.gc,
         )
 
 

@@ -68,6 +68,7 @@ from colossal_hetero.preflight import validate_layout
 from colossal_hetero.tp2d.convert import convert_to_2d
 from colossal_hetero.tp2d.policy import Converted2DPolicy
 from colossal_hetero.tp2d.resize import LayerOps2D
+from colossal_hetero.utils.collector import StepCollector
 from colossal_hetero.utils.device import SUPPORTED_DEVICE_TYPES, backend_for, resolve_device
 from colossal_hetero.utils.quiet import quiet_third_party_warnings
 
@@ -158,6 +159,9 @@ class HeteroParallelPlugin(PipelinePluginBase):
         self._run_dir = None if metrics_dir is None else Path(metrics_dir)
         if metrics_dir is not None and step_metrics:
             self.seam.add(StepMetrics(self.seam, metrics_dir, self.rank))
+        # gc.every: every rank collects garbage at the same step boundaries, none inside a step
+        gc_every = config.gc.every
+        self.collector = self.seam.add(StepCollector(gc_every)) if gc_every else None
         if self.pipeline_control is not None:  # ada_kfkb retunes k at step ends
             self.pipeline_control.log = DecisionWriter(metrics_dir, "pipeline", self.rank)
             self.seam.add(self.pipeline_control)

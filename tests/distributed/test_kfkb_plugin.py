@@ -1,7 +1,8 @@
 """parallel.pp_schedule through the plugin, in a plain Booster loop on 2 gloo ranks (PP=2).
 
 One spawn, four plugins one after another, each from the same initial model and batches:
-1F1B (the default, even split) as the reference; kfkb with k=2 on a 1 + 3 layer split, whose
+1F1B (the default, even split) as the reference; kfkb with k=2 on a 1 + 3 layer split (and
+``gc.every`` 2: no garbage collection inside a step, one at a step boundary), whose
 losses and final parameters must equal 1F1B's bit for bit (each layer's arithmetic is the same
 wherever it runs) (fp32; forwards and backwards run in increasing micro-batch order, so
 every sum happens in the same order); ada_kfkb, which retunes k at its period, writes its
@@ -11,7 +12,9 @@ refused with one ValueError on every rank after the first step.
 
 from __future__ import annotations
 
+import gc
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,6 +24,7 @@ from colossalai.booster import Booster
 from colossalai.pipeline.schedule import OneForwardOneBackwardSchedule
 
 from colossal_hetero.config import HeteroConfig, ParallelConfig
+from colossal_hetero.config.collector import CollectorConfig
 from colossal_hetero.config.schema import EmulationConfig, NetworkEmulationConfig
 from colossal_hetero.models import build_model, loss_from_outputs
 from colossal_hetero.pipeline.schedule import KFKBSchedule
@@ -38,10 +42,16 @@ LINK_S = 0.2
 SLOW_GBPS = MESSAGE_BYTES * 8 / LINK_S / 1e9
 
 
-def _train(config: HeteroConfig, steps: int, metrics_dir: Path | None = None):
+def _train(
+    config: HeteroConfig,
+    steps: int,
+    metrics_dir: Path | None = None,
+    on_plugin: Callable[[HeteroParallelPlugin], None] = lambda plugin: None,
+):
     """A plain Booster loop; returns (plugin, last-stage losses, final parameters). The caller
     closes the plugin."""
     plugin = HeteroParallelPlugin(config, metrics_dir=metrics_dir)
+    on_plugin(plugin)
     torch.manual_seed(0)
     model = build_model(GPT2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -109,7 +119,21 @@ def _two_ranks(rank, world_size, device, folder: str):
     kfkb = ParallelConfig(
         pp=2, num_microbatches=M, pp_schedule="kfkb", pp_k=2, num_layers_per_stage=[1, 3]
     )
-    plugin, *got = _train(HeteroConfig(parallel=kfkb), STEPS)
+    # ... with gc.every 2: no garbage collection inside a step, one after step 1 (of 0-2)
+    inside: list[int] = []
+    holder: list[HeteroParallelPlugin] = []
+
+    def watch(phase: str, info: dict) -> None:
+        if phase == "stop" and holder and holder[0].seam.open_step is not None:
+            inside.append(info["generation"])
+
+    gc.callbacks.append(watch)
+    try:
+        config = HeteroConfig(parallel=kfkb, gc=CollectorConfig(every=2))
+        plugin, *got = _train(config, STEPS, on_plugin=holder.append)
+    finally:
+        gc.callbacks.remove(watch)
+    assert inside == [] and plugin.collector.collections == 1 and not gc.isenabled()
     schedule = plugin.engine.scheduler
     assert isinstance(schedule, KFKBSchedule) and schedule.k == 2
     assert schedule.peak_saved == min(2 * (2 - rank), M)  # it really ran groups of 2
@@ -117,6 +141,7 @@ def _two_ranks(rank, world_size, device, folder: str):
     assert blocks == ({"0"} if rank == 0 else {"1", "2", "3"}), blocks
     assert plugin.pipeline_control is None
     plugin.close()
+    assert gc.isenabled()  # restored as the plugin found it
     _assert_equal_run(got, reference, f"kfkb k=2 split [1, 3] rank {rank}", same_split=False)
 
     ada = ParallelConfig(

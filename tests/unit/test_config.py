@@ -52,6 +52,8 @@ def test_unknown_top_level_section():
             r"^emulation\.compute\[0\]\.factor: must be >= 1",
         ),
         ({"data": []}, r"^data: expected a mapping"),
+        ({"gc": {"every": -1}}, r"^gc\.every: must be >= 0, got -1"),
+        ({"gc": {"evry": 2}}, r"^gc\.evry: unknown key \(did you mean 'every'\?\)"),
     ],
 )
 def test_bad_values_name_the_field(sections, message):
