@@ -238,7 +238,8 @@ class HeteroParallelPlugin(PipelinePluginBase):
         keep_gpt2_causal(model)
         check_stage_split(self.config.parallel, model.config.num_hidden_layers)  # no collective
         # pp > 1: layers per stage on unequal devices, micro-batches and k when the config says
-        # 0, each stage's TP widths on unequal devices (no collective: every rank plans alike)
+        # 0, each stage's TP widths on unequal devices (every rank plans alike; collective only
+        # to measure the device model when plan.reference_tflops is unset)
         self.stage_plan, self.stage_widths = plan_pipeline_at_configure(self, model, dataloader)
         two_d = self.config.parallel.tp_mode == "2d"
         if self.plan is None and not two_d:  # measures the devices unless reference_tflops

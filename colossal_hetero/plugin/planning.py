@@ -127,10 +127,19 @@ def plan_pipeline_at_configure(
 ) -> tuple[StagePlan | None, dict[str, tuple[int, ...]]]:
     """``plan_stages_at_configure`` then ``stage_widths_at_configure`` for a
     ``HeteroParallelPlugin``'s config, layout and schedule: (stage plan or None, this stage's
-    TP widths or ``{}``)."""
+    TP widths or ``{}``).
+
+    With ``plan.mode: auto`` and no ``plan.reference_tflops``, both plan on the device model
+    every rank measures first (``utils.probe.probe_world``, one all_reduce over the world), as
+    the tensor-parallel planner does (``plan_at_configure``); the planner's GPU-class default
+    would price compute as nearly free beside the links."""
     engine = plugin.engine
+    config = plugin.config
+    planned = wants_stage_plan(config) or wants_planned_schedule(config)
+    if (planned or wants_stage_widths(config)) and needs_calibration(config):
+        config = calibrated(config, probe_world(plugin.device))
     stage_plan = plan_stages_at_configure(
-        plugin.config,
+        config,
         model,
         plugin.world_size,
         plugin.workload,
@@ -140,7 +149,7 @@ def plan_pipeline_at_configure(
         dataloader=dataloader,
     )
     widths = stage_widths_at_configure(
-        plugin.config, model, plugin.world_size, plugin.workload, plugin.stage_manager, dataloader
+        config, model, plugin.world_size, plugin.workload, plugin.stage_manager, dataloader
     )
     return stage_plan, widths
 

@@ -156,3 +156,52 @@ def test_uncalibrated_infeasible_layout_is_refused_before_any_collective():
     run = dataclasses.replace(run, cluster=dataclasses.replace(run.cluster, devices=tiny))
     with pytest.raises(ValueError, match="plan: infeasible: device 0"):
         resolve_plan(run, 2)
+
+
+def test_pipeline_planning_measures_the_device_model_first(monkeypatch):
+    """pp > 1: the stage plan and each stage's TP widths use the probed device model when
+    ``plan.reference_tflops`` is unset (one probe), as the tensor-parallel planner does; the
+    reference: the same config with the probe's figures written in (no probe then)."""
+    from types import SimpleNamespace
+
+    from colossal_hetero.config import HeteroConfig
+    from colossal_hetero.models import build_model
+    from colossal_hetero.plugin import planning
+
+    probe = WorldProbe(flops=7e10, layer_overhead_s=1.4e-3, gbps=1e3, latency_s=1e-5)
+    calls: list[object] = []
+    monkeypatch.setattr(planning, "probe_world", lambda device: calls.append(device) or probe)
+    model = build_model(GPT2)
+
+    def configure(plan: PlanConfig) -> tuple[object, dict]:
+        devices = [DeviceSpec(speed=s, bandwidth_gbps=1e3) for s in (0.5, 1.0, 1.0, 1.0)]
+        config = HeteroConfig(
+            parallel=ParallelConfig(tp=2, pp=2, num_microbatches=2),
+            cluster=ClusterConfig(device="cpu", devices=devices),
+            plan=plan,
+        )
+        stage_manager = SimpleNamespace(stage=0, num_layers_per_stage=None)
+        plugin = SimpleNamespace(
+            config=config,
+            engine=SimpleNamespace(scheduler=None),
+            world_size=4,
+            workload=(8, 32),
+            stage_manager=stage_manager,
+            rank=1,  # not 0: prints nothing
+            device=torch.device("cpu"),
+        )
+        return planning.plan_pipeline_at_configure(plugin, model)
+
+    stage_plan, widths = configure(PlanConfig(mode="auto"))
+    assert calls == [torch.device("cpu")]  # measured once
+    # The fastest declared speed is 1.0: speed 1.0 is the measured 0.07 TFLOP/s.
+    written = PlanConfig(mode="auto", reference_tflops=0.07, layer_overhead_us=1400.0)
+    want_plan, want_widths = configure(dataclasses.replace(written, latency_us=10.0))
+    assert calls == [torch.device("cpu")]  # a configured device model is not probed
+    assert widths == want_widths and stage_plan.layers_per_stage == want_plan.layers_per_stage
+    # The overhead is paid at each device's own speed: the half-speed device of stage 0 gets
+    # less than its 1/3 share of the MLP, as it does not without it (the GPU-class default).
+    ffn = widths["ffn"]
+    assert ffn[0] < sum(ffn) / 3
+    _, default_widths = configure(PlanConfig(mode="auto", reference_tflops=100.0))
+    assert default_widths["ffn"][0] >= sum(ffn) // 3
