@@ -23,6 +23,8 @@ from colossal_hetero.config.schema import (
     PreemptionSpec,
     StageTimeSpec,
 )
+from colossal_hetero.planner.resolve import calibrated
+from colossal_hetero.utils.probe import WorldProbe
 
 DEVICE_BASE = 2.5
 """Phase (c)'s emulated devices (``pipeline_stretch.Stretch``, ``dedicated``) are this many
@@ -107,6 +109,16 @@ def preemptions(shares: list[float], target_rank: int) -> list[PreemptionSpec]:
     return specs
 
 
+def with_device_model(config: HeteroConfig, measured: dict[str, float] | None) -> HeteroConfig:
+    """``config`` with the device model measured once for the layout (``utils.probe.WorldProbe``
+    fields; ``planner.resolve.calibrated``), as a user writes what ``colossal-hetero profile``
+    measured into ``plan``; None: as it is (the plugin then measures at every build, ~2-6 s
+    each on the bench's shaped links, a minute of ``--quick`` over phase (c)'s builds)."""
+    if measured is None:
+        return config
+    return calibrated(config, WorldProbe(**measured))
+
+
 def build_configs(
     spec: dict[str, Any],
     split: str,
@@ -150,7 +162,8 @@ def build_configs(
         )
         if split != "slow":
             return HeteroConfig(parallel=parallel, emulation=emulation, plan=planned)
-        return HeteroConfig(parallel=parallel, emulation=emulation, plan=planned, cluster=cluster)
+        config = HeteroConfig(parallel=parallel, emulation=emulation, plan=planned, cluster=cluster)
+        return with_device_model(config, spec.get("device_model"))
 
     configs: dict[str, Any] = {}
     if split == "equal":

@@ -38,6 +38,7 @@ forward/backward times and message bytes at the round's link rate.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import gc
 import os
 import sys
@@ -85,6 +86,7 @@ from colossal_hetero.bench.shaped_spawn import on_shaped_links, report_bench_ste
 from colossal_hetero.config.schema import HeteroConfig
 from colossal_hetero.pipeline.tuner import stage_of_rank
 from colossal_hetero.utils.device import collective_device
+from colossal_hetero.utils.probe import probe_world
 
 
 class Phases:
@@ -320,6 +322,9 @@ def _slow_set(
     planned for them (``stock`` and ``k1_even`` from ``equal``); the split's record for the
     JSON; the other runners built (probe, tried splits). Adds its parts to ``timings``."""
     clock = time.perf_counter()
+    # The device model once for every planned variant (the plugin measures it at each build
+    # where plan.reference_tflops is unset): one probe_world, outside any step.
+    spec = {**spec, "device_model": dataclasses.asdict(probe_world(device))}
     stock = equal["stock"]
     probe = probe_runner(spec, device, stock, stretch)
     measured = measure_stage_times(probe, stretch, layout, spec)
@@ -342,6 +347,7 @@ def _slow_set(
             stretch.attach(runner.blocks)
             runner.stretch = stretch
     measured["stage_widths"] = stage_widths(slow["planned_1f1b"])
+    measured["device_model"] = spec["device_model"]
     timings["build_slow_s"] = time.perf_counter() - clock
     return slow, measured, [probe, *tried]
 

@@ -262,6 +262,7 @@ def test_phase_c_variants_plan_uneven_widths_on_the_slow_devices_stage():
     from colossal_hetero.bench.pipeline_model import build_configs, model_config
     from colossal_hetero.models import build_model
     from colossal_hetero.planner.resolve import (
+        needs_calibration,
         stage_widths_for_model,
         wants_stage_plan,
         wants_stage_widths,
@@ -284,6 +285,17 @@ def test_phase_c_variants_plan_uneven_widths_on_the_slow_devices_stage():
     assert stage0["heads"][0] < stage0["heads"][1] and sum(stage0["heads"]) == 4
     assert stage0["ffn"][0] < stage0["ffn"][1] and sum(stage0["ffn"]) == 512
     assert stage1["heads"] == (2, 2) and stage1["ffn"] == (256, 256)
+    # The device model measured once per layout goes into every planned variant's plan (the
+    # plugin then probes no more); the equal set, planned even, takes none.
+    model_probe = {"flops": 7e10, "layer_overhead_s": 1e-4, "gbps": 0.007, "latency_s": 2e-4}
+    _, measured = build_configs({**spec, "device_model": model_probe}, "slow", torch.device("cpu"))
+    for name in ("planned_1f1b", "k1", "ada"):
+        plan = measured[name].plan
+        assert not needs_calibration(measured[name]) and needs_calibration(slow[name])
+        assert plan.reference_tflops == pytest.approx(0.07)
+        assert plan.layer_overhead_us == pytest.approx(100.0)
+        assert plan.latency_us == pytest.approx(200.0)
+        assert all(d.bandwidth_gbps == 0.007 for d in measured[name].cluster.devices)
 
 
 def test_phase_c_planned_split_comes_from_the_plugin_given_stage_times():
