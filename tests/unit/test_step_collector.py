@@ -48,6 +48,7 @@ def _run(every: int, steps: int) -> tuple[StepCollector, list[tuple[int | None, 
         if phase == "stop":
             seen.append((seam.open_step, info["generation"]))
 
+    gc.collect()  # allocation counts start from 0: nothing is due before the first step opens
     gc.callbacks.append(callback)
     try:
         for _ in range(steps):
