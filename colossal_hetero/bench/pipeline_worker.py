@@ -225,8 +225,10 @@ def run_pipeline_worker(
     timings: dict[str, float] = {"entered_at": time.time()}
     prepare_device(device)  # the gloo/CPU fixes Colossal-AI's stock plugin needs too
     collector = CollectorLog().install()
-    out = _run_phases(rank, device, spec, timings)
-    collector.uninstall()
+    try:
+        out = _run_phases(rank, device, spec, timings)
+    finally:
+        collector.uninstall()
     out["collector_by_rank"] = collector.by_rank()
     # The variants (models, optimizers, hooks; reference cycles) are garbage now: collect them
     # here, timed, rather than in the exit path's collection (``close_process_group``).
