@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from colossal_hetero.utils.device import collective_device, deepspeed_accelerator_name
+
 FIGURES = {"deepspeed": "all_on_vs_deepspeed", "deepspeed_ep4": "ep4_all_vs_deepspeed"}
 """The paired figure's name per variant name (``baseline_round_entries``)."""
 MISSING = "DeepSpeed-MoE baseline not run: deepspeed is not installed (pip install .[deepspeed])"
@@ -130,7 +132,7 @@ def deepspeed_variant(
     """
     if not available():
         return None, MISSING, None
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("DS_ACCELERATOR", deepspeed_accelerator_name(collective_device()))
     notes = io.StringIO()  # DeepSpeed's groups and torch's GPU-toolkit probe print notes
     with contextlib.redirect_stdout(notes), contextlib.redirect_stderr(notes):
         engine, blocks = _build(make_model(), ep, precision, micro_batch)

@@ -65,6 +65,7 @@ from torch.distributed import ProcessGroup
 
 from colossal_hetero.checkpoint.io import HeteroCheckpointIO
 from colossal_hetero.utils.collectives import all_gather_anywhere
+from colossal_hetero.utils.device import host_device
 
 FORMAT = "colossal_hetero.moe_optimizer.v1"
 OPTIMIZER_FILE = "moe_optimizer.pt"
@@ -225,7 +226,7 @@ class MoeCheckpointIO(HeteroCheckpointIO):
                 f"{checkpoint}: no {OPTIMIZER_FILE}; an expert-parallel optimizer loads only "
                 "the format this plugin's expert-parallel checkpoint IO saves"
             )
-        saved = torch.load(path, map_location="cpu", weights_only=False)
+        saved = torch.load(path, map_location=host_device(), weights_only=False)
         if saved.get("format") != FORMAT:
             raise ValueError(f"{path}: not an expert-parallel optimizer checkpoint ({FORMAT})")
         _load_named_states(optimizer, saved, str(path), zero=self.zero_stage > 0, local=self._local)

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from colossal_hetero.layers.sharding import layout_of
+from colossal_hetero.utils.device import host_device
 
 FILE_NAME = "full_optimizer.pt"
 _PATTERN = "full_optimizer*.pt"
@@ -108,7 +109,7 @@ def load_full_optimizer(
     states: dict[int, dict[str, Any]] = {}
     groups: list[dict[str, Any]] = []
     for path in sorted(Path(checkpoint).glob(_PATTERN)):  # one per pipeline stage
-        saved = torch.load(path, map_location="cpu", weights_only=False)
+        saved = torch.load(path, map_location=host_device(), weights_only=False)
         states.update(saved["states"])
         groups = saved["groups"]
     params = _params(optimizer)

@@ -43,14 +43,13 @@ from colossalai.interface import ModelWrapper, OptimizerWrapper
 from colossalai.pipeline.schedule import OneForwardOneBackwardSchedule
 from colossalai.pipeline.schedule._utils import merge_batch
 from colossalai.pipeline.stage_manager import PipelineStageManager
-from colossalai.utils import get_current_device
 from torch.nn import Module
 
 from colossal_hetero.emulation.router import flush_compute
 from colossal_hetero.pipeline.order import Step, check_pipeline_args, kfkb_order
 from colossal_hetero.pipeline.p2p import Inbox, LinkLog, Outbox, TPSlice
 from colossal_hetero.pipeline.profile import NOT_BLOCKED, RankRecord
-from colossal_hetero.utils.device import is_host_backend
+from colossal_hetero.utils.device import current_device, is_host_backend
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,7 +192,7 @@ class KFKBSchedule(OneForwardOneBackwardSchedule):
         after micro-batch 0's forward and its send (the first pass of every ``k``), so the
         decision overlaps that activation's transfer rather than delaying the step's first
         pass; on the other stages before their first wait for data. Not part of ``step_s``."""
-        device = get_current_device()
+        device = current_device()
         group = stage_manager.get_p2p_process_group()
         if not is_host_backend(dist.get_backend(group)):
             raise ValueError(
@@ -237,7 +236,7 @@ class KFKBSchedule(OneForwardOneBackwardSchedule):
                 inbox.start(m)
         accum_loss = None
         if return_loss and sm.is_last_stage():
-            accum_loss = torch.scalar_tensor(0, device=get_current_device())
+            accum_loss = torch.scalar_tensor(0, device=current_device())
         outputs: list[Any] | None = [] if return_outputs and sm.is_last_stage() else None
         stats = _StatsBuilder(model)
         run = _OrderRun(model, criterion, optimizer, accum_loss, outputs, stats)

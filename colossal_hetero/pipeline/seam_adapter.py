@@ -25,7 +25,6 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-from colossalai.utils import get_current_device
 
 from colossal_hetero.config.schema import HeteroConfig
 from colossal_hetero.pipeline.controller import AdaKController
@@ -34,7 +33,7 @@ from colossal_hetero.pipeline.schedule import KFKBSchedule
 from colossal_hetero.pipeline.tuner import stage_of_rank
 from colossal_hetero.pipeline.validate import budget_bytes, check_budget
 from colossal_hetero.utils.collectives import all_reduce_anywhere
-from colossal_hetero.utils.device import HOST_BACKEND, available_memory_bytes
+from colossal_hetero.utils.device import HOST_BACKEND, available_memory_bytes, current_device
 
 DETECTED_BUDGET_SHARE = 0.5
 """Share of the detected free memory ada_kfkb may fill with in-flight activations (the rest is
@@ -146,4 +145,4 @@ def install_schedule(engine: Any, config: HeteroConfig, rank: int) -> AdaKSeamCo
 def detected_budget_bytes() -> float:
     """``DETECTED_BUDGET_SHARE`` of the bytes this rank could still allocate (0: unknown)."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-    return DETECTED_BUDGET_SHARE * available_memory_bytes(get_current_device(), local)
+    return DETECTED_BUDGET_SHARE * available_memory_bytes(current_device(), local)

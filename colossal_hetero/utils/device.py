@@ -79,6 +79,19 @@ def backend_needs_accelerator(backend: str) -> bool:
     return str(backend).lower() == "nccl"
 
 
+def current_device() -> torch.device:
+    """The device this process computes on: Colossal-AI's accelerator's current device (the
+    current CUDA device on a GPU run, the host under the CPU accelerator we install)."""
+    from colossalai.accelerator import get_accelerator
+
+    return torch.device(get_accelerator().get_current_device())
+
+
+def deepspeed_accelerator_name(device: torch.device) -> str:
+    """DeepSpeed's accelerator name (its ``DS_ACCELERATOR``) for ranks computing on ``device``."""
+    return "cpu" if is_host_device(device) else "cuda"
+
+
 def host_device() -> torch.device:
     """The host (CPU) device: where host-backend (gloo) tensors live."""
     return torch.device("cpu")

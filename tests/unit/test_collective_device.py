@@ -138,3 +138,13 @@ def test_backend_questions_are_answered_by_the_device_module() -> None:
     # Colossal-AI's pipeline p2p stages tensors on the accelerator for NCCL and HCCL groups.
     staged = [dev.p2p_needs_device_tensors(n) for n in ("nccl", "hccl", "gloo")]
     assert staged == [True, True, False]
+
+
+def test_current_device_is_colossalais_and_deepspeed_gets_the_matching_accelerator(monkeypatch):
+    import colossalai.accelerator as accelerators
+
+    fake = SimpleNamespace(get_current_device=lambda: WIRE)
+    monkeypatch.setattr(accelerators, "get_accelerator", lambda: fake)
+    assert devices.current_device() == WIRE  # whatever Colossal-AI's accelerator says
+    assert devices.deepspeed_accelerator_name(HOST) == "cpu"
+    assert devices.deepspeed_accelerator_name(torch.device("cuda", 0)) == "cuda"
