@@ -198,7 +198,7 @@ def collector_paused() -> Iterator[None]:
 
 class CollectorLog:
     """Python's garbage collections on this rank while installed (``gc.callbacks``): how many
-    and their wall seconds, per generation, and how many ran inside a timed step (none should:
+    and their wall seconds, per generation, and the longest (timed steps run none:
     :func:`collector_paused`)."""
 
     def __init__(self) -> None:
