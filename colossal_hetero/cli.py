@@ -105,7 +105,9 @@ def _plan(args: argparse.Namespace) -> int:
         stages = stage_plan_run(config, world_size)
         print(format_stage_plan(stages))
         if wants_stage_widths(config.plugin_config()):  # each stage's TP group plans its own
-            plans = stage_widths_run(config, world_size, list(stages.layers_per_stage))
+            plans = stage_widths_run(
+                config, world_size, list(stages.layers_per_stage), stages.num_microbatches
+            )
             for stage, stage_plan in enumerate(plans):
                 print(f"  stage {stage} TP widths    {stage_plan.widths}")
         print("batch shares stay even under pipeline parallelism")

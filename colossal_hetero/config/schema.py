@@ -416,8 +416,10 @@ class PlanConfig:
     """Bandwidth fraction grouped (broadcast-based) collectives reach relative to ring ones."""
 
     layer_overhead_us: float = 0.0
-    """Time per layer per step a speed-1.0 device spends whatever its share (framework and
-    kernel-launch overhead), microseconds; `colossal-hetero profile` measures it."""
+    """Time per layer per forward and backward pass a speed-1.0 device spends whatever its
+    share (framework and kernel-launch overhead), microseconds: once per step, or once per
+    micro-batch under pipeline parallelism. `colossal-hetero profile` measures a floor (an
+    8 x 8 linear); a model's own layers may cost several times that (docs/pipeline.md)."""
 
     model_spec: Literal["hf", "fx"] = "hf"
     """Where the planner reads the model's layers: hf: from the transformers config; fx: from a

@@ -149,10 +149,15 @@ def wants_stage_widths(config: HeteroConfig) -> bool:
 
 
 def stage_widths_for(
-    config: HeteroConfig, spec: ModelSpec, world_size: int, layers_per_stage: list[int]
+    config: HeteroConfig,
+    spec: ModelSpec,
+    world_size: int,
+    layers_per_stage: list[int],
+    num_microbatches: int = 0,
 ) -> list[Plan]:
     """Per pipeline stage, the tensor-parallel plan of its layers on its devices
-    (``planner.stage_widths``; ``plan`` settings as for the tensor-parallel planner).
+    (``planner.stage_widths``; ``plan`` settings as for the tensor-parallel planner), for a
+    step of ``num_microbatches`` passes (0: ``parallel.num_microbatches``, else 1).
 
     Raises:
         ConfigError: a stage's devices cannot hold its layers.
@@ -162,6 +167,7 @@ def stage_widths_for(
 
     parallel, settings = config.parallel, config.plan
     cluster = ClusterSpec.from_config(config.cluster, world_size, **_device_model(settings))
+    passes = num_microbatches or parallel.num_microbatches or 1
     try:
         return plan_stage_widths(
             spec,
@@ -169,6 +175,7 @@ def stage_widths_for(
             parallel.pp,
             parallel.tp,
             layers_per_stage,
+            passes,
             alignment=settings.alignment,
             max_iters=settings.max_iters,
             space=_executed_space(config),
@@ -183,6 +190,7 @@ def stage_widths_for_model(
     world_size: int,
     workload: tuple[int, int] | None,
     layers_per_stage: list[int],
+    num_microbatches: int = 0,
 ) -> list[Plan]:
     """:func:`stage_widths_for` a transformers ``model`` (the plugin's path; ``workload`` as in
     :func:`plan_for_model`)."""
@@ -190,7 +198,7 @@ def stage_widths_for_model(
     hf_config = getattr(model, "config", None)
     batch_size, seq_len = workload or (8 * dp, getattr(hf_config, "max_position_embeddings", 512))
     spec = _model_spec(config.plan, model, batch_size, seq_len, _dtype_bytes(config))
-    return stage_widths_for(config, spec, world_size, layers_per_stage)
+    return stage_widths_for(config, spec, world_size, layers_per_stage, num_microbatches)
 
 
 def stage_plan_for_model(
@@ -214,13 +222,15 @@ def stage_plan_run(run: RunConfig, world_size: int) -> StagePlan:
     return stage_plan_for(config, _run_model_spec(run, _dtype_bytes(config)), world_size)
 
 
-def stage_widths_run(run: RunConfig, world_size: int, layers_per_stage: list[int]) -> list[Plan]:
+def stage_widths_run(
+    run: RunConfig, world_size: int, layers_per_stage: list[int], num_microbatches: int = 0
+) -> list[Plan]:
     """:func:`stage_widths_for` the run's configured model, batch and sequence length."""
     from colossal_hetero.planner.loop import _run_model_spec
 
     config = run.plugin_config()
     spec = _run_model_spec(run, _dtype_bytes(config))
-    return stage_widths_for(config, spec, world_size, layers_per_stage)
+    return stage_widths_for(config, spec, world_size, layers_per_stage, num_microbatches)
 
 
 def resolve_plan(run: RunConfig, world_size: int) -> Plan | None:

@@ -5,10 +5,11 @@ stage plans its own widths: HAP's search (:func:`~colossal_hetero.planner.loop.s
 over the layers the stage holds (its blocks, plus the embeddings on the first stage and the
 final norm and LM head on the last, as Colossal-AI's pipeline policies place them) on the
 stage's tensor-parallel devices (per TP rank the slowest data-parallel replica: replicas move
-in lockstep), training the pipeline's share of the batch. A rank shards its layers with its own
-stage's widths; every rank can compute every stage's plan, so no collective is needed. The
-vocabulary is the exception: every stage takes the last stage's vocabulary widths, since a tied
-embedding's two copies (first and last stage) are synchronised shard by shard.
+in lockstep), training the pipeline's share of the batch in ``num_microbatches`` passes. A rank
+shards its layers with its own stage's widths; every rank can compute every stage's plan, so no
+collective is needed. The vocabulary is the exception: every stage takes the last stage's
+vocabulary widths, since a tied embedding's two copies (first and last stage) are synchronised
+shard by shard.
 """
 
 from __future__ import annotations
@@ -73,16 +74,27 @@ def plan_stage_widths(
     pp: int,
     tp: int,
     layers_per_stage: Sequence[int],
+    num_microbatches: int = 1,
     **search: Any,
 ) -> list[Plan]:
     """One tensor-parallel plan per pipeline stage (its ``widths`` are what that stage's ranks
     shard with); ``search``: ``search_plan``'s keyword arguments (alignment, max_iters, space).
 
+    A stage's step is ``num_microbatches`` forward and backward passes of its layers, and each
+    pass pays every layer's fixed cost (``cluster.layer_overhead_flops``, framework and launch
+    work whatever the shard): the search charges it that many times per step. The FLOPs are
+    the pipeline's batch either way. A slower device pays the fixed cost slower too, so the
+    more micro-batches, the more width leaves it.
+
     Raises ValueError (naming the layer or device) when a stage's devices cannot hold it.
     """
     from colossal_hetero.planner.loop import search_plan
 
+    if num_microbatches < 1:
+        raise ValueError(f"num_microbatches: must be >= 1, got {num_microbatches}")
     dp = cluster.num_devices // (pp * tp)
+    per_step = cluster.layer_overhead_flops * num_microbatches
+    cluster = replace(cluster, layer_overhead_flops=per_step)
     plans = [
         search_plan(
             stage_cluster(cluster, pp, tp, s),

@@ -104,12 +104,14 @@ def stage_widths_at_configure(
     workload: tuple[int, int] | None,
     stage_manager: Any,
     dataloader: Any = None,
+    num_microbatches: int = 0,
 ) -> dict[str, tuple[int, ...]]:
     """This rank's pipeline stage's planned tensor-parallel widths (``planner.stage_widths``:
     each stage plans its own layers on its own TP devices), or ``{}`` (even widths) unless
     ``wants_stage_widths``. Uses the stage split already on ``stage_manager`` (planned or
-    configured; else Colossal-AI's even one). Pure planning, no collective: call on every rank,
-    after ``plan_stages_at_configure`` and before the engine shards the model."""
+    configured; else Colossal-AI's even one) and a step of ``num_microbatches`` passes (0: the
+    configured count). Pure planning, no collective: call on every rank, after
+    ``plan_stages_at_configure`` and before the engine shards the model."""
     if not wants_stage_widths(config):
         return {}
     parallel = config.parallel
@@ -118,7 +120,7 @@ def stage_widths_at_configure(
         workload = workload_of(dataloader, dp)
     split = list(getattr(stage_manager, "num_layers_per_stage", None) or [])
     split = split or even_split(model.config.num_hidden_layers, parallel.pp)
-    plans = stage_widths_for_model(config, model, world_size, workload, split)
+    plans = stage_widths_for_model(config, model, world_size, workload, split, num_microbatches)
     return dict(plans[stage_manager.stage].widths)
 
 
@@ -133,8 +135,8 @@ def plan_pipeline_at_configure(
     every rank measures first (``utils.probe.probe_world``, one all_reduce over the world), as
     the tensor-parallel planner does (``plan_at_configure``); the planner's GPU-class default
     would price compute as nearly free beside the links."""
-    engine = plugin.engine
     config = plugin.config
+    scheduler = getattr(plugin.engine, "scheduler", None)
     planned = wants_stage_plan(config) or wants_planned_schedule(config)
     if (planned or wants_stage_widths(config)) and needs_calibration(config):
         config = calibrated(config, probe_world(plugin.device))
@@ -145,11 +147,19 @@ def plan_pipeline_at_configure(
         plugin.workload,
         plugin.stage_manager,
         plugin.rank,
-        scheduler=getattr(engine, "scheduler", None),
+        scheduler=scheduler,
         dataloader=dataloader,
     )
+    # Each micro-batch pays every layer's fixed cost: the widths need the count that runs.
+    passes = getattr(scheduler, "num_microbatches", None) or config.parallel.num_microbatches
     widths = stage_widths_at_configure(
-        config, model, plugin.world_size, plugin.workload, plugin.stage_manager, dataloader
+        config,
+        model,
+        plugin.world_size,
+        plugin.workload,
+        plugin.stage_manager,
+        dataloader,
+        num_microbatches=passes or 0,
     )
     return stage_plan, widths
 

@@ -7,6 +7,8 @@ HAP's own search run directly on the stage's devices and layers (equal devices: 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from transformers import GPT2Config
 
@@ -101,3 +103,48 @@ def test_plan_command_shows_each_stages_widths(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "stage 0 TP widths" in out and "stage 1 TP widths" in out
     assert "'heads': (3, 1)" in out.split("stage 0 TP widths")[1].split("\n")[0]
+
+
+def test_each_micro_batch_pays_the_fixed_per_layer_cost():
+    """A stage's step runs every layer once per micro-batch, so the fixed per-layer cost
+    (framework and launch work, paid at each device's own speed) counts ``m`` times against
+    FLOPs that stay the pipeline's batch. Reference: the search on a cluster whose per-layer
+    cost is written ``m`` times over, with one pass. Without a fixed cost the count changes
+    nothing; with one, the half-speed device's MLP share shrinks as ``m`` grows."""
+    spec = _spec(4, batch=16)
+    speeds = [0.5, 1.0, 1.0, 1.0]
+    flops = 7e10  # FLOP/s of speed 1.0; each layer's fixed cost in FLOP at that rate below
+    bare = ClusterSpec.from_relative(speeds, reference_flops=flops)
+    fixed = ClusterSpec.from_relative(speeds, reference_flops=flops, layer_overhead_s=2e-5)
+    assert fixed.layer_overhead_flops == pytest.approx(2e-5 * flops)
+
+    def ffn(cluster: ClusterSpec, m: int) -> tuple[int, ...]:
+        return plan_stage_widths(spec, cluster, 2, 2, [2, 2], m, space="megatron")[0].widths["ffn"]
+
+    assert ffn(bare, 1) == ffn(bare, 8)
+    for m in (2, 8):
+        written = dataclasses.replace(fixed, layer_overhead_flops=m * fixed.layer_overhead_flops)
+        assert plan_stage_widths(spec, fixed, 2, 2, [2, 2], m, space="megatron") == (
+            plan_stage_widths(spec, written, 2, 2, [2, 2], 1, space="megatron")
+        )
+    shares = [ffn(fixed, m)[0] for m in (1, 2, 8)]
+    assert shares[0] > shares[-1] and shares == sorted(shares, reverse=True)
+    with pytest.raises(ValueError, match="num_microbatches"):
+        plan_stage_widths(spec, fixed, 2, 2, [2, 2], 0)
+
+
+def test_config_resolution_uses_the_configured_micro_batch_count():
+    """``stage_widths_for`` plans a step of ``parallel.num_microbatches`` passes unless told
+    the count that runs (a planned one): told 8, a config of 2 plans as a config of 8."""
+    devices = [DeviceSpec(speed=s) for s in (0.5, 1.0, 1.0, 1.0)]
+    plan = PlanConfig(mode="auto", reference_tflops=0.07, layer_overhead_us=20.0)
+
+    def config(m: int) -> HeteroConfig:
+        parallel = ParallelConfig(tp=2, pp=2, num_microbatches=m)
+        return HeteroConfig(parallel=parallel, cluster=ClusterConfig(devices=devices), plan=plan)
+
+    spec = _spec(4, batch=16)
+    eight = stage_widths_for(config(8), spec, 4, [2, 2])
+    assert stage_widths_for(config(2), spec, 4, [2, 2], num_microbatches=8) == eight
+    two = stage_widths_for(config(2), spec, 4, [2, 2])
+    assert two[0].widths["ffn"][0] > eight[0].widths["ffn"][0]

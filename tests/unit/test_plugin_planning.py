@@ -173,17 +173,17 @@ def test_pipeline_planning_measures_the_device_model_first(monkeypatch):
     monkeypatch.setattr(planning, "probe_world", lambda device: calls.append(device) or probe)
     model = build_model(GPT2)
 
-    def configure(plan: PlanConfig) -> tuple[object, dict]:
+    def configure(plan: PlanConfig, m: int = 2, scheduler: object = None) -> tuple[object, dict]:
         devices = [DeviceSpec(speed=s, bandwidth_gbps=1e3) for s in (0.5, 1.0, 1.0, 1.0)]
         config = HeteroConfig(
-            parallel=ParallelConfig(tp=2, pp=2, num_microbatches=2),
+            parallel=ParallelConfig(tp=2, pp=2, num_microbatches=m),
             cluster=ClusterConfig(device="cpu", devices=devices),
             plan=plan,
         )
         stage_manager = SimpleNamespace(stage=0, num_layers_per_stage=None)
         plugin = SimpleNamespace(
             config=config,
-            engine=SimpleNamespace(scheduler=None),
+            engine=SimpleNamespace(scheduler=scheduler),
             world_size=4,
             workload=(8, 32),
             stage_manager=stage_manager,
@@ -205,3 +205,11 @@ def test_pipeline_planning_measures_the_device_model_first(monkeypatch):
     assert ffn[0] < sum(ffn) / 3
     _, default_widths = configure(PlanConfig(mode="auto", reference_tflops=100.0))
     assert default_widths["ffn"][0] >= sum(ffn) // 3
+    # Every micro-batch pays the fixed cost: with the count planned (0 in the config) the
+    # widths follow the count the scheduler is given, as for a config of that many.
+    small = dataclasses.replace(written, layer_overhead_us=20.0)
+    scheduler = SimpleNamespace(num_microbatches=None)
+    _, planned = configure(small, m=0, scheduler=scheduler)
+    count = scheduler.num_microbatches
+    assert count > 1
+    assert planned == configure(small, m=count)[1] != configure(small, m=1)[1]
