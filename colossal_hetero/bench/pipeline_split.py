@@ -14,7 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from colossal_hetero.bench.pipeline_model import build_configs
+from colossal_hetero.bench.pipeline_fit import fit_device_model
+from colossal_hetero.bench.pipeline_model import build_configs, model_config
 from colossal_hetero.bench.pipeline_runner import (
     WARM_SEED,
     Runner,
@@ -23,7 +24,9 @@ from colossal_hetero.bench.pipeline_runner import (
     workload_of,
 )
 from colossal_hetero.bench.pipeline_stretch import Stretch
+from colossal_hetero.models import build_hf_config
 from colossal_hetero.pipeline.split_trial import SplitTrial, pick_split
+from colossal_hetero.planner.hf import model_spec_from_hf
 from colossal_hetero.planner.stages import StageTimes, split_candidates
 
 TRIAL_SLACK = 0.2
@@ -193,3 +196,38 @@ def stretch_by_rank(before: list[float], stretch: Stretch) -> list[dict[str, flo
     Collective (one all_gather on the default group)."""
     totals = [b - a for a, b in zip(before, stretch_totals(stretch), strict=True)]
     return [dict(zip(STRETCH_TOTALS, row, strict=True)) for row in gather_rows(totals)]
+
+
+def refit_and_probe(
+    spec: dict[str, Any],
+    device: torch.device,
+    stock: Runner,
+    stretch: Stretch,
+    layout: list[int],
+    probe: Runner,
+    measured: dict[str, Any],
+) -> tuple[dict[str, Any], Runner, dict[str, Any]]:
+    """Fit the device model to the probe run's slowed stage (``pipeline_fit``), then probe
+    again on the widths the plugin plans with it: (spec with the fitted ``device_model``,
+    the new probe, its stage times with ``device_fit``: the fit, the first probe's
+    widths and times). As it was when the stage has one rank or even widths (no line to fit).
+    Collective."""
+    stage = spec["slow_stage"]
+    widths = stage_widths(probe)
+    ranks = [r for r, s in enumerate(layout) if s == stage]
+    if spec["tp"] == 1 or not widths[ranks[0]]:
+        return spec, probe, measured
+    model = model_spec_from_hf(
+        build_hf_config(model_config(spec)), spec["batch_size"], spec["seq_len"]
+    )
+    by_rank = measured["stretch_by_rank"]
+    points = [(widths[r], i, by_rank[r]) for i, r in enumerate(ranks)]
+    fitted = fit_device_model(spec["device_model"], model, spec["batch_size"] // spec["m"], points)
+    if fitted is None:
+        return spec, probe, measured
+    spec = {**spec, "device_model": fitted["device_model"]}
+    refit = probe_runner(spec, device, stock, stretch)
+    again = measure_stage_times(refit, stretch, layout, spec)
+    first = {key: measured[key] for key in ("stage_times", "stretch_by_rank")}
+    again["device_fit"] = {**fitted["fit"], "probe": {**first, "stage_widths": widths}}
+    return spec, refit, again

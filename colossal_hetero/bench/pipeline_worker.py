@@ -68,6 +68,7 @@ from colossal_hetero.bench.pipeline_runner import (
 from colossal_hetero.bench.pipeline_split import (
     measure_stage_times,
     probe_runner,
+    refit_and_probe,
     stage_widths,
     stretch_by_rank,
     stretch_totals,
@@ -328,8 +329,10 @@ def _slow_set(
     # where plan.reference_tflops is unset): one probe_world, outside any step.
     spec = {**spec, "device_model": dataclasses.asdict(probe_world(device))}
     stock = equal["stock"]
-    probe = probe_runner(spec, device, stock, stretch)
-    measured = measure_stage_times(probe, stretch, layout, spec)
+    first = probe_runner(spec, device, stock, stretch)
+    measured = measure_stage_times(first, stretch, layout, spec)
+    # The probe's slowed stage gives the device model in place; probe again on its widths.
+    spec, probe, measured = refit_and_probe(spec, device, stock, stretch, layout, first, measured)
     timings["probe_s"], clock = time.perf_counter() - clock, time.perf_counter()
     tried, trial = try_splits(spec, device, measured, stretch)
     measured.update(trial_record(trial))
@@ -351,7 +354,7 @@ def _slow_set(
     measured["stage_widths"] = stage_widths(slow["planned_1f1b"])
     measured["device_model"] = spec["device_model"]
     timings["build_slow_s"] = time.perf_counter() - clock
-    return slow, measured, [probe, *tried]
+    return slow, measured, [first, probe, *tried]
 
 
 def _decisions(runner: Runner) -> list[dict[str, Any]]:
