@@ -212,10 +212,11 @@ def refit_and_probe(
     the new probe, its stage times with ``device_fit``: the fit, the first probe's
     widths and times). As it was when the stage has one rank or even widths (no line to fit).
     Collective."""
-    stage = spec["slow_stage"]
+    if spec["tp"] == 1:  # PP alone: the probe is stock (Colossal-AI's plugin), no widths
+        return spec, probe, measured
     widths = stage_widths(probe)
-    ranks = [r for r, s in enumerate(layout) if s == stage]
-    if spec["tp"] == 1 or not widths[ranks[0]]:
+    ranks = [r for r, s in enumerate(layout) if s == spec["slow_stage"]]
+    if not widths[ranks[0]]:
         return spec, probe, measured
     model = model_spec_from_hf(
         build_hf_config(model_config(spec)), spec["batch_size"], spec["seq_len"]
