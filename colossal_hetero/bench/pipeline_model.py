@@ -34,8 +34,9 @@ time, and the base absorbs that (``BenchSpec.device_base``)."""
 PHASE_SHARES = {"a": 25.0, "b": 81.0, "c": 98.0}
 """Each phase's weight in a ``--quick`` layout's time left (seconds its rounds took in both
 layouts of session 14's idle ``--quick`` runs)."""
-QUICK_MIN_ROUNDS = {"a": 3, "b": 4, "c": 2}
-"""Rounds a ``--quick`` phase runs whatever its budget (phase b's first 4 hold 3 preempted).
+QUICK_MIN_ROUNDS = {"a": 3, "b": 3, "c": 2}
+"""Rounds a ``--quick`` phase runs whatever its budget (phase b's first 3 are preempted; 4
+until session 20, when its trace opened with a free round).
 On session 15's host, slower than session 14's, 3 rounds of (c) in both layouts and the fixed
 costs (launches, builds, the split trial: 96 s) came to 311 s."""
 EXIT_RESERVE_S = 5.0

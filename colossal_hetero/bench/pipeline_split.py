@@ -129,6 +129,16 @@ def stage_widths(runner: Runner) -> list[dict[str, list[int]]]:
 PROBE_STEPS = 2
 """Measured steps of the probe (``measure_stage_times``; 3 until session 11): the stage times
 only choose the trial's candidates, and the trial runs them."""
+FIT_PROBE_STEPS = 1
+"""Measured steps of the first probe when a second follows on fitted widths
+(:func:`refit_and_probe`): the fit reads thread CPU seconds per block pass, an average over a
+step's ~100 passes per rank, and its stage times are superseded."""
+
+
+def first_probe_steps(spec: dict[str, Any]) -> int:
+    """Steps of the first probe: :data:`FIT_PROBE_STEPS` under TP (a refit follows), else
+    :data:`PROBE_STEPS` (its stage times plan the split)."""
+    return FIT_PROBE_STEPS if spec["tp"] > 1 else PROBE_STEPS
 
 
 def measure_stage_times(

@@ -66,6 +66,7 @@ from colossal_hetero.bench.pipeline_runner import (
     workload_of,
 )
 from colossal_hetero.bench.pipeline_split import (
+    first_probe_steps,
     measure_stage_times,
     probe_runner,
     refit_and_probe,
@@ -330,7 +331,7 @@ def _slow_set(
     spec = {**spec, "device_model": dataclasses.asdict(probe_world(device))}
     stock = equal["stock"]
     first = probe_runner(spec, device, stock, stretch)
-    measured = measure_stage_times(first, stretch, layout, spec)
+    measured = measure_stage_times(first, stretch, layout, spec, first_probe_steps(spec))
     # The probe's slowed stage gives the device model in place; probe again on its widths.
     spec, probe, measured = refit_and_probe(spec, device, stock, stretch, layout, first, measured)
     timings["probe_s"], clock = time.perf_counter() - clock, time.perf_counter()

@@ -41,7 +41,8 @@ def test_round_plan_and_tenant_trace():
     # The tenant takes 80-90% of the link whenever it is on.
     assert all(0.1 <= s <= 0.2 for s in shares if s < 1.0)
     specs = preemptions(shares, target_rank=2)
-    assert [(p.start_step, p.end_step, p.factor) for p in specs] == [(5, 8, 0.15), (9, 12, 0.1)]
+    # Phase (b) opens with the tenant (phase a was free): rounds 4-6 at 85%, 8-10 at 90%.
+    assert [(p.start_step, p.end_step, p.factor) for p in specs] == [(4, 7, 0.15), (8, 11, 0.1)]
     assert all(p.kind == "tenant" and p.ranks == [2] for p in specs)
     # Every preempted round is covered by exactly the spec with its share.
     for r, share in enumerate(shares):
@@ -336,15 +337,15 @@ def test_first_free_round_after_a_tenant_stretch_drains():
     spec = pp4.to_dict()
     phases = Phases(spec, rank=0)
     waits = {n: phases.drain_s(n) for n in range(len(spec["shares"]))}
-    # Quick plan: stretches in rounds 5-7 and 9-11 (test_round_plan_and_tenant_trace), so
-    # rounds 8 (phase b) and 12 (phase c's first) wait; no other round does.
-    assert {n for n, w in waits.items() if w > 0} == {8, 12}
-    assert waits[8] == spec["drain_s"] == 1.0
-    # The tenant's settling wait: only where the link's share changes (on at 5 and 9, off at
-    # 8 and 12).
+    # Quick plan: stretches in rounds 4-6 and 8-10 (test_round_plan_and_tenant_trace), so
+    # rounds 7 and 11 (phase b's free ones) wait; no other round does.
+    assert {n for n, w in waits.items() if w > 0} == {7, 11}
+    assert waits[7] == spec["drain_s"] == 1.0
+    # The tenant's settling wait: only where the link's share changes (on at 4 and 8, off at
+    # 7 and 11).
     settles = {n for n in range(len(spec["shares"])) if phases.settle_s(n) > 0}
-    assert settles == {5, 8, 9, 12}
-    assert phases.settle_s(5) == spec["settle_s"] == 0.3
+    assert settles == {4, 7, 8, 11}
+    assert phases.settle_s(4) == spec["settle_s"] == 0.3
     # The model's trace acts at the round itself and leaves no tenant bytes: no waits.
     modelled = Phases(build_specs(quick=True, network_mode="model")[0].to_dict(), rank=0)
     rounds = range(len(spec["shares"]))
@@ -376,14 +377,14 @@ def test_the_first_step_after_a_stretch_is_preceded_by_an_unrecorded_one(monkeyp
     phases = worker.Phases(spec, rank=0)
     fakes: list[Any] = [FakeRunner(), FakeRunner()]
     first, second = (phases.variant(fake) for fake in fakes)
-    phases.offset = 4  # phase b: its round 4 is global round 8, the first free after 5-7
+    phases.offset = 4  # phase b: its round 3 is global round 7, the first free after 4-6
     for index in range(6):
         first(index, warmup=False)
         second(index, warmup=False)
-    # Round 9's first variant ran the unrecorded step, then its own; nobody else did.
-    assert seeds == [4, 4, 5, 5, 6, 6, 7, 7, worker.WARM_SEED, 8, 8, 9, 9]
+    # Round 7's first variant ran the unrecorded step, then its own; nobody else did.
+    assert seeds == [4, 4, 5, 5, 6, 6, worker.WARM_SEED, 7, 7, 8, 8, 9, 9]
     # Every step, the unrecorded one too, reads the links at the round it runs in.
-    assert rounds_read == [4, 4, 5, 5, 6, 6, 7, 7, 8, 8, 8, 9, 9]
+    assert rounds_read == [4, 4, 5, 5, 6, 6, 7, 7, 7, 8, 8, 9, 9]
 
 
 class _FakeStretch:
@@ -492,7 +493,7 @@ def test_quick_rounds_share_the_deadline():
     a, c = phase_policy(spec, "a", now), phase_policy(spec, "c", now)
     assert a.budget_s == pytest.approx(100.0 * 25.0 / 204.0) and c.budget_s == pytest.approx(100.0)
     assert a.project and (a.min_rounds, a.max_rounds) == (3, 4)
-    assert (phase_policy(spec, "b", now).min_rounds, c.min_rounds) == (4, 2)
+    assert (phase_policy(spec, "b", now).min_rounds, c.min_rounds) == (3, 2)
     assert phase_policy(spec, "c", now + 200.0).budget_s == 0.0  # past it: the least rounds
 
 

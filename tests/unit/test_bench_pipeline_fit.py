@@ -74,3 +74,17 @@ def test_fit_device_model_gives_back_the_fixed_cost_and_rate_it_was_made_of():
     assert fit["pass_fixed_s"] == pytest.approx(fixed) and fit["pass_full_s"] == pytest.approx(full)
     even = {"heads": (2, 2), "ffn": (256, 256)}
     assert fit_device_model(probe, spec, microbatch, [(even, i, totals(0)) for i in (0, 1)]) is None
+
+
+def test_pp_alone_keeps_its_probe_without_asking_for_widths():
+    """PP=4's probe is Colossal-AI's plugin (no ``stage_widths``): the refit leaves the spec,
+    probe and measurement as they are, before any collective."""
+    from types import SimpleNamespace
+
+    from colossal_hetero.bench.pipeline_split import refit_and_probe
+
+    spec = {"tp": 1, "pp": 4, "slow_stage": 1, "device_model": {"flops": 1.0}}
+    probe = SimpleNamespace(plugin=object())  # any attribute read would raise
+    measured = {"stage_times": [[0.1, 0.0]] * 4}
+    got = refit_and_probe(spec, None, probe, None, [0, 1, 2, 3], probe, measured)  # type: ignore[arg-type]
+    assert got[0] is spec and got[1] is probe and got[2] is measured
