@@ -80,7 +80,8 @@ def brute_worker(
 
     prepare_device(device)
     factor = spec["slow_factor"] if rank in spec["slow_ranks"] else 1.0
-    stretch = Stretch(factor, mode="dedicated", base=spec.get("device_base", DEVICE_BASE))
+    base = spec.get("device_base", DEVICE_BASE)
+    stretch = Stretch(factor, mode="dedicated", base=base, median_work=True)
     built = _candidates(spec, device)
     plugins = build_plugins(built["configs"], device, workload_of(spec))
     runners = {name: Runner(name, p, built["model"], spec) for name, p in plugins.items()}

@@ -88,14 +88,15 @@ def fit_device_model(
     fitted to one stage's ranks, plus the fit, or None when the ranks' widths do not differ.
 
     ``ranks``: per TP rank of the stage, (the stage's widths, the rank's index in them, its
-    ``Stretch`` totals over the probe: ``cpu_s`` and ``passes``). ``microbatch``: samples per
+    ``Stretch`` totals over the probe: ``work_s``, the CPU seconds its emulated device was
+    stretched by, and ``passes``). ``microbatch``: samples per
     micro-batch. A block's forward and backward on one micro-batch is two passes: its fixed
     cost is twice the intercept, shared by the block's layers; its FLOPs
     (``1 + BACKWARD_FLOPS_FACTOR`` times the forward's) take twice the slope at a full share.
     The intercept is kept >= 0 (a fixed cost is never negative)."""
     work, layers, tokens = block_work(spec)
     points = [
-        (rank_share(work, widths, index), totals["cpu_s"] / totals["passes"])
+        (rank_share(work, widths, index), totals["work_s"] / totals["passes"])
         for widths, index, totals in ranks
     ]
     line = fit_line(points)

@@ -192,7 +192,7 @@ def measure_stage_times(
     }
 
 
-STRETCH_TOTALS = ("cpu_s", "compute_wall_s", "slept_s", "passes_s", "passes", "intervals")
+STRETCH_TOTALS = ("cpu_s", "work_s", "compute_wall_s", "slept_s", "passes_s", "passes", "intervals")
 """``measure_stage_times``' per-rank stretch totals over its measured steps (``Stretch``'s)."""
 
 

@@ -34,6 +34,20 @@ Two modes (``Stretch(mode=)``):
   device makes it. The same rule for every variant, so stock 1F1B on the even split is
   emulated alike. A pass without collectives (PP alone) is one interval, as before.
 
+*Median work* (``median_work=True``, ``dedicated`` only; the bench's setting since session
+21). The thread's CPU time for the same work moves with the host: on this project's shared VM
+the same variant's step slept 2.6-4.0 s over one phase (c) as the host's speed drifted between
+rounds, and the stretch multiplies that drift by ``base`` (and ``factor``), up to 12x, into
+every variant's step. Each interval is then stretched by the median CPU time its *own* work
+has taken so far, this time included: its key is the block, the direction (forward or
+backward) and its position in the pass (the collectives cut a pass at the same points every
+time), so the samples are the same ops on the same shapes, measured on this host. A variant
+that does more work (wider shards, more blocks) still measures more; a drift of the host
+reaches the emulated device only as it moves the median. (The least, tried first, is an
+extreme of hundreds of samples: it read 0.67 of the mean CPU time, so every device ran
+~1.5x faster than the phases were sized for.) The pass's own wall time still counts: the
+emulated device absorbs the host's slowness up to ``base``, as ``dedicated`` always did.
+
 Backward is bracketed by two identity autograd functions: one on the block's output (its
 backward runs first, and starts the pass) and one on the block's input (its backward runs
 once the block's backward is done, and ends it). On CPU autograd runs backward on the calling
@@ -44,6 +58,7 @@ end mark, so its backward is not opened (nothing stretched, as before).
 
 from __future__ import annotations
 
+import bisect
 import functools
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -66,6 +81,8 @@ SYNC_MODULES: tuple[ModuleType, ...] = (dist, c10d)
 """Where callers look the functions up at call time (as ``emulation.router.MODULES``)."""
 
 Clocks = tuple[float, float]
+PassKey = tuple[int, bool]
+"""A block pass: the block's serial (:meth:`Stretch.attach`) and whether it is the backward."""
 
 
 class Stretch:
@@ -81,13 +98,19 @@ class Stretch:
         cpu_clock: Callable[[], float] = time.thread_time,
         wall_clock: Callable[[], float] = time.perf_counter,
         sync_modules: Sequence[Any] = SYNC_MODULES,
+        median_work: bool = False,
     ) -> None:
         """``sleep``, ``cpu_clock``, ``wall_clock`` and ``sync_modules`` (whose ``SYNC_NAMES``
         functions a ``dedicated`` pass wraps) are seams for tests; every stretch is one call of
-        ``sleep``. ``base`` applies to ``dedicated`` mode only."""
+        ``sleep``. ``base`` and ``median_work`` (module doc, *Median work*) apply to
+        ``dedicated`` mode only."""
+        self._samples: dict[tuple[int, bool, int], list[float]] = {}
+        """``median_work``: per (block serial, backward, position), its CPU seconds so far,
+        sorted."""
         self.factor, self.base = 1.0, 1.0
         self.set_device(factor, base)
         self.mode = mode
+        self.median_work = median_work and mode == "dedicated"
         self._sleep, self._cpu, self._wall = sleep, cpu_clock, wall_clock
         self._modules = tuple(sync_modules)
         self.enabled = False
@@ -105,8 +128,17 @@ class Stretch:
         self.compute_wall_s = 0.0
         """The intervals' wall seconds so far, before their sleeps: over ``cpu_s``, how much
         the host's contention slows a core (``dedicated`` absorbs up to ``base``)."""
+        self.work_s = 0.0
+        """The CPU seconds the intervals were stretched by: ``cpu_s``, or with
+        ``median_work`` each interval's median so far."""
         self._pass: tuple[float, Clocks] | None = None
         """The open pass: its start (wall) and its running interval's start clocks."""
+        self._pass_key: PassKey | None = None
+        """The open pass's block and direction (None: a pass opened by hand, never floored)."""
+        self._position = 0
+        """The running interval's position in the open pass."""
+        self._serials = 0
+        """Blocks attached so far: the next block's serial (its key; ``id`` can be reused)."""
         self._saved: dict[tuple[int, str], Any] = {}
         self._wrappers: dict[int, tuple[Any, Callable[..., Any]]] = {}
         """While a ``dedicated`` pass is open: (module index, name) -> the function wrapped."""
@@ -114,9 +146,15 @@ class Stretch:
 
     def set_device(self, factor: float, base: float) -> None:
         """Emulate another device from the next interval on: ``1 / factor`` of the speed of one
-        ``base`` times slower than a core (``base``: ``dedicated`` mode only)."""
+        ``base`` times slower than a core (``base``: ``dedicated`` mode only). Another device
+        starts ``median_work``'s samples afresh: the same ops take the host more CPU time when
+        the thread sleeps longer between them (phase (c)'s devices: 14% more per block pass
+        than phase (a)'s, session 21), so a variant that ran before would carry the old
+        device's cheaper samples into the new one's median, and one built for it would not."""
         if factor < 1.0 or base < 1.0:
             raise ValueError(f"factor, base: a stretch slows down, need >= 1, got {factor}, {base}")
+        if (factor, base) != (self.factor, self.base):
+            self._samples.clear()
         self.factor, self.base = factor, base
 
     def clocks(self) -> Clocks:
@@ -135,23 +173,40 @@ class Stretch:
         wall, cpu = self._wall() - start[0], self._cpu() - start[1]
         self.cpu_s += cpu
         self.compute_wall_s += wall
-        extra = self.extra_s(wall, cpu)
+        work = self._median_cpu(cpu)
+        self.work_s += work
+        extra = self.extra_s(wall, work)
         if extra > 0.0:
             self.slept_s += extra
             self._sleep(extra)
         self.intervals += 1
+
+    def _median_cpu(self, cpu: float) -> float:
+        """The CPU seconds to stretch the running interval by (``median_work``: the median of
+        its key's so far, this one included), and move to the next position in the pass."""
+        position, self._position = self._position, self._position + 1
+        if not self.median_work or self._pass_key is None:
+            return cpu
+        samples = self._samples.setdefault((*self._pass_key, position), [])
+        bisect.insort(samples, cpu)
+        middle = len(samples) // 2
+        if len(samples) % 2:
+            return samples[middle]
+        return 0.5 * (samples[middle - 1] + samples[middle])
 
     @property
     def in_pass(self) -> bool:
         """Whether a block pass is open (its collectives end intervals)."""
         return self._pass is not None
 
-    def begin_pass(self) -> None:
-        """Start a block pass (no-op while disabled); ends one still open first."""
+    def begin_pass(self, key: PassKey | None = None) -> None:
+        """Start a block pass (no-op while disabled); ends one still open first. ``key``:
+        the block's serial and whether the pass is its backward (``median_work``'s key)."""
         if not self.enabled:
             return
         if self._pass is not None:
             self.end_pass()
+        self._pass_key, self._position = key, 0
         self._pass = (self._wall(), self.clocks())
         if self.mode == "dedicated":
             self._wrap_syncs()
@@ -214,6 +269,8 @@ class Stretch:
     def attach(self, blocks: Iterable[nn.Module]) -> None:
         """Stretch every block in ``blocks`` (its first positional input is the hidden state)."""
         for block in blocks:
+            block._stretch_serial = self._serials  # type: ignore[assignment]
+            self._serials += 1
             self._handles.append(block.register_forward_pre_hook(self._before, with_kwargs=True))
             self._handles.append(block.register_forward_hook(self._after))
 
@@ -226,11 +283,11 @@ class Stretch:
         module._stretch_closes = False  # type: ignore[assignment]
         if not self.enabled:
             return None
-        self.begin_pass()
+        self.begin_pass((module._stretch_serial, False))
         if not args or not torch.is_tensor(args[0]) or not args[0].requires_grad:
             return None
         module._stretch_closes = True  # type: ignore[assignment]
-        return (_Mark.apply(args[0], self, True), *args[1:]), kwargs
+        return (_Mark.apply(args[0], self, True, None), *args[1:]), kwargs
 
     def _after(self, module: nn.Module, args: tuple, output: Any) -> Any:
         self.end_pass()
@@ -240,7 +297,8 @@ class Stretch:
             return None
         if not output[0].requires_grad:
             return None
-        return (_Mark.apply(output[0], self, False), *output[1:])
+        key = (module._stretch_serial, True)
+        return (_Mark.apply(output[0], self, False, key), *output[1:])
 
 
 class _StretchedWork:
@@ -258,19 +316,21 @@ class _StretchedWork:
 
 
 class _Mark(torch.autograd.Function):
-    """Identity; its backward starts (``closes=False``) or ends (``True``) one block's
-    backward pass."""
+    """Identity; its backward starts (``closes=False``; the pass's ``key``) or ends (``True``)
+    one block's backward pass."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, stretch: Stretch, closes: bool) -> torch.Tensor:
-        ctx.stretch, ctx.closes = stretch, closes
+    def forward(
+        ctx: Any, x: torch.Tensor, stretch: Stretch, closes: bool, key: PassKey | None
+    ) -> torch.Tensor:
+        ctx.stretch, ctx.closes, ctx.key = stretch, closes, key
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         stretch: Stretch = ctx.stretch
         if ctx.closes:
             stretch.end_pass()
         else:
-            stretch.begin_pass()
-        return grad, None, None
+            stretch.begin_pass(ctx.key)
+        return grad, None, None, None

@@ -259,7 +259,7 @@ def _run_phases(
     # slow ranks' at half speed there (bench/pipeline_stretch.py). The equal set's build
     # steps ran before, at the core's speed (unrecorded).
     devices = _phase_devices(spec, rank)
-    stretch = Stretch(1.0, mode="dedicated")
+    stretch = Stretch(1.0, mode="dedicated", median_work=True)
     for runner in equal.values():
         stretch.attach(runner.blocks)
         runner.stretch = stretch

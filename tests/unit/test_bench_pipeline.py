@@ -392,7 +392,7 @@ class _FakeStretch:
 
     def __init__(self) -> None:
         self.enabled = False
-        self.passes_s = self.passes = self.cpu_s = self.compute_wall_s = 0.0
+        self.passes_s = self.passes = self.cpu_s = self.work_s = self.compute_wall_s = 0.0
         self.slept_s = self.intervals = 0.0
 
 
@@ -439,15 +439,23 @@ def test_stretch_by_rank_is_each_ranks_totals_over_the_span(monkeypatch):
 
     monkeypatch.setattr(split, "gather_rows", lambda row: [row, [2 * x for x in row]])
     stretch = SimpleNamespace(
-        cpu_s=1.0, compute_wall_s=1.5, slept_s=2.0, passes_s=4.0, passes=10, intervals=40
+        cpu_s=1.0,
+        work_s=0.9,
+        compute_wall_s=1.5,
+        slept_s=2.0,
+        passes_s=4.0,
+        passes=10,
+        intervals=40,
     )
     before = split.stretch_totals(stretch)  # type: ignore[arg-type]
     stretch.cpu_s, stretch.compute_wall_s, stretch.slept_s = 1.25, 1.8, 2.5
+    stretch.work_s = 1.1
     stretch.passes_s, stretch.passes, stretch.intervals = 5.0, 14, 56
     mine, other = split.stretch_by_rank(before, stretch)  # type: ignore[arg-type]
     assert mine == pytest.approx(
         {
             "cpu_s": 0.25,
+            "work_s": 0.2,
             "compute_wall_s": 0.3,
             "slept_s": 0.5,
             "passes_s": 1.0,

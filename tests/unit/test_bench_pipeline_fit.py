@@ -57,7 +57,7 @@ def test_fit_device_model_gives_back_the_fixed_cost_and_rate_it_was_made_of():
 
     def totals(index: int) -> dict[str, float]:
         return {
-            "cpu_s": passes * (fixed + full * rank_share(work, widths, index)),
+            "work_s": passes * (fixed + full * rank_share(work, widths, index)),
             "passes": passes,
         }
 

@@ -208,3 +208,102 @@ def test_set_device_changes_the_emulated_device_from_the_next_pass():
         with pytest.raises(ValueError, match="factor, base"):
             stretch.set_device(*bad)
     assert (stretch.factor, stretch.base) == (1.0, 6.0)  # a refused device changes nothing
+
+
+def _median(clocks: FakeClocks, fake: Any, factor: float = 1.0) -> Stretch:
+    stretch = Stretch(
+        factor,
+        clocks.sleep,
+        mode="dedicated",
+        base=2.5,
+        cpu_clock=lambda: clocks.cpu,
+        wall_clock=lambda: clocks.wall,
+        sync_modules=[fake],
+        median_work=True,
+    )
+    stretch.enabled = True
+    return stretch
+
+
+def test_median_work_stretches_each_interval_by_its_median_cpu_so_far():
+    """The same interval of the same pass, measured again on a drifting host, is stretched by
+    the median CPU time it took so far; other positions, directions and blocks keep their own."""
+    clocks = FakeClocks()
+    fake = _collectives(clocks, wait=0.0)
+    stretch = _median(clocks, fake, factor=2.0)
+    key = (7, False)
+    for cpu_first in (0.1, 0.3, 0.14, 0.12):  # the host slows, then recovers
+        stretch.begin_pass(key)
+        clocks.compute(cpu=cpu_first, wall=cpu_first)
+        fake.all_reduce("x")
+        clocks.compute(cpu=0.2, wall=0.2)
+        stretch.end_pass()
+    # Position 0's medians so far: 0.1; (0.1 + 0.3) / 2 = 0.2; 0.14; (0.12 + 0.14) / 2 = 0.13.
+    # Dedicated at factor 2, base 2.5, wall = cpu: sleep = max(0, 2.5 w - wall) + 2.5 w.
+    works, walls = (0.1, 0.2, 0.14, 0.13), (0.1, 0.3, 0.14, 0.12)
+    first = [max(0.0, 2.5 * w - c) + 2.5 * w for w, c in zip(works, walls, strict=True)]
+    assert clocks.slept[0::2] == pytest.approx(first)
+    assert clocks.slept[1::2] == pytest.approx([2.5 * 0.2 - 0.2 + 0.5] * 4)  # position 1
+    assert stretch.cpu_s == pytest.approx(0.66 + 0.8)
+    assert stretch.work_s == pytest.approx(sum(works) + 0.8)  # the CPU seconds stretched by
+    # Another direction of the block, another block, and a pass opened without a key start
+    # from their own CPU time.
+    for other in ((7, True), (8, False), None):
+        stretch.begin_pass(other)
+        clocks.compute(cpu=0.3, wall=0.3)
+        stretch.end_pass()
+        assert clocks.slept[-1] == pytest.approx(2.5 * 0.3 - 0.3 + 0.75)
+
+
+def test_median_work_is_off_by_default_and_keys_blocks_forward_and_backward():
+    clocks = FakeClocks()
+    fake = _collectives(clocks, wait=1.0)
+    plain = _stretch(clocks, fake, factor=1.0)
+    for cpu in (0.1, 0.2):
+        plain.begin_pass((0, False))
+        clocks.compute(cpu=cpu, wall=cpu)
+        plain.end_pass()
+    assert clocks.slept == pytest.approx([0.15, 0.3])  # each pass its own CPU time
+    assert Stretch(2.0, median_work=True).median_work is False  # ``added``: wall time only
+    # Through real blocks: each block's forward and backward passes get their own keys, so the
+    # third of three steps (1x, 1x, then 3x the CPU on a slow host) is stretched interval by
+    # interval by the median, the first steps' CPU time.
+    env = SimpleNamespace(clocks=clocks, fake=fake)
+    blocks = [_Block(env), _Block(env)]
+    stretch = _median(clocks, fake, factor=2.0)
+    stretch.attach(blocks)
+    slept = []
+    for slow in (1.0, 1.0, 3.0):
+        clocks.slept.clear()
+        env.clocks = SimpleNamespace(
+            compute=lambda cpu, wall, s=slow: clocks.compute(cpu * s, wall * s)
+        )
+        h = torch.ones(3, requires_grad=True)
+        for block in blocks:
+            h = block(h)[0]
+        h.sum().backward()
+        slept.append(list(clocks.slept))
+    stretch.detach()
+    # Steps 1-2 (wall = cpu, factor 2): forward intervals of 0.1 -> (0.25 - 0.1) + 0.25 = 0.4,
+    # backward ones of 0.2 -> (0.5 - 0.2) + 0.5 = 0.8.
+    assert slept[0] == slept[1] == pytest.approx([0.4] * 4 + [0.8] * 4)
+    # Step 3: the work is the median of (w, w, 3w) = w, the wall 3x: max(0, 0.25 - 0.3) + 0.25
+    # forward, max(0, 0.5 - 0.6) + 0.5 backward. By its own CPU time: 1.2 and 2.4.
+    assert slept[2] == pytest.approx([0.25] * 4 + [0.5] * 4)
+    assert stretch.work_s == pytest.approx(3 * (4 * 0.1 + 4 * 0.2))
+
+
+def test_another_device_starts_the_median_afresh():
+    """Phase (c)'s device after phase (a)'s: the block's samples of (a) no longer count; the
+    same device set again keeps them."""
+    clocks = FakeClocks()
+    stretch = _median(clocks, _collectives(clocks, wait=0.0), factor=1.0)
+    for cpu, device in ((0.1, (1.0, 2.5)), (0.1, (1.0, 2.5)), (0.2, (2.0, 6.0)), (0.3, (2.0, 6.0))):
+        stretch.set_device(*device)
+        stretch.begin_pass((0, False))
+        clocks.compute(cpu=cpu, wall=cpu)
+        stretch.end_pass()
+    # (1, 2.5): 2.5*0.1 - 0.1 = 0.15 twice; (2, 6) afresh: 0.2 alone -> (1.2 - 0.2) + 1.2 = 2.2;
+    # then the median of (0.2, 0.3) = 0.25 -> (1.5 - 0.3) + 1.5 = 2.7 (with (a)'s two 0.1
+    # samples the median would have been 0.15).
+    assert clocks.slept == pytest.approx([0.15, 0.15, 2.2, 2.7])
