@@ -43,6 +43,14 @@ moves by 10-14% between runs and splits (PP=2 x TP=2's full-speed stage: 10.6 an
 ms in two runs, 8.4 to 9.4 ms over the splits of one experiment): a 5% window left ``[4, 8]``
 out (predicted 11% behind), and 12% left it out once more (session 10, load 12: predicted
 12.4% behind ``[5, 7]``, which it had beaten by 10% on the idle machine)."""
+TRIAL_MARGIN = 0.03
+"""How much faster another split's trial steps must run to displace the plugin's (``pick_split``'s
+``margin``; 0 until session 21). A trial of 2-3 steps per split, on runners built moments
+before, does not rank near ties as phase (c)'s rounds do: in session 21 it measured PP=2 x
+TP=2's ``[4, 8]`` 0.6% ahead of the plugin's ``[5, 7]`` (medians 2.457 and 2.471 s; the stage
+times predicted ``[5, 7]`` 8% ahead) and the split then read 1.18 [1.14, 1.24], where the
+plugin's split had read 1.29-1.39 in the runs before; one run earlier it had taken ``[6, 6]``
+over ``[5, 7]`` by 1.4%. A 10% win, as ``[4, 8]``'s on session 10's idle machine, still counts."""
 
 
 def probe_runner(
@@ -83,7 +91,8 @@ def try_splits(
     other splits those times predict within ``TRIAL_SLACK`` of the best
     (``split_candidates``; ``TRIAL_SPLITS`` in all, each on Colossal-AI's 1F1B with the
     planned widths) ``TRIAL_STEPS`` steps each, stretched, and keeps the least median of the
-    slowest rank's step. The stage times cannot separate near ties: a block's time moves by
+    slowest rank's step, the plugin's split unless another runs ``TRIAL_MARGIN`` faster. The
+    stage times cannot separate near ties: a block's time moves by
     ~10% with the load and what the other stage runs beside it (PP=2 x TP=2: ``[4, 8]``,
     predicted 2% behind ``[5, 7]``, ran 6% ahead of it in every round of one experiment).
     Returns the candidates' runners (the plugin's first) and the trial. Collective."""
@@ -100,7 +109,7 @@ def try_splits(
         return runners[index].step(seed=WARM_SEED + step)[0]
 
     stretch.enabled = True
-    trial = pick_split(candidates, step_seconds, TRIAL_STEPS, device=device)
+    trial = pick_split(candidates, step_seconds, TRIAL_STEPS, device=device, margin=TRIAL_MARGIN)
     stretch.enabled = False
     return runners, trial
 

@@ -39,14 +39,19 @@ Two modes (``Stretch(mode=)``):
 the same variant's step slept 2.6-4.0 s over one phase (c) as the host's speed drifted between
 rounds, and the stretch multiplies that drift by ``base`` (and ``factor``), up to 12x, into
 every variant's step. Each interval is then stretched by the median CPU time its *own* work
-has taken so far, this time included: its key is the block, the direction (forward or
-backward) and its position in the pass (the collectives cut a pass at the same points every
-time), so the samples are the same ops on the same shapes, measured on this host. A variant
-that does more work (wider shards, more blocks) still measures more; a drift of the host
-reaches the emulated device only as it moves the median. (The least, tried first, is an
-extreme of hundreds of samples: it read 0.67 of the mean CPU time, so every device ran
-~1.5x faster than the phases were sized for.) The pass's own wall time still counts: the
-emulated device absorbs the host's slowness up to ``base``, as ``dedicated`` always did.
+has taken so far, this time included: its key is the kind of block (:func:`work_signature`:
+its modules' classes and parameter shapes, shared by every variant's model copy that holds such
+a block), the direction (forward or backward) and its position in the pass (the collectives cut
+a pass at the same points every time), so the samples are the same ops on the same shapes,
+measured on this host. A variant that does more work (wider shards, more blocks) still measures
+more; a drift of the host reaches the emulated device only as it moves the median. Keyed per
+model copy at first, the same work cost one copy 7% less CPU than three others through a whole
+phase (PP=4's (c): ``k2`` against ``k1``, ``k4`` and ``ada``, all on the same split): a
+property of the host, not of the work, which the copies share to the op and the shape. (The
+least, tried first, is an extreme of hundreds of samples: it read 0.67 of the mean CPU time,
+so every device ran ~1.5x faster than the phases were sized for.) The pass's own wall time
+still counts: the emulated device absorbs the host's slowness up to ``base``, as
+``dedicated`` always did.
 
 Backward is bracketed by two identity autograd functions: one on the block's output (its
 backward runs first, and starts the pass) and one on the block's input (its backward runs
@@ -81,6 +86,8 @@ SYNC_MODULES: tuple[ModuleType, ...] = (dist, c10d)
 """Where callers look the functions up at call time (as ``emulation.router.MODULES``)."""
 
 Clocks = tuple[float, float]
+WorkSignature = tuple[tuple[str, str, tuple[tuple[int, ...], ...]], ...]
+"""A block's work (:func:`work_signature`): per submodule, its name, class and parameter shapes."""
 PassKey = tuple[int, bool]
 """A block pass: the block's serial (:meth:`Stretch.attach`) and whether it is the backward."""
 
@@ -137,8 +144,9 @@ class Stretch:
         """The open pass's block and direction (None: a pass opened by hand, never floored)."""
         self._position = 0
         """The running interval's position in the open pass."""
-        self._serials = 0
-        """Blocks attached so far: the next block's serial (its key; ``id`` can be reused)."""
+        self._serials: dict[WorkSignature, int] = {}
+        """Per kind of block work attached so far (:func:`work_signature`), its serial: every
+        block of one kind shares its samples, whichever variant's model holds it."""
         self._saved: dict[tuple[int, str], Any] = {}
         self._wrappers: dict[int, tuple[Any, Callable[..., Any]]] = {}
         """While a ``dedicated`` pass is open: (module index, name) -> the function wrapped."""
@@ -269,8 +277,9 @@ class Stretch:
     def attach(self, blocks: Iterable[nn.Module]) -> None:
         """Stretch every block in ``blocks`` (its first positional input is the hidden state)."""
         for block in blocks:
-            block._stretch_serial = self._serials  # type: ignore[assignment]
-            self._serials += 1
+            signature = work_signature(block)
+            serial = self._serials.setdefault(signature, len(self._serials))
+            block._stretch_serial = serial  # type: ignore[assignment]
             self._handles.append(block.register_forward_pre_hook(self._before, with_kwargs=True))
             self._handles.append(block.register_forward_hook(self._after))
 
@@ -299,6 +308,16 @@ class Stretch:
             return None
         key = (module._stretch_serial, True)
         return (_Mark.apply(output[0], self, False, key), *output[1:])
+
+
+def work_signature(block: nn.Module) -> WorkSignature:
+    """What a block computes, as far as its cost goes: every submodule's name, class and own
+    parameters' shapes. Blocks of the same signature run the same ops on the same shapes (one
+    layout: its micro-batch shape is fixed), whichever model copy holds them."""
+    return tuple(
+        (name, type(module).__name__, tuple(tuple(p.shape) for p in module.parameters(False)))
+        for name, module in block.named_modules()
+    )
 
 
 class _StretchedWork:

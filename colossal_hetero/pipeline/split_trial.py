@@ -13,7 +13,10 @@ steps and keep the fastest. :func:`pick_split` is that trial:
 - each step's seconds are the slowest rank's (one ``all_reduce`` MAX on ``group``): a
   pipeline step lasts as long as its slowest stage;
 - each candidate's score is the median of its steps; the least median wins, ties to the
-  earlier candidate (list the plugin's own split first);
+  earlier candidate (list the plugin's own split first); with ``margin`` the first candidate's
+  score counts ``1 - margin`` of its median, so another split displaces the planned one only
+  when its steps ran more than that fraction faster (a few steps of near ties differ by less
+  than their noise, and the planned split is the stage times' best);
 - the trial stops early, after a whole step of every candidate, once the remaining steps cannot
   change the pick (:func:`decided`: the leader's median with every remaining step infinitely
   slow still beats every other's with its remaining steps free). The pick is then the one the
@@ -62,16 +65,24 @@ def rotated(count: int, step: int) -> list[int]:
     return [*range(shift, count), *range(shift)]
 
 
-def decided(seen: Sequence[Sequence[float]], steps: int) -> int | None:
+def decided(seen: Sequence[Sequence[float]], steps: int, margin: float = 0.0) -> int | None:
     """The candidate that wins whatever the remaining steps bring, or None.
 
     ``seen[i]``: candidate ``i``'s step seconds so far (every one the same count), out of
-    ``steps``. Candidate ``c`` is decided when its median with every missing step at +inf is
-    below every other candidate's median with its missing steps at 0 s (step times are >= 0),
-    or equal to it for a later candidate (ties go to the earlier one)."""
+    ``steps``. Candidate ``c`` is decided when its score with every missing step at +inf is
+    below every other candidate's score with its missing steps at 0 s (step times are >= 0),
+    or equal to it for a later candidate (ties go to the earlier one). A score is the median,
+    the first candidate's times ``1 - margin`` (:func:`pick_split`)."""
     missing = [steps - len(s) for s in seen]
-    worst = [statistics.median([*s, *[math.inf] * n]) for s, n in zip(seen, missing, strict=True)]
-    best = [statistics.median([*s, *[0.0] * n]) for s, n in zip(seen, missing, strict=True)]
+    scale = [1.0 - margin if i == 0 else 1.0 for i in range(len(seen))]
+    worst = [
+        k * statistics.median([*s, *[math.inf] * n])
+        for s, n, k in zip(seen, missing, scale, strict=True)
+    ]
+    best = [
+        k * statistics.median([*s, *[0.0] * n])
+        for s, n, k in zip(seen, missing, scale, strict=True)
+    ]
     for c in range(len(seen)):
         if all(
             worst[c] < best[o] or (worst[c] == best[o] and c < o)
@@ -89,16 +100,20 @@ def pick_split(
     group: Any = None,
     *,
     device: torch.device,
+    margin: float = 0.0,
 ) -> SplitTrial:
     """Run up to ``steps`` steps of every candidate (``step_seconds(index, step)``: this rank's
     seconds for step ``step`` of ``candidates[index]``) and pick the one whose median slowest-
     rank step is least; see the module docstring for the contract. One candidate: no steps run.
     ``group``: the process group the ranks agree over (None: the world); ``device``: where its
-    backend reduces (the ranks' accelerator under NCCL). Collective."""
+    backend reduces (the ranks' accelerator under NCCL). ``margin`` in [0, 1): how much faster
+    (a fraction of its median) another candidate must run to displace the first. Collective."""
     if not candidates:
         raise ValueError("pick_split: no candidate splits")
     if steps < 1:
         raise ValueError(f"pick_split: steps must be >= 1, got {steps}")
+    if not 0.0 <= margin < 1.0:
+        raise ValueError(f"pick_split: margin must be in [0, 1), got {margin}")
     layers = {sum(c) for c in candidates}
     sizes = {len(c) for c in candidates}
     if len(layers) != 1 or len(sizes) != 1 or any(n < 1 for c in candidates for n in c):
@@ -116,8 +131,8 @@ def pick_split(
             mine = torch.tensor([seconds], dtype=torch.float64, device=device)
             dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
             seen[index].append(float(mine.item()))
-        if step + 1 < steps and decided(seen, steps) is not None:
+        if step + 1 < steps and decided(seen, steps, margin) is not None:
             break  # the remaining steps cannot change the pick
-    medians = [statistics.median(s) for s in seen]
-    best = min(range(len(frozen)), key=lambda i: (medians[i], i))
+    scores = [statistics.median(s) * (1.0 - margin if i == 0 else 1.0) for i, s in enumerate(seen)]
+    best = min(range(len(frozen)), key=lambda i: (scores[i], i))
     return SplitTrial(frozen, tuple(tuple(s) for s in seen), best)

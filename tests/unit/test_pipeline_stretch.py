@@ -307,3 +307,28 @@ def test_another_device_starts_the_median_afresh():
     # then the median of (0.2, 0.3) = 0.25 -> (1.5 - 0.3) + 1.5 = 2.7 (with (a)'s two 0.1
     # samples the median would have been 0.15).
     assert clocks.slept == pytest.approx([0.15, 0.15, 2.2, 2.7])
+
+
+def test_blocks_of_one_kind_share_their_samples_across_model_copies():
+    """Two variants' copies of the same block (same classes, same shapes) are one kind of work;
+    a block of other widths is another."""
+    from colossal_hetero.bench.pipeline_stretch import work_signature
+
+    env = SimpleNamespace(clocks=None, fake=None)
+    same = [_Block(env), _Block(env)]
+    wider = torch.nn.Linear(4, 8)
+    assert work_signature(same[0]) == work_signature(same[1])
+    assert work_signature(torch.nn.Linear(4, 4)) != work_signature(wider)
+    clocks = FakeClocks()
+    stretch = _median(clocks, _collectives(clocks, wait=0.0), factor=1.0)
+    stretch.attach([*same, wider])
+    keys = [block._stretch_serial for block in (*same, wider)]  # type: ignore[attr-defined]
+    assert keys[0] == keys[1] != keys[2]
+    # The first copy's pass at 0.1 s CPU, then the second copy's at 0.3: its median is 0.2.
+    for block, cpu in ((same[0], 0.1), (same[1], 0.3)):
+        stretch.begin_pass((block._stretch_serial, False))  # type: ignore[attr-defined]
+        clocks.compute(cpu=cpu, wall=cpu)
+        stretch.end_pass()
+    assert clocks.slept == pytest.approx([2.5 * 0.1 - 0.1, 2.5 * 0.2 - 0.3])
+    assert stretch.work_s == pytest.approx(0.1 + 0.2)
+    stretch.detach()

@@ -80,3 +80,51 @@ def test_decided_agrees_with_every_completion_by_brute_force():
             assert picks == {early}
         if len(picks) > 1:
             assert early is None
+
+
+def _margin_pick(seen: list[list[float]], margin: float) -> int:
+    medians = [
+        sorted(s)[len(s) // 2] * (1.0 - margin if i == 0 else 1.0) for i, s in enumerate(seen)
+    ]
+    return min(range(len(seen)), key=lambda i: (medians[i], i))
+
+
+def test_margin_keeps_the_first_split_on_near_ties_and_decided_agrees(monkeypatch):
+    import itertools
+
+    from colossal_hetero.pipeline import split_trial
+
+    # One rank: the slowest rank's seconds are this rank's (no process group needed).
+    monkeypatch.setattr(split_trial.dist, "all_reduce", lambda *args, **kwargs: None)
+
+    # The session 21 trial: [5, 7] (the plugin's) 2.406 2.471 2.618 against [4, 8] 2.459 2.457
+    # 2.515. Medians 2.471 vs 2.457: [4, 8] 0.6% ahead. Without a margin it wins; with 3% the
+    # plugin's split stays (2.471 * 0.97 = 2.397 < 2.457).
+    steps = {0: [2.406, 2.471, 2.618], 1: [2.459, 2.457, 2.515]}
+
+    def step_seconds(index: int, step: int) -> float:
+        return steps[index][step]
+
+    candidates = [[5, 7], [4, 8]]
+    assert pick_split(candidates, step_seconds, 3, device=CPU).best == 1
+    assert pick_split(candidates, step_seconds, 3, device=CPU, margin=0.03).best == 0
+    # A clear win (10% faster) still displaces it.
+    steps[1] = [x * 0.9 for x in steps[0]]
+    assert pick_split(candidates, step_seconds, 3, device=CPU, margin=0.03).best == 1
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="margin must be in"):
+            pick_split(candidates, step_seconds, 3, device=CPU, margin=bad)
+    # Early decisions with a margin are the full trial's pick for every completion.
+    grid = [1.0, 1.04, 1.1]
+    for first in itertools.product(grid, repeat=4):
+        seen = [list(first[0:2]), list(first[2:4])]
+        early = decided(seen, steps=3, margin=0.05)
+        picks = {
+            _margin_pick([[*seen[0], a], [*seen[1], b]], 0.05)
+            for a in [0.0, *grid, 9.0]
+            for b in [0.0, *grid, 9.0]
+        }
+        if early is not None:
+            assert picks == {early}
+        if len(picks) > 1:
+            assert early is None
