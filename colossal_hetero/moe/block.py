@@ -32,85 +32,14 @@ from colossalai.shardformer.shard.utils import set_tensors_to_none
 from colossalai.tensor.moe_tensor.api import set_moe_tensor_ep_group
 from torch.distributed import ProcessGroup
 
+from colossal_hetero.moe.a2a_autograd import Combine, Dispatch, FoldedDispatch, all_to_all_rows
 from colossal_hetero.moe.comm import MoeComm, Span
 from colossal_hetero.moe.exchange import Route, held_exchange
 from colossal_hetero.moe.expert_ffn import PendingA2a, fusable, run_experts
-from colossal_hetero.moe.folded import PairHistory, folded_dispatch, header_fits
+from colossal_hetero.moe.folded import PairHistory, header_fits
 from colossal_hetero.moe.packed import packed_exchange
 from colossal_hetero.moe.pipelined import pipelined_exchange
 from colossal_hetero.moe.placement import Placement
-
-
-def _all_to_all(
-    x: torch.Tensor, send: list[int], recv: list[int], group: ProcessGroup, comm: MoeComm
-) -> torch.Tensor:
-    """Rows ``send[d]`` of ``x`` to rank ``d`` of ``group``; returns ``recv[d]`` rows from each."""
-    x = x.contiguous()
-    out = x.new_empty((sum(recv), *x.shape[1:]))
-    with comm.a2a_call(group, x.numel() * x.element_size()) as event:
-        work = dist.all_to_all_single(out, x, recv, send, group=group, async_op=True)
-        event.issued()
-        assert work is not None
-        work.wait()
-    return out
-
-
-class _Dispatch(torch.autograd.Function):
-    """Forward: the dispatch a2a (inside the span the caller opened). Backward: the reverse
-    a2a, which closes the backward span opened by :class:`_Combine`'s backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, send: list[int], recv: list[int], block: Any) -> Any:
-        ctx.send, ctx.recv, ctx.block = send, recv, block
-        block.dispatch_counts = (send, recv)
-        return _all_to_all(x, send, recv, block.ep_group, block.comm)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        block = ctx.block
-        pending, block.pending_reverse = block.pending_reverse, None
-        try:  # the experts' node may have launched this a2a already (moe/expert_ffn.py)
-            if pending is not None:
-                out = pending.wait()
-            else:
-                out = _all_to_all(grad, ctx.recv, ctx.send, block.ep_group, block.comm)
-        finally:
-            span = block.backward_spans.pop() if block.backward_spans else None
-            if span is not None:
-                block.comm.close_span(span)
-        return out, None, None, None
-
-
-class _FoldedDispatch(torch.autograd.Function):
-    """Forward: the dispatch a2a with the routing counts folded in (moe/folded.py); returns
-    the received rows and the counts per (peer, held expert). Backward: as :class:`_Dispatch`."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, counts: torch.Tensor, block: Any) -> Any:
-        received, peer_counts, send, recv = folded_dispatch(block, x, counts, block.fold_history)
-        ctx.send, ctx.recv, ctx.block = send, recv, block
-        block.dispatch_counts = (send, recv)
-        ctx.mark_non_differentiable(peer_counts)
-        return received, peer_counts
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor, _: Any) -> Any:
-        return _Dispatch.backward(ctx, grad)[0], None, None
-
-
-class _Combine(torch.autograd.Function):
-    """Forward: the combine a2a. Backward: opens the backward span, then the reverse a2a."""
-
-    @staticmethod
-    def forward(ctx: Any, y: torch.Tensor, send: list[int], recv: list[int], block: Any) -> Any:
-        ctx.send, ctx.recv, ctx.block = send, recv, block
-        return _all_to_all(y, send, recv, block.ep_group, block.comm)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        block = ctx.block
-        block.backward_spans.append(block.comm.open_span(block.ep_group))
-        return _all_to_all(grad, ctx.recv, ctx.send, block.ep_group, block.comm), None, None, None
 
 
 class HeteroEPMixtralSparseMoeBlock(EPMixtralSparseMoeBlock):
@@ -257,7 +186,7 @@ class HeteroEPMixtralSparseMoeBlock(EPMixtralSparseMoeBlock):
         span = self.comm.open_span(self.ep_group)
         try:
             if self.packing:
-                a2a, dispatch, combine = _all_to_all, _Dispatch.apply, _Combine.apply
+                a2a, dispatch, combine = all_to_all_rows, Dispatch.apply, Combine.apply
                 out = packed_exchange(self, x, selected, weights, a2a, dispatch, combine)
             else:
                 if self.pipeline_chunks > 1:
@@ -303,13 +232,13 @@ class HeteroEPMixtralSparseMoeBlock(EPMixtralSparseMoeBlock):
         ``dispatch``'s order. Tensor-parallel experts take it, and ``overlap_own_rows`` off."""
         local = len(self.held)
         if folded:
-            received, peer_counts = _FoldedDispatch.apply(dispatch, counts, self)
+            received, peer_counts = FoldedDispatch.apply(dispatch, counts, self)
         else:
             peer_counts = _all_to_all_counts(counts, self.device_sizes, local, self)
         self.mark_idle(peer_counts.view(self.ep_size, local).sum(dim=0).tolist())
         recv = peer_counts.view(self.ep_size, local).sum(dim=1).tolist()
         if not folded:
-            received = _Dispatch.apply(dispatch, send, recv, self)
+            received = Dispatch.apply(dispatch, send, recv, self)
         if history is not None:
             history.record(send, recv)
         if self.fuse_experts and fusable(self):  # weight grads overlap the reverse dispatch
@@ -317,7 +246,7 @@ class HeteroEPMixtralSparseMoeBlock(EPMixtralSparseMoeBlock):
             expert_out = run_experts(self, received, sizes, *self.dispatch_counts)
         else:
             expert_out = self._plain_experts(received, peer_counts.tolist())
-        return _Combine.apply(expert_out, recv, send, self)
+        return Combine.apply(expert_out, recv, send, self)
 
     def _plain_experts(self, received: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """The held experts' outputs piece by piece through their own modules (tensor-parallel
@@ -339,4 +268,4 @@ def _all_to_all_counts(
     """Row counts per (source rank, held expert): ``local`` values from each of ep peers."""
     recv = [local] * block.ep_size
     with torch.no_grad():
-        return _all_to_all(counts, device_sizes, recv, block.ep_group, block.comm)
+        return all_to_all_rows(counts, device_sizes, recv, block.ep_group, block.comm)

@@ -182,7 +182,7 @@ def folded_dispatch(
 ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
     """(received rows, counts per (peer, held expert), send, recv) of one folded dispatch,
     launched and waited (:func:`launch_folded`, :func:`finish_folded`). No autograd here:
-    the block's :class:`.block._Dispatch`-like function wraps it."""
+    the block's :class:`.a2a_autograd.FoldedDispatch` wraps it."""
     return finish_folded(launch_folded(block, dispatch, counts, history))
 
 

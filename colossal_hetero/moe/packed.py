@@ -21,7 +21,7 @@ collectives is stretched, so the bookkeeping is vectorised: no loop over destina
 gather per side (``index_select``, whose backward is an ``index_add``, not the serial
 accumulate of advanced indexing), one ``index_add`` per side, the routing tables cached per
 placement. Once a block has a history the row counts ride in the dispatch a2a
-(:mod:`.folded`, the block's ``_FoldedDispatch``) instead of an a2a of their own.
+(:mod:`.folded`, :class:`.a2a_autograd.FoldedDispatch`) instead of an a2a of their own.
 
 The a2a primitives (gated, logged, autograd) are the block's own, passed in; the folded
 dispatch is imported from the block when first used (the block imports this module). Every
@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from colossal_hetero.moe.a2a_autograd import FoldedDispatch
 
 A2A = Callable[..., torch.Tensor]
 
@@ -118,8 +120,6 @@ def _counts_exchange(
     once the block has a history (moe/folded.py), else an a2a of counts first."""
     history = block._fold_history()
     if history is not None and history.ready and block._may_fold(rows):
-        from colossal_hetero.moe.block import _FoldedDispatch  # the block imports this module
-
         # Header counts per expert slot: a rank's rows on its first slot (a rank with no
         # experts gets no rows, and its empty header slice reads as zero).
         counts = torch.zeros(block.num_experts, dtype=torch.long, device=rows.device)
@@ -127,7 +127,7 @@ def _counts_exchange(
         for d, n in enumerate(send):
             if n:
                 counts[starts[d]] = n
-        received, peer_counts = _FoldedDispatch.apply(rows, counts, block)
+        received, peer_counts = FoldedDispatch.apply(rows, counts, block)
         local = len(block.held)
         recv = [0] * block.ep_size
         if local:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from transformers import MixtralConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralBlockSparseTop2MLP
 
-from colossal_hetero.moe.block import _Combine, _Dispatch
+from colossal_hetero.moe.a2a_autograd import Combine, Dispatch
 from colossal_hetero.moe.comm import MoeComm
 from colossal_hetero.moe.expert_ffn import fusable, run_experts
 from tests.dist_utils import run_distributed
@@ -68,7 +68,7 @@ def _exchange(block, x, case, rank, fused):  # type: ignore[no-untyped-def]
     send = [sum(case[rank][d]) for d in range(2)]
     sizes = [case[peer][rank][j] for peer in range(2) for j in range(2)]
     recv = [sum(case[peer][rank]) for peer in range(2)]
-    received = _Dispatch.apply(x, send, recv, block)
+    received = Dispatch.apply(x, send, recv, block)
     if fused:
         out = run_experts(block, received, sizes, *block.dispatch_counts)
     else:
@@ -78,7 +78,7 @@ def _exchange(block, x, case, rank, fused):  # type: ignore[no-untyped-def]
                 expert = block.experts[block.held[index % 2]]
                 outputs.append(expert.w2(expert.act_fn(expert.w1(piece)) * expert.w3(piece)))
         out = torch.cat(outputs) if outputs else received
-    return _Combine.apply(out, recv, send, block)
+    return Combine.apply(out, recv, send, block)
 
 
 def _run(rank, case, fused, dtype):  # type: ignore[no-untyped-def]
