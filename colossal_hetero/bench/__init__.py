@@ -58,7 +58,7 @@ def run_benchmark(
 
         return run_dynamic_benchmark(quick=quick, json_path=json_path, only=only)
     if name == "moe":  # Mixtral EP=2 x DP=2: stock MoE plugin vs ours, priority off/on
-        from colossal_hetero.bench.moe import run_moe_benchmark
+        from colossal_hetero.bench.moe_run import run_moe_benchmark
 
         return run_moe_benchmark(quick=quick, json_path=json_path)
     if name == "tp2d":  # 2D (SUMMA) vs stock 1D TP and 1D + sequence parallelism
