@@ -186,8 +186,7 @@ class HeteroEPMixtralSparseMoeBlock(EPMixtralSparseMoeBlock):
         span = self.comm.open_span(self.ep_group)
         try:
             if self.packing:
-                a2a, dispatch, combine = all_to_all_rows, Dispatch.apply, Combine.apply
-                out = packed_exchange(self, x, selected, weights, a2a, dispatch, combine)
+                out = packed_exchange(self, x, selected, weights)
             else:
                 if self.pipeline_chunks > 1:
                     combined = pipelined_exchange(self, x, selected, self.pipeline_chunks)

@@ -23,8 +23,7 @@ accumulate of advanced indexing), one ``index_add`` per side, the routing tables
 placement. Once a block has a history the row counts ride in the dispatch a2a
 (:mod:`.folded`, :class:`.a2a_autograd.FoldedDispatch`) instead of an a2a of their own.
 
-The a2a primitives (gated, logged, autograd) are the block's own, passed in; the folded
-dispatch is imported from the block when first used (the block imports this module). Every
+The a2a primitives (gated, logged, autograd) are the block's own (:mod:`.a2a_autograd`). Every
 rank issues the same calls whatever the routing: the counts a2a (until the block folds), the
 dispatch, the combine, and both backward a2a's (a rank that receives nothing passes the
 empty received tensor on, keeping it in the autograd graph).
@@ -32,15 +31,12 @@ empty received tensor on, keeping it in the autograd graph).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from colossal_hetero.moe.a2a_autograd import FoldedDispatch
-
-A2A = Callable[..., torch.Tensor]
+from colossal_hetero.moe.a2a_autograd import Combine, Dispatch, FoldedDispatch, all_to_all_rows
 
 
 @dataclass(slots=True)
@@ -114,7 +110,7 @@ def _payload(
 
 
 def _counts_exchange(
-    block: Any, rows: torch.Tensor, send: list[int], a2a: A2A, dispatch: A2A
+    block: Any, rows: torch.Tensor, send: list[int]
 ) -> tuple[torch.Tensor, list[int]]:
     """(received rows, rows from each rank): the row counts folded into the dispatch a2a
     once the block has a history (moe/folded.py), else an a2a of counts first."""
@@ -136,8 +132,8 @@ def _counts_exchange(
         with torch.no_grad():
             counts = torch.tensor(send, dtype=torch.long, device=rows.device)
             ones = [1] * block.ep_size
-            recv = a2a(counts, ones, ones, block.ep_group, block.comm).tolist()
-        received = dispatch(rows, send, recv, block)
+            recv = all_to_all_rows(counts, ones, ones, block.ep_group, block.comm).tolist()
+        received = Dispatch.apply(rows, send, recv, block)
     if history is not None:
         history.record(send, recv)
     return received, recv
@@ -181,23 +177,16 @@ def packed_exchange(
     x: torch.Tensor,
     selected: torch.Tensor,
     weights: torch.Tensor,
-    a2a: A2A,
-    dispatch: A2A,
-    combine: A2A,
 ) -> torch.Tensor:
     """The block's MoE output ``[T, hidden]`` for tokens ``x`` routed to ``selected`` with
-    normalised ``weights`` (both ``[T, k]``), packed (see the module).
-
-    ``a2a(tensor, send, recv, group, comm)`` is the block's plain gated all-to-all;
-    ``dispatch`` / ``combine`` its autograd a2a's ``(tensor, send, recv, block)``.
-    """
+    normalised ``weights`` (both ``[T, k]``), packed (see the module)."""
     hidden = x.shape[1]
     tables = _tables(block, x.device)
     index, rows, send, dev = _payload(block, x, selected, weights, tables)
     _account(block, dev, send, hidden, tables.width, x.element_size())
-    received, recv = _counts_exchange(block, rows, send, a2a, dispatch)
+    received, recv = _counts_exchange(block, rows, send)
     out_local = _experts(block, received, recv, hidden, tables.width)
-    back = combine(out_local, recv, send, block)
+    back = Combine.apply(out_local, recv, send, block)
     return x.new_zeros(x.shape).index_add(0, index, back.to(x.dtype))
 
 

@@ -65,6 +65,12 @@ def rotated(count: int, step: int) -> list[int]:
     return [*range(shift, count), *range(shift)]
 
 
+def score_weight(index: int, margin: float) -> float:
+    """What a candidate's median counts for: ``1 - margin`` for the first (the plugin's
+    split), 1 for the others."""
+    return 1.0 - margin if index == 0 else 1.0
+
+
 def decided(seen: Sequence[Sequence[float]], steps: int, margin: float = 0.0) -> int | None:
     """The candidate that wins whatever the remaining steps bring, or None.
 
@@ -74,7 +80,7 @@ def decided(seen: Sequence[Sequence[float]], steps: int, margin: float = 0.0) ->
     or equal to it for a later candidate (ties go to the earlier one). A score is the median,
     the first candidate's times ``1 - margin`` (:func:`pick_split`)."""
     missing = [steps - len(s) for s in seen]
-    scale = [1.0 - margin if i == 0 else 1.0 for i in range(len(seen))]
+    scale = [score_weight(i, margin) for i in range(len(seen))]
     worst = [
         k * statistics.median([*s, *[math.inf] * n])
         for s, n, k in zip(seen, missing, scale, strict=True)
@@ -133,6 +139,6 @@ def pick_split(
             seen[index].append(float(mine.item()))
         if step + 1 < steps and decided(seen, steps, margin) is not None:
             break  # the remaining steps cannot change the pick
-    scores = [statistics.median(s) * (1.0 - margin if i == 0 else 1.0) for i, s in enumerate(seen)]
+    scores = [statistics.median(s) * score_weight(i, margin) for i, s in enumerate(seen)]
     best = min(range(len(frozen)), key=lambda i: (scores[i], i))
     return SplitTrial(frozen, tuple(tuple(s) for s in seen), best)

@@ -45,7 +45,9 @@ def _collectives(clocks: FakeClocks, wait: float) -> SimpleNamespace:
     return SimpleNamespace(all_reduce=all_reduce)
 
 
-def _stretch(clocks: FakeClocks, fake: Any, factor: float = 2.0) -> Stretch:
+def _stretch(
+    clocks: FakeClocks, fake: Any, factor: float = 2.0, median_work: bool = False
+) -> Stretch:
     stretch = Stretch(
         factor,
         clocks.sleep,
@@ -54,6 +56,7 @@ def _stretch(clocks: FakeClocks, fake: Any, factor: float = 2.0) -> Stretch:
         cpu_clock=lambda: clocks.cpu,
         wall_clock=lambda: clocks.wall,
         sync_modules=[fake],
+        median_work=median_work,
     )
     stretch.enabled = True
     return stretch
@@ -211,18 +214,7 @@ def test_set_device_changes_the_emulated_device_from_the_next_pass():
 
 
 def _median(clocks: FakeClocks, fake: Any, factor: float = 1.0) -> Stretch:
-    stretch = Stretch(
-        factor,
-        clocks.sleep,
-        mode="dedicated",
-        base=2.5,
-        cpu_clock=lambda: clocks.cpu,
-        wall_clock=lambda: clocks.wall,
-        sync_modules=[fake],
-        median_work=True,
-    )
-    stretch.enabled = True
-    return stretch
+    return _stretch(clocks, fake, factor, median_work=True)
 
 
 def test_median_work_stretches_each_interval_by_its_median_cpu_so_far():

@@ -42,9 +42,30 @@ def test_one_candidate_runs_nothing_and_bad_input_is_refused():
         pick_split([[2, 2], [3, 1]], never, steps=0, device=CPU)
 
 
-def _full_pick(seen: list[list[float]]) -> int:
+def _full_pick(seen: list[list[float]], margin: float = 0.0) -> int:
     medians = [sorted(s)[len(s) // 2] for s in seen]  # odd counts: the middle one
-    return min(range(len(seen)), key=lambda i: (medians[i], i))
+    scores = [m * (1.0 - margin if i == 0 else 1.0) for i, m in enumerate(medians)]
+    return min(range(len(seen)), key=lambda i: (scores[i], i))
+
+
+def _check_decided_by_brute_force(grid: list[float], margin: float = 0.0) -> None:
+    """Two candidates, two of three steps seen, every pair of values from ``grid``: an early
+    decision is the full trial's pick for every completion, and none is made while two picks
+    remain possible."""
+    import itertools
+
+    for first in itertools.product(grid, repeat=4):
+        seen = [list(first[0:2]), list(first[2:4])]
+        early = decided(seen, steps=3, margin=margin)
+        picks = {
+            _full_pick([[*seen[0], a], [*seen[1], b]], margin)
+            for a in [0.0, *grid, 9.0]
+            for b in [0.0, *grid, 9.0]
+        }
+        if early is not None:
+            assert picks == {early}
+        if len(picks) > 1:
+            assert early is None
 
 
 def test_decided_only_when_no_remaining_steps_can_change_the_pick():
@@ -65,33 +86,10 @@ def test_decided_only_when_no_remaining_steps_can_change_the_pick():
 def test_decided_agrees_with_every_completion_by_brute_force():
     # Every decision made early is the full trial's pick for every way the remaining steps
     # could go (values from a small grid, which holds ties and both orders).
-    import itertools
-
-    grid = [1.0, 2.0, 3.0]
-    for first in itertools.product(grid, repeat=4):
-        seen = [list(first[0:2]), list(first[2:4])]
-        early = decided(seen, steps=3)
-        picks = {
-            _full_pick([[*seen[0], a], [*seen[1], b]])
-            for a in [0.0, *grid, 9.0]
-            for b in [0.0, *grid, 9.0]
-        }
-        if early is not None:
-            assert picks == {early}
-        if len(picks) > 1:
-            assert early is None
-
-
-def _margin_pick(seen: list[list[float]], margin: float) -> int:
-    medians = [
-        sorted(s)[len(s) // 2] * (1.0 - margin if i == 0 else 1.0) for i, s in enumerate(seen)
-    ]
-    return min(range(len(seen)), key=lambda i: (medians[i], i))
+    _check_decided_by_brute_force([1.0, 2.0, 3.0])
 
 
 def test_margin_keeps_the_first_split_on_near_ties_and_decided_agrees(monkeypatch):
-    import itertools
-
     from colossal_hetero.pipeline import split_trial
 
     # One rank: the slowest rank's seconds are this rank's (no process group needed).
@@ -115,16 +113,4 @@ def test_margin_keeps_the_first_split_on_near_ties_and_decided_agrees(monkeypatc
         with pytest.raises(ValueError, match="margin must be in"):
             pick_split(candidates, step_seconds, 3, device=CPU, margin=bad)
     # Early decisions with a margin are the full trial's pick for every completion.
-    grid = [1.0, 1.04, 1.1]
-    for first in itertools.product(grid, repeat=4):
-        seen = [list(first[0:2]), list(first[2:4])]
-        early = decided(seen, steps=3, margin=0.05)
-        picks = {
-            _margin_pick([[*seen[0], a], [*seen[1], b]], 0.05)
-            for a in [0.0, *grid, 9.0]
-            for b in [0.0, *grid, 9.0]
-        }
-        if early is not None:
-            assert picks == {early}
-        if len(picks) > 1:
-            assert early is None
+    _check_decided_by_brute_force([1.0, 1.04, 1.1], margin=0.05)
