@@ -375,6 +375,8 @@ def _decisions(runner: Runner) -> list[dict[str, Any]]:
             # What the choice compared, to check ada's k against the step times run per k.
             **{key: r.get(key) for key in ("model_k", "reason", "ran_k", "measured_s")},
             "predicted_s_by_k": r.get("predicted_s_by_k"),
+            # Units of each message per TP link (parallel.pp_link_shares), when decided.
+            **({"link_units": r["link_units"]} if "link_units" in r else {}),
         }
         for r in control.log.records
     ]

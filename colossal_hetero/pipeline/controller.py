@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from colossal_hetero.pipeline.link_shares import Direction, LinkShareTuner
 from colossal_hetero.pipeline.measured import MeasuredGuard
 from colossal_hetero.pipeline.profile import (
     RankRecord,
@@ -37,6 +38,8 @@ from colossal_hetero.pipeline.profile import (
 from colossal_hetero.pipeline.schedule import KFKBSchedule
 from colossal_hetero.pipeline.tuner import PipelineProfile, choose_k_over_window
 from colossal_hetero.utils.device import collective_device
+
+_Units = dict[Direction, tuple[int, ...]]
 
 
 class AdaKController:
@@ -66,6 +69,11 @@ class AdaKController:
         guard: checks the simulator's choice against the step times measured at each ``k``
             (:class:`~colossal_hetero.pipeline.measured.MeasuredGuard`: refuted switches,
             exploration of neighbours); None follows the simulator alone.
+        link_shares: also place each boundary's message pieces over its TP links by their
+            measured speeds (:class:`~colossal_hetero.pipeline.link_shares.LinkShareTuner`,
+            ``KFKBSchedule.set_link_units``): decided with ``k`` from the same gathered records,
+            applied at the next step boundary (the receives of a step are posted as it starts,
+            so units decided inside a step wait for its end). None: equal pieces.
         start_free: the first retuning takes the fastest predicted ``k`` (ties within float
             rounding to the smaller), without ``min_gain`` or ``sticky``: both are hysteresis
             against flapping between the tuner's own choices, and the ``k`` the first measured
@@ -90,6 +98,7 @@ class AdaKController:
         early: bool = False,
         guard: MeasuredGuard | None = None,
         start_free: bool = False,
+        link_shares: LinkShareTuner | None = None,
     ) -> None:
         if period < 1:
             raise ValueError(f"period: retune every >= 1 steps, got {period}")
@@ -104,11 +113,16 @@ class AdaKController:
         self.memory_budget_bytes = memory_budget_bytes
         self.latency_s, self.group, self.min_gain = latency_s, group, min_gain
         self.sticky, self.overlap, self.guard = sticky, overlap, guard
-        self.start_free = start_free
+        self.start_free, self.link_shares = start_free, link_shares
         self._retunings = 0
-        self._pending: tuple[dist.Work, list[torch.Tensor], torch.Tensor, int, int] | None = None
+        self._pending: tuple[dist.Work, list[torch.Tensor], torch.Tensor, int, int, _Units] | None
+        self._pending = None
         """With ``overlap``: the gather in flight, its rows, its row (kept alive until the
-        gather is done), the step it measured and the ``k`` that step ran."""
+        gather is done), the step it measured, the ``k`` and the link units that step ran."""
+        self._units: _Units = {} if link_shares is None else dict(link_shares.units)
+        """The link units the schedule runs with now."""
+        self._units_due: _Units | None = None
+        """Units decided but not yet applied (at the next step boundary)."""
         self._decided: dict[str, Any] | None = None
         """With ``early``: the record decided by :meth:`before_step`, until ``after_step``."""
         if early:
@@ -133,9 +147,11 @@ class AdaKController:
         carries ``gather_wait_s``: how long this rank waited for the gather.
         """
         ran = self.schedule.k  # what this step ran: a pending decision applies to the next
+        ran_units = self._units
         record, self._decided = self._decided, None
         if record is None:
             record = self._settle()
+        self._apply_units()  # a step boundary: no receive of the next step is posted yet
         if (step + 1) % self.period:
             return record
         m = self.schedule.num_microbatches
@@ -146,10 +162,19 @@ class AdaKController:
         work = dist.all_gather(rows, mine, group=self.group, async_op=True)
         assert work is not None
         if self.overlap:
-            self._pending = (work, rows, mine, step, ran)
+            self._pending = (work, rows, mine, step, ran, ran_units)
             return record
         work.wait()
-        return self._decide(rows, step, ran)
+        decided = self._decide(rows, step, ran, ran_units)
+        self._apply_units()
+        return decided
+
+    def _apply_units(self) -> None:
+        """Hand decided link units to the schedule (call at a step boundary only)."""
+        if self._units_due is None or self.link_shares is None:
+            return
+        self._units, self._units_due = self._units_due, None
+        self.schedule.set_link_units(*self.link_shares.per_boundary())
 
     def before_step(self) -> None:
         """``early``: decide the gather in flight before a step's first ``k``-dependent pass
@@ -163,16 +188,19 @@ class AdaKController:
         """Wait for the gather in flight (if any) and decide it; the record notes the wait."""
         if self._pending is None:
             return None
-        work, rows, _, measured, ran = self._pending
+        work, rows, _, measured, ran, ran_units = self._pending
         self._pending = None
         began = time.perf_counter()
         work.wait()
         waited = time.perf_counter() - began
-        return {**self._decide(rows, measured, ran), "gather_wait_s": waited}
+        return {**self._decide(rows, measured, ran, ran_units), "gather_wait_s": waited}
 
-    def _decide(self, rows: list[torch.Tensor], step: int, ran: int) -> dict[str, Any]:
+    def _decide(
+        self, rows: list[torch.Tensor], step: int, ran: int, ran_units: _Units | None = None
+    ) -> dict[str, Any]:
         """Agree on the profile from the gathered rows, choose and set ``k``; the record.
-        ``ran``: the ``k`` of the step measured. The record's ``decide_s``: this rank's seconds
+        ``ran``: the ``k`` of the step measured, ``ran_units`` its link units (None: the
+        running ones). The record's ``decide_s``: this rank's seconds
         in here (profile, simulations, guard), the tuner's own cost of the retuning."""
         began = time.perf_counter()
         m = self.schedule.num_microbatches
@@ -202,6 +230,7 @@ class AdaKController:
             )
         self._retunings += 1
         self.schedule.set_k(chosen)
+        links = self._decide_units(records, self._units if ran_units is None else ran_units)
         before = decision.step_s_by_k.get(previous)  # None: the old k no longer fits memory
         gain = None if before is None else before / decision.step_s_by_k[chosen] - 1
         return {
@@ -227,8 +256,18 @@ class AdaKController:
             # the guard) compared, for checking it against the step times measured per k.
             "predicted_s_by_k": {int(c): t for c, t in decision.step_s_by_k.items()},
             "predicted_gain": gain,
+            **links,
             "decide_s": time.perf_counter() - began,
         }
+
+    def _decide_units(self, records: list[RankRecord], ran_units: _Units) -> dict[str, Any]:
+        """Link units from the gathered records (due at the next step boundary); the record's
+        ``link_units`` (per direction, ``"F0"`` for activations over boundary 0, ...), or {}."""
+        if self.link_shares is None:
+            return {}
+        units = self.link_shares.decide(records, ran_units)
+        self._units_due = units if units != self._units else None
+        return {"link_units": {f"{op}{b}": list(u) for (op, b), u in sorted(units.items())}}
 
 
 def measured_step_s(rows: list[list[float]], num_microbatches: int) -> float:

@@ -240,6 +240,39 @@ def link_seconds(
     :func:`_debt_spacing`) split as :func:`_debt_link`. Keys: ``F``, ``B`` (per message),
     ``LF``, ``LB`` (latency), ``F0``, ``B0`` (first messages), ``D`` (1: token debt), one value
     per boundary. The same for any order of the records."""
+    samples, downloads = _step_samples(records, shared_ports)
+    return _per_boundary(samples, num_stages, downloads)
+
+
+def column_link_seconds(
+    records: Sequence[RankRecord], shared_ports: bool = True
+) -> dict[tuple[str, int, int], tuple[float, float]]:
+    """Per pipeline column (``(op, boundary, sending-side rank)``: ``"F"`` or ``"B"``, the
+    boundary, and the global rank on the boundary's upstream stage): the seconds one message
+    held that column's link and the latency after it, as :func:`link_seconds` reads them
+    before it keeps each boundary's slowest column. A column none of whose receives waited is
+    absent (its transfers were hidden)."""
+    samples, downloads = _step_samples(records, shared_ports)
+    return {k: v for k, v in _column_splits(samples, downloads).items() if k[0] in ("F", "B")}
+
+
+def landed_within(records: Sequence[RankRecord]) -> dict[tuple[str, int, int], float]:
+    """Per pipeline column (as :func:`column_link_seconds`), the least ``asked - released`` of
+    its messages that had landed when their receiver asked for them: each took at most that
+    long on its link. Columns with no such message are absent."""
+    out: dict[tuple[str, int, int], float] = {}
+    for msg in _messages(records):
+        if msg.arrived == NOT_BLOCKED and msg.asked != NOT_BLOCKED:
+            within = max(0.0, msg.asked - msg.release)
+            out[msg.kind] = min(out.get(msg.kind, within), within)
+    return out
+
+
+def _step_samples(
+    records: Sequence[RankRecord], shared_ports: bool
+) -> tuple[dict[tuple[str, int, int], list[_Sample]], dict[int, _Download]]:
+    """Each direction's link samples of one step (see :func:`link_seconds`) and, with
+    ``shared_ports``, each receiving rank's download."""
     history: dict[tuple[str, int, int], list[tuple[float, float]]] = {}
     samples: dict[tuple[str, int, int], list[_Sample]] = {}
     messages = _messages(records)
@@ -270,7 +303,7 @@ def link_seconds(
             for port in ports:
                 on_ports.add(port, landed, msg.kind)
     downloads = _downloads(messages, unseen) if shared_ports else {}
-    return _per_boundary(samples, num_stages, downloads)
+    return samples, downloads
 
 
 _Download = tuple[list[tuple[float, tuple[str, int, int]]], list[tuple[Any, tuple[float, float]]]]
@@ -327,18 +360,8 @@ def _per_boundary(
     every boundary when the step's links run in token debt (:func:`_debt_spacing`), else 0.
     ``downloads`` (shared ports): each receiving rank's, whose times per message are fitted to
     the time they took there (:func:`_port_scale`, :func:`_scaled`)."""
+    split = _column_splits(samples, downloads)
     pooled = _debt_spacing(samples)
-    split = {
-        key: _debt_link(v, pooled)
-        if pooled is not None and key[0] in ("F", "B")
-        else _link_and_latency(v)
-        for key, v in samples.items()
-    }
-    per_message = {key: v[0] for key, v in split.items() if key[0] in ("F", "B")}
-    for download in (downloads or {}).values():
-        scale = _port_scale(download, per_message)
-        for key in {kind for _, kind in download[0]} & per_message.keys():
-            split[key] = _scaled(split[key], scale, debt=pooled is not None)
 
     def slowest(key: str, part: int) -> tuple[float, ...]:
         return tuple(
@@ -353,6 +376,26 @@ def _per_boundary(
         out[f"{op}0"] = tuple(max(0.0, x - lat) for x, lat in firsts)
     out["D"] = (float(pooled is not None),) * (num_stages - 1)
     return out
+
+
+def _column_splits(
+    samples: Mapping[tuple[str, int, int], Sequence[_Sample]],
+    downloads: Mapping[int, _Download] | None = None,
+) -> dict[tuple[str, int, int], tuple[float, float]]:
+    """(seconds per message, latency) per (kind, boundary, column), the port fit applied."""
+    pooled = _debt_spacing(samples)
+    split = {
+        key: _debt_link(v, pooled)
+        if pooled is not None and key[0] in ("F", "B")
+        else _link_and_latency(v)
+        for key, v in samples.items()
+    }
+    per_message = {key: v[0] for key, v in split.items() if key[0] in ("F", "B")}
+    for download in (downloads or {}).values():
+        scale = _port_scale(download, per_message)
+        for key in {kind for _, kind in download[0]} & per_message.keys():
+            split[key] = _scaled(split[key], scale, debt=pooled is not None)
+    return split
 
 
 def _scaled(split: tuple[float, float], scale: float, debt: bool) -> tuple[float, float]:

@@ -38,7 +38,9 @@ and each TP rank sends its copy to its counterpart in the next stage. With a ``T
 sender puts only its ``1/size`` of each tensor (flattened, equal contiguous pieces) on its link,
 and the receiver rebuilds the tensor with one ``all_gather`` on its TP group (a fast link inside
 the stage) when it takes the message: each stage link carries ``1/size`` of the bytes. A tensor
-whose element count ``size`` does not divide travels whole; so does the metadata.
+whose element count ``size`` does not divide travels whole; so does the metadata. With
+``units`` (set between steps by the Ada controller, ``pipeline/link_shares.py``) the pieces
+follow the links' measured speeds instead of being equal.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ import torch.distributed as dist
 from colossalai.pipeline.p2p import P2PMetadata, create_send_metadata
 from torch.utils._pytree import tree_unflatten
 
+from colossal_hetero.pipeline.link_shares import piece_bounds
 from colossal_hetero.pipeline.profile import NOT_BLOCKED
 
 BLOCKED_S = 1e-4
@@ -66,7 +69,8 @@ class LinkLog:
 
     times: list[float] = field(default_factory=list)
     """Per message, in order: when it went onto the link (a sender), or when its blocked wait
-    returned, ``NOT_BLOCKED`` when the wait did not block (a receiver); ``time.time()``."""
+    returned, ``NOT_BLOCKED`` when the wait did not block (a receiver; under a
+    :class:`TPSlice`, its own piece's wait, before the gather of the others); ``time.time()``."""
     posted: list[float] = field(default_factory=list)
     """A receiver's: per message, when its tensors' receives were posted."""
     asked: list[float] = field(default_factory=list)
@@ -75,7 +79,8 @@ class LinkLog:
     nbytes: int = 0
     """Bytes of the tensors moved, headers and metadata included."""
     wait_s: float = 0.0
-    """Seconds spent blocked in ``wait()`` on this direction's operations."""
+    """Seconds spent blocked in ``wait()`` on this direction's operations (a receiver's: in
+    ``get``, the TP gather included)."""
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -85,29 +90,67 @@ def _nbytes(tensor: torch.Tensor) -> int:
 @dataclass(frozen=True, slots=True)
 class TPSlice:
     """This rank's share of messages replicated over its tensor-parallel group: piece ``index``
-    of ``size`` (the rank's position in ``group``, which has ``size`` ranks)."""
+    of ``size`` (the rank's position in ``group``, which has ``size`` ranks).
+
+    ``units``: each TP rank's share of a message in units (``pipeline/link_shares.py``; both
+    ends of a link must hold the same), so that a slower link carries less; empty: equal
+    pieces."""
 
     group: dist.ProcessGroup
     index: int
     size: int
+    units: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        assert not self.units or (len(self.units) == self.size and min(self.units) >= 1)
+
+    def _bounds(self, numel: int) -> list[tuple[int, int]] | None:
+        """Every piece's ``[start, stop)`` in the flattened tensor; None: it travels whole."""
+        if self.size < 2 or numel <= 0:
+            return None
+        if not self.units:
+            if numel % self.size:
+                return None
+            n = numel // self.size
+            return [(n * t, n * (t + 1)) for t in range(self.size)]
+        if numel < sum(self.units):
+            return None
+        return piece_bounds(numel, self.units)
 
     def splits(self, numel: int) -> bool:
         """Whether a tensor of ``numel`` elements travels in pieces (else whole)."""
-        return self.size > 1 and numel > 0 and numel % self.size == 0
+        return self._bounds(numel) is not None
 
     def piece(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's contiguous piece of the contiguous ``tensor`` (a view), or all of it."""
-        if not self.splits(tensor.numel()):
+        bounds = self._bounds(tensor.numel())
+        if bounds is None:
             return tensor
-        return tensor.view(-1).chunk(self.size)[self.index]
+        start, stop = bounds[self.index]
+        return tensor.view(-1)[start:stop]
 
     def gather(self, tensor: torch.Tensor) -> None:
-        """Fill the other ranks' pieces of ``tensor`` (this rank's piece already holds its own)."""
-        if not self.splits(tensor.numel()):
+        """Fill the other ranks' pieces of ``tensor`` (this rank's piece already holds its own).
+
+        One ``all_gather`` on ``group``; unequal pieces travel padded to the largest."""
+        bounds = self._bounds(tensor.numel())
+        if bounds is None:
             return
-        pieces = list(tensor.view(-1).chunk(self.size))
-        own = pieces[self.index].clone()
+        flat = tensor.view(-1)
+        start, stop = bounds[self.index]
+        lengths = {hi - lo for lo, hi in bounds}
+        if len(lengths) == 1:  # equal pieces: gather straight into the tensor's views
+            views = [flat[lo:hi] for lo, hi in bounds]
+            dist.all_gather(views, flat[start:stop].clone(), group=self.group)
+            return
+        longest = max(lengths)
+        own = flat.new_zeros(longest)
+        own[: stop - start] = flat[start:stop]
+        pieces = [flat.new_empty(longest) for _ in bounds]
         dist.all_gather(pieces, own, group=self.group)
+        for t, (lo, hi) in enumerate(bounds):
+            if t != self.index:
+                flat[lo:hi] = pieces[t][: hi - lo]
 
 
 class Outbox:
@@ -269,14 +312,16 @@ class Inbox:
         assert self._queue and self._metadata is not None
         posted = self._queue.popleft()
         posted.wait()
+        # This link's arrival: before the TP gather, which waits for the other links' pieces
+        # (each link's time is read on its own: pipeline/link_shares.py).
+        landed, blocked = time.time(), time.perf_counter() - start > BLOCKED_S
         for buffer, needs_grad in zip(posted.buffers, posted.requires_grad, strict=True):
             if self.tp is not None:
                 self.tp.gather(buffer)
             buffer.requires_grad_(needs_grad)
-        waited = time.perf_counter() - start
-        self.log.wait_s += waited
+        self.log.wait_s += time.perf_counter() - start
         self.log.nbytes += sum(_nbytes(p) for p in posted.pieces)
-        self.log.times.append(time.time() if waited > BLOCKED_S else NOT_BLOCKED)
+        self.log.times.append(landed if blocked else NOT_BLOCKED)
         self.log.posted.append(posted.at)
         self.log.asked.append(asked)
         meta = self._metadata

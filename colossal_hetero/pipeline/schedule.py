@@ -34,7 +34,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -48,7 +48,7 @@ from torch.nn import Module
 from colossal_hetero.emulation.router import flush_compute
 from colossal_hetero.pipeline.order import Step, check_pipeline_args, kfkb_order
 from colossal_hetero.pipeline.p2p import Inbox, LinkLog, Outbox, TPSlice
-from colossal_hetero.pipeline.profile import NOT_BLOCKED, RankRecord
+from colossal_hetero.pipeline.profile import RankRecord
 from colossal_hetero.utils.device import current_device, is_host_backend
 
 
@@ -215,6 +215,32 @@ class KFKBSchedule(OneForwardOneBackwardSchedule):
             raise ValueError(f"k: the kFkB group size must be >= 1, got {k}")
         self.k = k
 
+    def set_link_units(
+        self, forward: Sequence[tuple[int, ...]], backward: Sequence[tuple[int, ...]]
+    ) -> None:
+        """Carry each boundary's messages over its TP links in these units from the next step
+        on (``forward[b]``: activations from stage ``b`` to ``b + 1``, one count per TP rank;
+        ``backward[b]``: gradients back; see ``pipeline/link_shares.py``). Call between steps,
+        on every pipeline rank alike: both ends of a link must cut messages the same way. A
+        no-op without a TP group of several ranks."""
+        p = self.stage_manager.num_stages
+        if len(forward) != p - 1 or len(backward) != p - 1:
+            raise ValueError(f"link units: need one entry per boundary ({p - 1})")
+        s = self.stage_manager.stage
+        for attr, units in (
+            ("_to_next", forward[s] if s < p - 1 else None),
+            ("_from_next", backward[s] if s < p - 1 else None),
+            ("_from_prev", forward[s - 1] if s > 0 else None),
+            ("_to_prev", backward[s - 1] if s > 0 else None),
+        ):
+            box = getattr(self, attr)
+            if box is None or box.tp is None or units is None:
+                continue
+            if len(units) != box.tp.size or min(units) < 1:
+                raise ValueError(f"link units: need {box.tp.size} counts >= 1, got {units}")
+            # Equal counts are the equal pieces (a tensor TP does not divide travels whole).
+            box.tp = replace(box.tp, units=tuple(units) if len(set(units)) > 1 else ())
+
     def run_forward_backward(
         self,
         model: Module,
@@ -343,13 +369,8 @@ def _tp_slice(group: dist.ProcessGroup | None) -> TPSlice | None:
 
 def _overhead_s(stats: _StatsBuilder, step_s: float, logs: dict[str, LinkLog]) -> float:
     """Seconds of the step in no pass and not blocked for data: ``step_s`` less the passes,
-    the receives' blocked waits (arrival minus when asked) and the final wait for sends."""
-    blocked = sum(
-        t - a
-        for name in ("from_prev", "from_next")
-        for t, a in zip(logs[name].times, logs[name].asked, strict=True)
-        if t != NOT_BLOCKED
-    )
+    the receives' waits (TP gathers included) and the final wait for sends."""
+    blocked = sum(logs[name].wait_s for name in ("from_prev", "from_next"))
     sends = sum(logs[name].wait_s for name in ("to_next", "to_prev"))
     passes = stats.seconds["forward"] + stats.seconds["backward"]
     return max(0.0, step_s - passes - blocked - sends)

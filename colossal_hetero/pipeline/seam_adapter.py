@@ -28,9 +28,10 @@ import torch.distributed as dist
 
 from colossal_hetero.config.schema import HeteroConfig
 from colossal_hetero.pipeline.controller import AdaKController
+from colossal_hetero.pipeline.link_shares import LinkShareTuner
 from colossal_hetero.pipeline.measured import MeasuredGuard
 from colossal_hetero.pipeline.schedule import KFKBSchedule
-from colossal_hetero.pipeline.tuner import stage_of_rank
+from colossal_hetero.pipeline.tuner import stage_of_rank, tp_index_of_rank
 from colossal_hetero.pipeline.validate import budget_bytes, check_budget
 from colossal_hetero.utils.collectives import all_reduce_anywhere
 from colossal_hetero.utils.device import HOST_BACKEND, available_memory_bytes, current_device
@@ -51,6 +52,9 @@ MEMORY = 8
 SETTLE = 3
 """Retunings in a row at the running k before a neighbour is explored, and how many of its step
 times the guard's median takes (``MeasuredGuard.settle``)."""
+SHARE_MIN_GAIN = 0.10
+"""New link units must land a message this much sooner than the running ones (by the measured
+link estimates) to replace them (``link_shares.next_units``): link times jitter round to round."""
 MEASURED_MARGIN = 0.10
 """Measured step times closer than this do not overrule the simulator (``MeasuredGuard.margin``):
 on the shared 2-core host one k's steps moved 5-10% round to round."""
@@ -138,8 +142,21 @@ def install_schedule(engine: Any, config: HeteroConfig, rank: int) -> AdaKSeamCo
         guard=MeasuredGuard(margin=MEASURED_MARGIN, explore=EXPLORE, memory=MEMORY, settle=SETTLE),
         # The first retuning picks the fastest prediction: the start k was not chosen.
         start_free=True,
+        link_shares=link_share_tuner(config, world),
     )
     return AdaKSeamController(controller, config)
+
+
+def link_share_tuner(config: HeteroConfig, world: int) -> LinkShareTuner | None:
+    """ada_kfkb's placement of message pieces over each stage's TP links
+    (``parallel.pp_link_shares``), or None (off, or no TP group of several ranks)."""
+    parallel = config.parallel
+    if not parallel.pp_link_shares or parallel.tp < 2:
+        return None
+    dp = world // (parallel.pp * parallel.tp)
+    return LinkShareTuner(
+        parallel.pp, tp_index_of_rank(parallel.pp, parallel.tp, dp), parallel.tp, SHARE_MIN_GAIN
+    )
 
 
 def detected_budget_bytes() -> float:

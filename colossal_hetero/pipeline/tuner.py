@@ -175,6 +175,11 @@ def stage_of_rank(pp: int, tp: int, dp: int) -> list[int]:
     return [(r // tp) % pp for r in range(dp * pp * tp)]
 
 
+def tp_index_of_rank(pp: int, tp: int, dp: int) -> list[int]:
+    """Tensor-parallel rank of every global rank in the same layout (``stage_of_rank``)."""
+    return [r % tp for r in range(dp * pp * tp)]
+
+
 def agree_profile(
     rows: Sequence[Sequence[float]], stage_of_rank: Sequence[int], num_stages: int
 ) -> PipelineProfile:

@@ -122,6 +122,23 @@ def _check_hook(schedule: KFKBSchedule, booster, model, optimizer, criterion, ba
     assert schedule.last_stats is not None and schedule.last_stats.step_s < HOOK_S
 
 
+def _check_link_units(schedule, step, reference, ks, rank, tp: int) -> None:
+    """Uneven pieces over the TP links (activations 3:13 units, gradients 11:5), then equal
+    again: every rebuilt message still gives 1F1B's loss and gradients bit for bit, and each
+    rank puts its own piece's bytes on its link (1024 elements: 192 and 832 for 3:13)."""
+    schedule.set_link_units([(3, 13)], [(11, 5)])
+    for k in ks:
+        schedule.set_k(k)
+        _assert_same(step(), reference, f"units 3:13 k={k} rank={rank}")
+        last = schedule.stage_manager.is_last_stage()
+        want = 0 if last else 4 * 1024 * (3, 13)[rank % tp] // 16
+        assert schedule.last_stats.message_bytes == want
+    schedule.set_link_units([(8, 8)], [(8, 8)])
+    _assert_same(step(), reference, f"units back to even rank={rank}")
+    with pytest.raises(ValueError, match="^link units"):
+        schedule.set_link_units([(16, 0)], [(8, 8)])
+
+
 def _check_layout(
     rank, config: HeteroConfig, ks: list[int], policy=None, controller: bool = False
 ) -> dict[str, int]:
@@ -161,6 +178,9 @@ def _check_layout(
             saved_bytes.add(stats.activation_bytes)
         # The same micro-batch computation saves the same tensors whatever the order.
         assert len(saved_bytes) == 1 and saved_bytes.pop() > 0
+        if tp > 1:
+            again = lambda: _step(booster, model, optimizer, criterion, batch)  # noqa: E731
+            _check_link_units(schedule, again, reference, ks, rank, tp)
         if controller:
             _check_hook(schedule, booster, model, optimizer, criterion, batch, reference)
             _check_controller(schedule, booster, model, optimizer, criterion, batch)

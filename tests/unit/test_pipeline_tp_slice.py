@@ -32,3 +32,15 @@ def test_indivisible_or_single_rank_sends_whole():
         assert not s.splits(x.numel()) and s.piece(x) is x
     assert not TPSlice(group=None, index=0, size=1).splits(8)  # type: ignore[arg-type]
     assert not _slices(2)[0].splits(0)
+
+
+def test_uneven_units_cut_views_in_rank_order():
+    # 3:13 of 1024 elements: 192 and 832, each a view; too few elements for the units: whole.
+    x = torch.arange(1024, dtype=torch.float32).reshape(2, 16, 32)
+    slices = [TPSlice(group=None, index=i, size=2, units=(3, 13)) for i in range(2)]  # type: ignore[arg-type]
+    pieces = [s.piece(x) for s in slices]
+    assert [p.numel() for p in pieces] == [192, 832]
+    assert all(p.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for p in pieces)
+    assert torch.equal(torch.cat(pieces), x.reshape(-1))
+    small = torch.ones(15)
+    assert not slices[0].splits(small.numel()) and slices[1].piece(small) is small
