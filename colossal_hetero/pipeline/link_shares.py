@@ -19,6 +19,8 @@ the same gathered measurements, so every rank reaches the same units without a b
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -145,17 +147,40 @@ def next_units(
     if not len(current) == len(readings) == len(known):
         raise ValueError("next_units: one current share, reading and estimate per link")
     kept = tuple(estimate_link(r, k) for r, k in zip(readings, known, strict=True))
-    estimates = [e for e in kept if e is not None]
-    if len(estimates) < len(kept):
-        return tuple(current), kept
+    return choose_units(current, kept, min_gain), kept
+
+
+def choose_units(
+    current: Sequence[int], estimates: Sequence[LinkEstimate | None], min_gain: float
+) -> tuple[int, ...]:
+    """:func:`balanced_units` of ``estimates`` when they land a message more than ``min_gain``
+    sooner than ``current``, else ``current`` (also while any link is unknown)."""
+    known = [e for e in estimates if e is not None]
+    if len(known) < len(estimates):
+        return tuple(current)
     proposal = balanced_units(
-        [e.seconds_per_unit for e in estimates],
-        [e.latency_s for e in estimates],
-        quantum=sum(current),
+        [e.seconds_per_unit for e in known], [e.latency_s for e in known], quantum=sum(current)
     )
-    if slowest_s(proposal, estimates) < (1.0 - min_gain) * slowest_s(current, estimates):
-        return proposal, kept
-    return tuple(current), kept
+    if slowest_s(proposal, known) < (1.0 - min_gain) * slowest_s(current, known):
+        return proposal
+    return tuple(current)
+
+
+def median_estimates(
+    window: Sequence[Sequence[LinkEstimate | None]],
+) -> tuple[LinkEstimate | None, ...]:
+    """Per link, the median seconds per unit and the median latency of its known estimates in
+    ``window`` (one tuple per step, oldest first); None when it has none. A lone step's odd
+    reading (a receive that also waited for something else) then moves no units."""
+    out: list[LinkEstimate | None] = []
+    for per_step in zip(*window, strict=True):
+        known = [e for e in per_step if e is not None]
+        if not known:
+            out.append(None)
+            continue
+        spu = statistics.median(e.seconds_per_unit for e in known)
+        out.append(LinkEstimate(spu, statistics.median(e.latency_s for e in known)))
+    return tuple(out)
 
 
 Direction = tuple[str, int]
@@ -214,27 +239,46 @@ class LinkShareTuner:
     """
 
     def __init__(
-        self, num_stages: int, tp_index_of_rank: Sequence[int], tp: int, min_gain: float
+        self,
+        num_stages: int,
+        tp_index_of_rank: Sequence[int],
+        tp: int,
+        min_gain: float,
+        window: int = 1,
     ) -> None:
         if tp < 2:
             raise ValueError(f"tp: link shares need a tensor-parallel group of >= 2, got {tp}")
+        if window < 1:
+            raise ValueError(f"window: need >= 1 steps, got {window}")
         self.tp_index_of_rank, self.min_gain = list(tp_index_of_rank), min_gain
         directions = [(op, b) for b in range(num_stages - 1) for op in ("F", "B")]
         self.units: dict[Direction, tuple[int, ...]] = {d: even_units(tp) for d in directions}
         """The units decided last (what the next steps carry once applied)."""
-        self.estimates: dict[Direction, tuple[LinkEstimate | None, ...]] = {
-            d: (None,) * tp for d in directions
+        self.history: dict[Direction, deque[tuple[LinkEstimate | None, ...]]] = {
+            d: deque(maxlen=window) for d in directions
         }
+        """Each direction's per-link estimates of the last ``window`` measured steps."""
+
+    def estimates(self, direction: Direction) -> tuple[LinkEstimate | None, ...]:
+        """The estimates the units follow: per link, the median over the window."""
+        history = self.history[direction]
+        if not history:
+            return (None,) * len(self.units[direction])
+        return median_estimates(history)
 
     def decide(
         self, records: Sequence[RankRecord], ran: Mapping[Direction, Sequence[int]]
     ) -> dict[Direction, tuple[int, ...]]:
-        """The units after one measured step that ran with ``ran``; also kept as ``units``."""
+        """The units after one measured step that ran with ``ran``; also kept as ``units``.
+        Each link's estimate from this step (:func:`estimate_link`, a link that kept up
+        starting from the window's median) joins the window, and the units follow the window's
+        medians (:func:`choose_units`)."""
         readings = step_readings(records, self.tp_index_of_rank, ran)
         for d, links in readings.items():
-            self.units[d], self.estimates[d] = next_units(
-                self.units[d], links, self.estimates[d], self.min_gain
-            )
+            known = self.estimates(d)
+            step = tuple(estimate_link(r, k) for r, k in zip(links, known, strict=True))
+            self.history[d].append(step)
+            self.units[d] = choose_units(self.units[d], self.estimates(d), self.min_gain)
         return dict(self.units)
 
     def per_boundary(self) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:

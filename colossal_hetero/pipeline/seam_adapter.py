@@ -52,9 +52,13 @@ MEMORY = 8
 SETTLE = 3
 """Retunings in a row at the running k before a neighbour is explored, and how many of its step
 times the guard's median takes (``MeasuredGuard.settle``)."""
-SHARE_MIN_GAIN = 0.10
+SHARE_MIN_GAIN = 0.25
 """New link units must land a message this much sooner than the running ones (by the measured
-link estimates) to replace them (``link_shares.next_units``): link times jitter round to round."""
+link estimates) to replace them (``link_shares.choose_units``). A link time read from a step's
+few waited receives jitters: at 10% (and one step's estimates) the bench's free PP=2 x TP=2
+links flapped between 2:14 and 14:2; a tenant's link is 5-10x slower, a gain of 50-80%."""
+SHARE_WINDOW = 4
+"""Measured steps whose per-link estimates the units follow (median; ``LinkShareTuner``)."""
 MEASURED_MARGIN = 0.10
 """Measured step times closer than this do not overrule the simulator (``MeasuredGuard.margin``):
 on the shared 2-core host one k's steps moved 5-10% round to round."""
@@ -154,9 +158,8 @@ def link_share_tuner(config: HeteroConfig, world: int) -> LinkShareTuner | None:
     if not parallel.pp_link_shares or parallel.tp < 2:
         return None
     dp = world // (parallel.pp * parallel.tp)
-    return LinkShareTuner(
-        parallel.pp, tp_index_of_rank(parallel.pp, parallel.tp, dp), parallel.tp, SHARE_MIN_GAIN
-    )
+    layout = tp_index_of_rank(parallel.pp, parallel.tp, dp)
+    return LinkShareTuner(parallel.pp, layout, parallel.tp, SHARE_MIN_GAIN, SHARE_WINDOW)
 
 
 def detected_budget_bytes() -> float:

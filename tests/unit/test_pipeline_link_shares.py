@@ -155,3 +155,23 @@ def test_not_blocked_is_the_links_marker():
     assert readings[("F", 0)][1].per_message_s == 0.0
     # It landed by the time it was asked for, which was when it was sent: within 0 s.
     assert readings[("F", 0)][1].landed_within_s == 0.0
+
+
+def test_one_odd_step_moves_no_units_over_a_window():
+    # Two steps of equal links, then one where link 0 read 10x slower: the window's median
+    # still has them equal. Without a window that one step moves the units.
+    windowed = LinkShareTuner(2, [0, 1, 0, 1], tp=2, min_gain=0.25, window=3)
+    for slow in (0.02, 0.02, 0.2):
+        units = windowed.decide(_records(slow, 0.02), dict(windowed.units))
+    assert units[("F", 0)] == (8, 8)
+    medians = windowed.estimates(("F", 0))
+    assert [e.seconds_per_unit for e in medians if e] == pytest.approx([0.0025, 0.0025])
+    # Two slow steps of three: the median is slow, and the units move.
+    units = windowed.decide(_records(0.2, 0.02), dict(windowed.units))
+    assert units[("F", 0)] == (1, 15)
+    single = LinkShareTuner(2, [0, 1, 0, 1], tp=2, min_gain=0.25)
+    for slow in (0.02, 0.02, 0.2):
+        units = single.decide(_records(slow, 0.02), dict(single.units))
+    assert units[("F", 0)] == (1, 15)
+    with pytest.raises(ValueError, match="^window"):
+        LinkShareTuner(2, [0, 1, 0, 1], tp=2, min_gain=0.25, window=0)
