@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from colossal_hetero.pipeline.link_shares import Direction, LinkShareTuner
+from colossal_hetero.pipeline.link_shares import Direction, LinkShareTuner, scaled_profile
 from colossal_hetero.pipeline.measured import MeasuredGuard
 from colossal_hetero.pipeline.profile import (
     RankRecord,
@@ -36,7 +38,11 @@ from colossal_hetero.pipeline.profile import (
     vector_width,
 )
 from colossal_hetero.pipeline.schedule import KFKBSchedule
-from colossal_hetero.pipeline.tuner import PipelineProfile, choose_k_over_window
+from colossal_hetero.pipeline.tuner import (
+    PipelineProfile,
+    choose_k_over_window,
+    simulate_profile,
+)
 from colossal_hetero.utils.device import collective_device
 
 _Units = dict[Direction, tuple[int, ...]]
@@ -230,7 +236,8 @@ class AdaKController:
             )
         self._retunings += 1
         self.schedule.set_k(chosen)
-        links = self._decide_units(records, self._units if ran_units is None else ran_units)
+        judge = partial(_step_gain, profile, m, chosen)
+        links = self._decide_units(records, self._units if ran_units is None else ran_units, judge)
         before = decision.step_s_by_k.get(previous)  # None: the old k no longer fits memory
         gain = None if before is None else before / decision.step_s_by_k[chosen] - 1
         return {
@@ -260,14 +267,30 @@ class AdaKController:
             "decide_s": time.perf_counter() - began,
         }
 
-    def _decide_units(self, records: list[RankRecord], ran_units: _Units) -> dict[str, Any]:
+    def _decide_units(
+        self,
+        records: list[RankRecord],
+        ran_units: _Units,
+        step_gain: Callable[[Direction, float], float],
+    ) -> dict[str, Any]:
         """Link units from the gathered records (due at the next step boundary); the record's
         ``link_units`` (per direction, ``"F0"`` for activations over boundary 0, ...), or {}."""
         if self.link_shares is None:
             return {}
-        units = self.link_shares.decide(records, ran_units)
+        units = self.link_shares.decide(records, ran_units, step_gain)
         self._units_due = units if units != self._units else None
         return {"link_units": {f"{op}{b}": list(u) for (op, b), u in sorted(units.items())}}
+
+
+def _step_gain(
+    profile: PipelineProfile, num_microbatches: int, k: int, direction: Direction, factor: float
+) -> float:
+    """The simulated step's relative gain at ``k`` when ``direction``'s message times on its
+    boundary are scaled by ``factor`` (new link units; ``link_shares.scaled_profile``)."""
+    now = simulate_profile(profile, num_microbatches, k, keep_events=False).step_time
+    scaled = scaled_profile(profile, direction, factor)
+    then = simulate_profile(scaled, num_microbatches, k, keep_events=False).step_time
+    return 1.0 - then / now if now > 0 else 0.0
 
 
 def measured_step_s(rows: list[list[float]], num_microbatches: int) -> float:

@@ -21,11 +21,12 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from colossal_hetero.pipeline.links import column_link_seconds, landed_within
+from colossal_hetero.pipeline.tuner import PipelineProfile
 
 if TYPE_CHECKING:
     from colossal_hetero.pipeline.profile import RankRecord
@@ -245,12 +246,14 @@ class LinkShareTuner:
         tp: int,
         min_gain: float,
         window: int = 1,
+        min_step_gain: float = 0.0,
     ) -> None:
         if tp < 2:
             raise ValueError(f"tp: link shares need a tensor-parallel group of >= 2, got {tp}")
         if window < 1:
             raise ValueError(f"window: need >= 1 steps, got {window}")
         self.tp_index_of_rank, self.min_gain = list(tp_index_of_rank), min_gain
+        self.min_step_gain = min_step_gain
         directions = [(op, b) for b in range(num_stages - 1) for op in ("F", "B")]
         self.units: dict[Direction, tuple[int, ...]] = {d: even_units(tp) for d in directions}
         """The units decided last (what the next steps carry once applied)."""
@@ -267,21 +270,59 @@ class LinkShareTuner:
         return median_estimates(history)
 
     def decide(
-        self, records: Sequence[RankRecord], ran: Mapping[Direction, Sequence[int]]
+        self,
+        records: Sequence[RankRecord],
+        ran: Mapping[Direction, Sequence[int]],
+        step_gain: Callable[[Direction, float], float] | None = None,
     ) -> dict[Direction, tuple[int, ...]]:
         """The units after one measured step that ran with ``ran``; also kept as ``units``.
+
         Each link's estimate from this step (:func:`estimate_link`, a link that kept up
-        starting from the window's median) joins the window, and the units follow the window's
-        medians (:func:`choose_units`)."""
+        starting from the window's median) joins the window, and each direction's units
+        follow the window's medians (:func:`choose_units`). ``step_gain(direction, factor)``:
+        the step's predicted relative gain when that direction's message times are scaled by
+        ``factor`` (the new units' last landing over the running ones'); with it, new units
+        must also gain ``min_step_gain`` of the step (links that keep up gain nothing)."""
         readings = step_readings(records, self.tp_index_of_rank, ran)
         for d, links in readings.items():
             known = self.estimates(d)
             step = tuple(estimate_link(r, k) for r, k in zip(links, known, strict=True))
             self.history[d].append(step)
-            self.units[d] = choose_units(self.units[d], self.estimates(d), self.min_gain)
+            estimates = self.estimates(d)
+            proposal = choose_units(self.units[d], estimates, self.min_gain)
+            if proposal != self.units[d] and step_gain is not None:
+                known_all = [e for e in estimates if e is not None]
+                factor = slowest_s(proposal, known_all) / slowest_s(self.units[d], known_all)
+                if step_gain(d, factor) <= self.min_step_gain:
+                    continue
+            self.units[d] = proposal
         return dict(self.units)
 
     def per_boundary(self) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
         """``(forward, backward)`` units per boundary, as ``set_link_units`` takes them."""
         bounds = sorted({b for _, b in self.units})
         return [self.units[("F", b)] for b in bounds], [self.units[("B", b)] for b in bounds]
+
+
+def scaled_profile(
+    profile: PipelineProfile, direction: Direction, factor: float
+) -> PipelineProfile:
+    """``profile`` with one direction's per-message and latency seconds on its boundary times
+    ``factor`` (the other direction keeps its own, made explicit when the profile shared them)."""
+    op, b = direction
+
+    def scaled(values: tuple[float, ...]) -> tuple[float, ...]:
+        return tuple(v * factor if i == b else v for i, v in enumerate(values))
+
+    n = len(profile.transfer_s)
+    latency = profile.latency_s or (0.0,) * n
+    up, up_latency = profile.transfer_up_s or profile.transfer_s, profile.latency_up_s or latency
+    if op == "F":
+        return replace(
+            profile,
+            transfer_s=scaled(profile.transfer_s),
+            latency_s=scaled(latency),
+            transfer_up_s=up,
+            latency_up_s=up_latency,
+        )
+    return replace(profile, transfer_up_s=scaled(up), latency_up_s=scaled(up_latency))

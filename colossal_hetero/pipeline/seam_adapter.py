@@ -59,6 +59,9 @@ few waited receives jitters: at 10% (and one step's estimates) the bench's free 
 links flapped between 2:14 and 14:2; a tenant's link is 5-10x slower, a gain of 50-80%."""
 SHARE_WINDOW = 4
 """Measured steps whose per-link estimates the units follow (median; ``LinkShareTuner``)."""
+SHARE_STEP_GAIN = 0.03
+"""New link units must also make the simulated step this much faster (``LinkShareTuner``'s
+``min_step_gain``): links whose transfers hide behind compute gain nothing from moving."""
 MEASURED_MARGIN = 0.10
 """Measured step times closer than this do not overrule the simulator (``MeasuredGuard.margin``):
 on the shared 2-core host one k's steps moved 5-10% round to round."""
@@ -159,7 +162,9 @@ def link_share_tuner(config: HeteroConfig, world: int) -> LinkShareTuner | None:
         return None
     dp = world // (parallel.pp * parallel.tp)
     layout = tp_index_of_rank(parallel.pp, parallel.tp, dp)
-    return LinkShareTuner(parallel.pp, layout, parallel.tp, SHARE_MIN_GAIN, SHARE_WINDOW)
+    return LinkShareTuner(
+        parallel.pp, layout, parallel.tp, SHARE_MIN_GAIN, SHARE_WINDOW, SHARE_STEP_GAIN
+    )
 
 
 def detected_budget_bytes() -> float:

@@ -12,6 +12,7 @@ import random
 
 import pytest
 
+from colossal_hetero.pipeline.controller import _step_gain
 from colossal_hetero.pipeline.link_shares import (
     LinkEstimate,
     LinkReading,
@@ -21,10 +22,11 @@ from colossal_hetero.pipeline.link_shares import (
     next_units,
     piece_bounds,
     quantum_for,
+    scaled_profile,
     step_readings,
 )
 from colossal_hetero.pipeline.profile import NOT_BLOCKED, RankRecord
-from colossal_hetero.pipeline.tuner import tp_index_of_rank
+from colossal_hetero.pipeline.tuner import PipelineProfile, simulate_profile, tp_index_of_rank
 
 
 def test_piece_bounds_tile_the_message_within_an_element_of_each_share():
@@ -175,3 +177,51 @@ def test_one_odd_step_moves_no_units_over_a_window():
     assert units[("F", 0)] == (1, 15)
     with pytest.raises(ValueError, match="^window"):
         LinkShareTuner(2, [0, 1, 0, 1], tp=2, min_gain=0.25, window=0)
+
+
+def test_units_move_only_when_the_step_gains():
+    # 8:8 at 200 ms and 20 ms a message; 1:15 lands in 37.5 ms: factor 0.1875 on F0.
+    asked: list[tuple] = []
+
+    def gain(direction, factor):
+        asked.append((direction, factor))
+        return 0.02
+
+    tuner = LinkShareTuner(2, [0, 1, 0, 1], tp=2, min_gain=0.25, min_step_gain=0.03)
+    units = tuner.decide(_records(0.2, 0.02), dict(tuner.units), gain)
+    assert units[("F", 0)] == (8, 8)  # the link was slow, but the step would gain only 2%
+    assert asked == [(("F", 0), pytest.approx(0.0375 / 0.2))]
+    units = tuner.decide(_records(0.2, 0.02), dict(tuner.units), lambda d, f: 0.5)
+    assert units[("F", 0)] == (1, 15)
+
+
+def _profile(transfer_s: float, latency_s: float = 0.005) -> PipelineProfile:
+    return PipelineProfile(
+        forward_s=(0.01, 0.01),
+        backward_s=(0.02, 0.02),
+        transfer_s=(transfer_s,),
+        activation_bytes=(1.0, 1.0),
+        memory_budget_bytes=(1e9, 1e9),
+        latency_s=(latency_s,),
+    )
+
+
+def test_scaled_profile_by_hand():
+    scaled = scaled_profile(_profile(0.1), ("F", 0), 0.5)
+    assert scaled.transfer_s == (0.05,) and scaled.latency_s == (0.0025,)
+    assert scaled.transfer_up_s == (0.1,) and scaled.latency_up_s == (0.005,)  # made explicit
+    back = scaled_profile(_profile(0.1), ("B", 0), 0.5)
+    assert back.transfer_s == (0.1,) and back.latency_s == (0.005,)
+    assert back.transfer_up_s == (0.05,) and back.latency_up_s == (0.0025,)
+
+
+def test_step_gain_follows_the_simulator():
+    # Links of 100 ms a message set the pace of 10 + 20 ms passes: a tenth of it for the
+    # activations gains a quarter of the step (the gradients' 100 ms still hold it). At 1 ms a
+    # message and no latency the transfers hide behind the passes, but for the step's first
+    # and last crossings (2 ms of about 150): little to gain.
+    slow = _step_gain(_profile(0.1), 4, 1, ("F", 0), 0.1)
+    sim = simulate_profile(_profile(0.1), 4, 1).step_time
+    fast = simulate_profile(scaled_profile(_profile(0.1), ("F", 0), 0.1), 4, 1).step_time
+    assert slow == pytest.approx(1 - fast / sim) and slow > 0.2
+    assert 0 <= _step_gain(_profile(0.001, 0.0), 4, 1, ("F", 0), 0.1) < 0.03
