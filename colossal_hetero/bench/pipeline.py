@@ -42,6 +42,10 @@ round's variants saw the same load and network state) with a bootstrap 95% inter
 - ``planned_vs_even_split_slow_stage_kfkb_k1``: the same split under our executor:
   ``KFKBSchedule`` at ``k = 1`` (1F1B's order, non-blocking p2p) on the even split (``k1_even``,
   even widths) over ``k1`` on the planned split (planned widths); full runs only (``even_k1``);
+- (a layout's figures, not the summary) ``ada_vs_equal_pieces_preempted`` / ``_unpreempted``:
+  ``ada`` with equal message pieces (``ada_equal_pieces``, ``parallel.pp_link_shares: false``)
+  over ``ada``, in (b)'s preempted rounds / in (a): the link shares' own gain; full runs of
+  layouts with TP only (``equal_pieces``);
 - ``sim_max_error``: per kFkB variant and phase, the median over rounds of
   ``|simulated - measured| / measured`` step time (execute_pipeline), the simulator fed with
   that step's own per-stage compute and message bytes; the largest;
@@ -149,6 +153,10 @@ class BenchSpec:
     """Phase (c) also runs ``k1_even`` (``KFKBSchedule`` at ``k = 1`` on the even split): the
     extra ``planned_vs_even_split_slow_stage_kfkb_k1``. Full runs only since session 11: in
     ``--quick`` its 4 steps at phase (c)'s speeds cost ~14 s of the 5 minutes."""
+    equal_pieces: bool = False
+    """Phases (a) and (b) also run ``ada_equal_pieces`` (``ada`` with equal message pieces,
+    ``parallel.pp_link_shares: false``): the link shares' own gain, ``ada_vs_equal_pieces_*``.
+    Full runs of layouts with TP only (a sixth variant in every round)."""
     network_mode: str = "shaped"
     deadline: float = 0.0
     """``time.time()`` by which the layout's rounds should be done (``--quick``: from
@@ -223,6 +231,7 @@ def build_specs(quick: bool, network_mode: str) -> list[BenchSpec]:
             quick=quick,
             budget_microbatches=0.75 * m,
             even_k1=not quick,
+            equal_pieces=not quick and tp > 1,
             rate_gbps=rate,
             network_mode=network_mode,
             phases=phases,
@@ -302,6 +311,13 @@ def layout_figures(spec: dict[str, Any], result: dict[str, Any]) -> dict[str, An
             best = min(pool, key=lambda n: medians[n])
             ratios = _ratios(pick(series[f"{best}.step"], use), pick(series["ada.step"], use))
             figures[f"ada_vs_best_static_k_{phase}{suffix}"] = {**_interval(ratios), "best": best}
+    if "ada_equal_pieces.step" in b:  # full runs with TP (``BenchSpec.equal_pieces``)
+        figures["ada_vs_equal_pieces_preempted"] = _interval(
+            _ratios(pick(b["ada_equal_pieces.step"], hit), pick(b["ada.step"], hit))
+        )
+        figures["ada_vs_equal_pieces_unpreempted"] = _interval(
+            _ratios(a["ada_equal_pieces.step"], a["ada.step"])
+        )
     if "k1_even.step" in c:  # full runs (``BenchSpec.even_k1``)
         figures["planned_vs_even_split_slow_stage_kfkb_k1"] = _interval(
             _ratios(c["k1_even.step"], c["k1.step"])

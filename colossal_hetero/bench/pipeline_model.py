@@ -150,8 +150,11 @@ def build_configs(
     planned = PlanConfig(mode="auto", stage_times=measured)
     planned = planned if split == "slow" else PlanConfig(mode="even")
 
-    def hetero(schedule: str, k: int = 1, budget: float | None = None) -> HeteroConfig:
+    def hetero(
+        schedule: str, k: int = 1, budget: float | None = None, shares: bool = True
+    ) -> HeteroConfig:
         parallel = ParallelConfig(
+            pp_link_shares=shares,
             tp=spec["tp"],
             pp=spec["pp"],
             num_microbatches=spec["m"],
@@ -176,6 +179,8 @@ def build_configs(
         configs["planned_1f1b"] = hetero("1f1b")
     for k in spec["ks"]:
         configs[f"k{k}"] = hetero("kfkb", k)
+    if split == "equal" and spec.get("equal_pieces", False):
+        configs["ada_equal_pieces"] = hetero("ada_kfkb", 1, ada_budget_mib, shares=False)
     configs["ada"] = hetero("ada_kfkb", 1, ada_budget_mib)
     return model_config(spec), configs
 

@@ -15,6 +15,9 @@ Variants (names used in the JSON):
 - ``planned_1f1b``: HeteroParallelPlugin, Colossal-AI's 1F1B on the planned split;
 - ``k{n}``: HeteroParallelPlugin, ``KFKBSchedule`` with a fixed ``k = n``, planned split;
 - ``ada``: HeteroParallelPlugin ``ada_kfkb``, planned split, under the memory budget;
+- ``ada_equal_pieces`` (phases a and b of full runs with TP only, ``BenchSpec.equal_pieces``):
+  ``ada`` with ``parallel.pp_link_shares: false``, so the link shares' own gain is measured in
+  the same rounds;
 - ``k1_even`` (phase c of full runs only): the equal set's ``k1`` (``KFKBSchedule``,
   ``k = 1``, even split and widths), the even split under our executor.
 
@@ -191,18 +194,19 @@ def _build_set(
     the k=1 variant's measurement."""
     model_cfg, configs = build_configs(spec, split, device)
     runners = dict(shared)
-    ada_config = configs.pop("ada")
-    configs = {name: config for name, config in configs.items() if name not in shared}
+    adas = [name for name in configs if name.startswith("ada")]  # ada, ada_equal_pieces
+    configs = {n: c for n, c in configs.items() if n not in shared and n not in adas}
     for name, plugin in build_plugins(configs, device, workload_of(spec)).items():
         runners[name] = Runner(name, plugin, model_cfg, spec)
         runners[name].step(seed=WARM_SEED)  # warm: lazy initialisation, first allocations
     budget = _budget_from(runners["k1"], spec)
-    assert isinstance(ada_config, HeteroConfig)
-    ada_config = build_configs(spec, split, device, ada_budget_mib=budget)[1]["ada"]
-    plugin = build_plugins({"ada": ada_config}, device, workload_of(spec))["ada"]
-    runners["ada"] = Runner("ada", plugin, model_cfg, spec)
-    runners["ada"].step(seed=WARM_SEED)
-    runners["ada"].budget_mib = budget  # type: ignore[attr-defined]
+    with_budget = build_configs(spec, split, device, ada_budget_mib=budget)[1]
+    for name in sorted(adas, key=lambda n: n == "ada"):  # ada last
+        assert isinstance(with_budget[name], HeteroConfig)
+        plugin = build_plugins({name: with_budget[name]}, device, workload_of(spec))[name]
+        runners[name] = Runner(name, plugin, model_cfg, spec)
+        runners[name].step(seed=WARM_SEED)
+        runners[name].budget_mib = budget  # type: ignore[attr-defined]
     return runners
 
 

@@ -82,9 +82,12 @@ def test_specs_and_network():
     assert (mixed.pp, mixed.tp, mixed.m) == (2, 2, 8)
     # Phase (c)'s half-speed device: PP=4's stage 1; one of PP=2 x TP=2's stage-0 TP pair.
     assert (pp4.slow_ranks, mixed.slow_ranks) == ((1,), (0,))
-    # k1_even (phase c's extra) only in full runs.
+    # k1_even (phase c's extra) only in full runs; ada_equal_pieces only there, with TP.
     assert not pp4.even_k1 and not mixed.even_k1
-    assert all(s.even_k1 for s in build_specs(quick=False, network_mode="shaped"))
+    assert not pp4.equal_pieces and not mixed.equal_pieces
+    full = build_specs(quick=False, network_mode="shaped")
+    assert all(s.even_k1 for s in full)
+    assert [s.equal_pieces for s in full] == [False, True]
     assert pp4.batch_size % pp4.m == 0 and mixed.batch_size % mixed.m == 0
     net = network_config(mixed.to_dict(), "shaped")
     assert net.mode == "shaped" and net.bandwidth_gbps == mixed.rate_gbps
@@ -191,6 +194,20 @@ def test_summary_arithmetic():
     assert lean_summary == {
         k: v for k, v in summary.items() if k != "planned_vs_even_split_slow_stage_kfkb_k1"
     }
+    assert "ada_vs_equal_pieces_preempted" not in good
+
+
+def test_link_shares_figures_from_the_equal_pieces_variant():
+    # ada_equal_pieces (full runs with TP) runs (a) and (b): 1.2 s a step against ada's 1.0 in
+    # (b)'s two preempted rounds, 1.0 in the others and in (a).
+    spec = {"shares": [1.0] * 4 + [1.0, 0.1, 0.1, 1.0] + [1.0] * 4}
+    result = _result(2.0, 1.0, 1.02, ada_peak=2**20)
+    for phase, steps in (("a", [1.0] * 4), ("b", [1.0, 1.2, 1.2, 1.0])):
+        result["phases"][phase]["series"]["ada_equal_pieces.step"] = steps
+    figures = layout_figures(spec, result)
+    assert figures["ada_vs_equal_pieces_preempted"]["value"] == pytest.approx(1.2)
+    assert figures["ada_vs_equal_pieces_preempted"]["rounds"] == 2
+    assert figures["ada_vs_equal_pieces_unpreempted"]["value"] == pytest.approx(1.0)
 
 
 def test_stretch_sleeps_in_proportion_and_keeps_gradients():
