@@ -227,19 +227,22 @@ class KFKBSchedule(OneForwardOneBackwardSchedule):
         if len(forward) != p - 1 or len(backward) != p - 1:
             raise ValueError(f"link units: need one entry per boundary ({p - 1})")
         s = self.stage_manager.stage
-        for attr, units in (
-            ("_to_next", forward[s] if s < p - 1 else None),
-            ("_from_next", backward[s] if s < p - 1 else None),
-            ("_from_prev", forward[s - 1] if s > 0 else None),
-            ("_to_prev", backward[s - 1] if s > 0 else None),
-        ):
-            box = getattr(self, attr)
-            if box is None or box.tp is None or units is None:
-                continue
-            if len(units) != box.tp.size or min(units) < 1:
-                raise ValueError(f"link units: need {box.tp.size} counts >= 1, got {units}")
+        boxes = [
+            (box, box.tp, units)
+            for box, units in (
+                (self._to_next, forward[s] if s < p - 1 else None),
+                (self._from_next, backward[s] if s < p - 1 else None),
+                (self._from_prev, forward[s - 1] if s > 0 else None),
+                (self._to_prev, backward[s - 1] if s > 0 else None),
+            )
+            if box is not None and box.tp is not None and units is not None
+        ]
+        for _, tp, units in boxes:  # every box checked before any changes
+            if len(units) != tp.size or min(units) < 1:
+                raise ValueError(f"link units: need {tp.size} counts >= 1, got {units}")
+        for box, tp, units in boxes:
             # Equal counts are the equal pieces (a tensor TP does not divide travels whole).
-            box.tp = replace(box.tp, units=tuple(units) if len(set(units)) > 1 else ())
+            box.tp = replace(tp, units=tuple(units) if len(set(units)) > 1 else ())
 
     def run_forward_backward(
         self,
