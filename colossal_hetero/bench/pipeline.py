@@ -42,10 +42,10 @@ round's variants saw the same load and network state) with a bootstrap 95% inter
 - ``planned_vs_even_split_slow_stage_kfkb_k1``: the same split under our executor:
   ``KFKBSchedule`` at ``k = 1`` (1F1B's order, non-blocking p2p) on the even split (``k1_even``,
   even widths) over ``k1`` on the planned split (planned widths); full runs only (``even_k1``);
-- (a layout's figures, not the summary) ``ada_vs_equal_pieces_preempted`` / ``_unpreempted``:
-  ``ada`` with equal message pieces (``ada_equal_pieces``, ``parallel.pp_link_shares: false``)
-  over ``ada``, in (b)'s preempted rounds / in (a): the link shares' own gain; full runs of
-  layouts with TP only (``equal_pieces``);
+- (a layout's figures, not the summary) ``link_shares_vs_equal_pieces_preempted`` /
+  ``_unpreempted``: ``ada`` (equal message pieces, the default) over ``ada_link_shares``
+  (``parallel.pp_link_shares: true``), in (b)'s preempted rounds / in (a): the link shares'
+  own gain; full runs of layouts with TP only (``link_shares_variant``);
 - ``sim_max_error``: per kFkB variant and phase, the median over rounds of
   ``|simulated - measured| / measured`` step time (execute_pipeline), the simulator fed with
   that step's own per-stage compute and message bytes; the largest;
@@ -153,10 +153,10 @@ class BenchSpec:
     """Phase (c) also runs ``k1_even`` (``KFKBSchedule`` at ``k = 1`` on the even split): the
     extra ``planned_vs_even_split_slow_stage_kfkb_k1``. Full runs only since session 11: in
     ``--quick`` its 4 steps at phase (c)'s speeds cost ~14 s of the 5 minutes."""
-    equal_pieces: bool = False
-    """Phases (a) and (b) also run ``ada_equal_pieces`` (``ada`` with equal message pieces,
-    ``parallel.pp_link_shares: false``): the link shares' own gain, ``ada_vs_equal_pieces_*``.
-    Full runs of layouts with TP only (a sixth variant in every round)."""
+    link_shares_variant: bool = False
+    """Phases (a) and (b) also run ``ada_link_shares`` (``ada`` with message pieces sized by
+    the links, ``parallel.pp_link_shares: true``): the link shares' own gain,
+    ``link_shares_vs_equal_pieces_*``. Full runs of layouts with TP only (a sixth variant)."""
     network_mode: str = "shaped"
     deadline: float = 0.0
     """``time.time()`` by which the layout's rounds should be done (``--quick``: from
@@ -231,7 +231,7 @@ def build_specs(quick: bool, network_mode: str) -> list[BenchSpec]:
             quick=quick,
             budget_microbatches=0.75 * m,
             even_k1=not quick,
-            equal_pieces=not quick and tp > 1,
+            link_shares_variant=not quick and tp > 1,
             rate_gbps=rate,
             network_mode=network_mode,
             phases=phases,
@@ -311,12 +311,12 @@ def layout_figures(spec: dict[str, Any], result: dict[str, Any]) -> dict[str, An
             best = min(pool, key=lambda n: medians[n])
             ratios = _ratios(pick(series[f"{best}.step"], use), pick(series["ada.step"], use))
             figures[f"ada_vs_best_static_k_{phase}{suffix}"] = {**_interval(ratios), "best": best}
-    if "ada_equal_pieces.step" in b:  # full runs with TP (``BenchSpec.equal_pieces``)
-        figures["ada_vs_equal_pieces_preempted"] = _interval(
-            _ratios(pick(b["ada_equal_pieces.step"], hit), pick(b["ada.step"], hit))
+    if "ada_link_shares.step" in b:  # full runs with TP (``BenchSpec.link_shares_variant``)
+        figures["link_shares_vs_equal_pieces_preempted"] = _interval(
+            _ratios(pick(b["ada.step"], hit), pick(b["ada_link_shares.step"], hit))
         )
-        figures["ada_vs_equal_pieces_unpreempted"] = _interval(
-            _ratios(a["ada_equal_pieces.step"], a["ada.step"])
+        figures["link_shares_vs_equal_pieces_unpreempted"] = _interval(
+            _ratios(a["ada.step"], a["ada_link_shares.step"])
         )
     if "k1_even.step" in c:  # full runs (``BenchSpec.even_k1``)
         figures["planned_vs_even_split_slow_stage_kfkb_k1"] = _interval(

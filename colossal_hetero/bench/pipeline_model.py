@@ -151,7 +151,7 @@ def build_configs(
     planned = planned if split == "slow" else PlanConfig(mode="even")
 
     def hetero(
-        schedule: str, k: int = 1, budget: float | None = None, shares: bool = True
+        schedule: str, k: int = 1, budget: float | None = None, shares: bool = False
     ) -> HeteroConfig:
         parallel = ParallelConfig(
             pp_link_shares=shares,
@@ -179,8 +179,8 @@ def build_configs(
         configs["planned_1f1b"] = hetero("1f1b")
     for k in spec["ks"]:
         configs[f"k{k}"] = hetero("kfkb", k)
-    if split == "equal" and spec.get("equal_pieces", False):
-        configs["ada_equal_pieces"] = hetero("ada_kfkb", 1, ada_budget_mib, shares=False)
+    if split == "equal" and spec.get("link_shares_variant", False):
+        configs["ada_link_shares"] = hetero("ada_kfkb", 1, ada_budget_mib, shares=True)
     configs["ada"] = hetero("ada_kfkb", 1, ada_budget_mib)
     return model_config(spec), configs
 

@@ -15,9 +15,9 @@ Variants (names used in the JSON):
 - ``planned_1f1b``: HeteroParallelPlugin, Colossal-AI's 1F1B on the planned split;
 - ``k{n}``: HeteroParallelPlugin, ``KFKBSchedule`` with a fixed ``k = n``, planned split;
 - ``ada``: HeteroParallelPlugin ``ada_kfkb``, planned split, under the memory budget;
-- ``ada_equal_pieces`` (phases a and b of full runs with TP only, ``BenchSpec.equal_pieces``):
-  ``ada`` with ``parallel.pp_link_shares: false``, so the link shares' own gain is measured in
-  the same rounds;
+- ``ada_link_shares`` (phases a and b of full runs with TP only,
+  ``BenchSpec.link_shares_variant``): ``ada`` with ``parallel.pp_link_shares: true``, so the
+  link shares' own gain is measured in the same rounds;
 - ``k1_even`` (phase c of full runs only): the equal set's ``k1`` (``KFKBSchedule``,
   ``k = 1``, even split and widths), the even split under our executor.
 
@@ -194,7 +194,7 @@ def _build_set(
     the k=1 variant's measurement."""
     model_cfg, configs = build_configs(spec, split, device)
     runners = dict(shared)
-    adas = [name for name in configs if name.startswith("ada")]  # ada, ada_equal_pieces
+    adas = [name for name in configs if name.startswith("ada")]  # ada, ada_link_shares
     configs = {n: c for n, c in configs.items() if n not in shared and n not in adas}
     for name, plugin in build_plugins(configs, device, workload_of(spec)).items():
         runners[name] = Runner(name, plugin, model_cfg, spec)

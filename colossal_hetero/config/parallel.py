@@ -75,10 +75,11 @@ class ParallelConfig:
     pp_memory_budget_mib: float | None = None
     """ada_kfkb: MiB each rank may spend on in-flight activations; null: no limit."""
 
-    pp_link_shares: bool = True
+    pp_link_shares: bool = False
     """ada_kfkb with tp > 1: carry each stage-boundary message over the stage's TP links in
     pieces sized by their measured speeds, retuned with k (a link another tenant slows then
-    carries less; docs/pipeline.md); false: equal pieces."""
+    carries less); false: equal pieces. Off by default: the bench measured no gain from it yet
+    (docs/pipeline.md, Link shares)."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "ep", "pp_retune_every"):

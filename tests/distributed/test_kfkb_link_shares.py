@@ -30,7 +30,13 @@ def _four_ranks(rank, world_size, device):
     plugin.close()
 
     ada = ParallelConfig(
-        tp=2, pp=2, num_microbatches=M, pp_schedule="ada_kfkb", pp_k=1, pp_retune_every=1
+        tp=2,
+        pp=2,
+        num_microbatches=M,
+        pp_schedule="ada_kfkb",
+        pp_k=1,
+        pp_retune_every=1,
+        pp_link_shares=True,
     )
     links = [
         LinkSpec(ranks=[0, 2], bandwidth_gbps=SLOW_GBPS),

@@ -82,12 +82,12 @@ def test_specs_and_network():
     assert (mixed.pp, mixed.tp, mixed.m) == (2, 2, 8)
     # Phase (c)'s half-speed device: PP=4's stage 1; one of PP=2 x TP=2's stage-0 TP pair.
     assert (pp4.slow_ranks, mixed.slow_ranks) == ((1,), (0,))
-    # k1_even (phase c's extra) only in full runs; ada_equal_pieces only there, with TP.
+    # k1_even (phase c's extra) only in full runs; ada_link_shares only there, with TP.
     assert not pp4.even_k1 and not mixed.even_k1
-    assert not pp4.equal_pieces and not mixed.equal_pieces
+    assert not pp4.link_shares_variant and not mixed.link_shares_variant
     full = build_specs(quick=False, network_mode="shaped")
     assert all(s.even_k1 for s in full)
-    assert [s.equal_pieces for s in full] == [False, True]
+    assert [s.link_shares_variant for s in full] == [False, True]
     assert pp4.batch_size % pp4.m == 0 and mixed.batch_size % mixed.m == 0
     net = network_config(mixed.to_dict(), "shaped")
     assert net.mode == "shaped" and net.bandwidth_gbps == mixed.rate_gbps
@@ -194,20 +194,22 @@ def test_summary_arithmetic():
     assert lean_summary == {
         k: v for k, v in summary.items() if k != "planned_vs_even_split_slow_stage_kfkb_k1"
     }
-    assert "ada_vs_equal_pieces_preempted" not in good
+    assert "link_shares_vs_equal_pieces_preempted" not in good
 
 
-def test_link_shares_figures_from_the_equal_pieces_variant():
-    # ada_equal_pieces (full runs with TP) runs (a) and (b): 1.2 s a step against ada's 1.0 in
-    # (b)'s two preempted rounds, 1.0 in the others and in (a).
+def test_link_shares_figures_from_their_variant():
+    # ada_link_shares (full runs with TP) runs (a) and (b): 1.0 s a step against ada's 1.2 in
+    # (b)'s two preempted rounds (ada's steps are 1.0 in _result), as fast in the others and
+    # in (a).
     spec = {"shares": [1.0] * 4 + [1.0, 0.1, 0.1, 1.0] + [1.0] * 4}
     result = _result(2.0, 1.0, 1.02, ada_peak=2**20)
-    for phase, steps in (("a", [1.0] * 4), ("b", [1.0, 1.2, 1.2, 1.0])):
-        result["phases"][phase]["series"]["ada_equal_pieces.step"] = steps
+    result["phases"]["b"]["series"]["ada.step"] = [1.0, 1.2, 1.2, 1.0]
+    for phase in "ab":
+        result["phases"][phase]["series"]["ada_link_shares.step"] = [1.0] * 4
     figures = layout_figures(spec, result)
-    assert figures["ada_vs_equal_pieces_preempted"]["value"] == pytest.approx(1.2)
-    assert figures["ada_vs_equal_pieces_preempted"]["rounds"] == 2
-    assert figures["ada_vs_equal_pieces_unpreempted"]["value"] == pytest.approx(1.0)
+    assert figures["link_shares_vs_equal_pieces_preempted"]["value"] == pytest.approx(1.2)
+    assert figures["link_shares_vs_equal_pieces_preempted"]["rounds"] == 2
+    assert figures["link_shares_vs_equal_pieces_unpreempted"]["value"] == pytest.approx(1.0)
 
 
 def test_stretch_sleeps_in_proportion_and_keeps_gradients():
